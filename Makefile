@@ -1,0 +1,54 @@
+# Everything a fresh machine needs is installed from here: the venv, torch, the project
+# (editable, strict mode so mypy and the docs tools see the mapped packages), the test tools
+# and Graphviz's `dot`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.kvlife-installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: all venv dot lint types pytest test demo bench clean
+
+all: test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch first and pinned when absent: a loose spec would pull a multi-GB CUDA build.
+# The directories are prerequisites: strict editable mode links files, so new modules need a reinstall.
+$(STAMP): $(PY) pyproject.toml fsm offload diagrams
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[test]" --config-settings editable_mode=strict
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# Graphviz's `dot` renders SVG/PNG; installed through apt-get when missing and we are root.
+dot:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; \
+	  else echo "Graphviz's dot is missing: install it (e.g. 'apt-get install graphviz')"; fi; }
+
+lint: venv
+	$(VENV)/bin/ruff check fsm offload diagrams tests
+	$(VENV)/bin/ruff format --check fsm offload diagrams tests
+
+types: venv
+	$(VENV)/bin/mypy --strict fsm
+
+pytest: venv dot
+	$(PY) -m pytest -q
+
+test: lint types pytest
+
+demo: venv
+	$(PY) -m kvlife.fsm.demo
+
+bench: venv
+	$(PY) -m kvlife.fsm.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site

@@ -1,0 +1,80 @@
+"""kvlife.fsm: per-request lifecycle state machines for KV-cache offload.
+
+The pure core of kvlife (no torch, no graphviz): the one transition table
+(:mod:`kvlife.fsm.table`), the identity registry with its lifecycles and tickets
+(:mod:`kvlife.fsm.registry`), the typed errors (:mod:`kvlife.fsm.errors`) and the audit
+log (:mod:`kvlife.fsm.audit`).
+
+Typical use in a scheduler::
+
+    registry = LifecycleRegistry(sinks=[MemorySink()])
+    lc = registry.register(req)              # rid from req.rid
+    ticket = registry.start_offload(req, tokens=16)
+    ...                                      # the copy's CUDA event completes
+    registry.complete(ticket)                # ack; ok=False for a failed copy
+    registry.finish(req)                     # released once no copy is in flight
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("kvlife")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+from kvlife.fsm.audit import (
+    AuditLog,
+    AuditRecord,
+    AuditReport,
+    JsonLinesSink,
+    LoggingSink,
+    MemorySink,
+    check_audit,
+    read_audit,
+)
+from kvlife.fsm.errors import (
+    DuplicateAckError,
+    DuplicateRegistrationError,
+    InvalidTransitionError,
+    LifecycleError,
+    Reason,
+    RidConflictError,
+    StaleInstanceError,
+    TableDefinitionError,
+    UnknownRequestError,
+)
+from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, RegistryStatistics, Ticket
+from kvlife.fsm.table import LIFECYCLE, LIFECYCLE_EDGES, Edge, Guard, State, Trigger
+
+__all__ = [
+    "LIFECYCLE",
+    "LIFECYCLE_EDGES",
+    "AuditLog",
+    "AuditRecord",
+    "AuditReport",
+    "DuplicateAckError",
+    "DuplicateRegistrationError",
+    "Edge",
+    "Guard",
+    "InvalidTransitionError",
+    "JsonLinesSink",
+    "Lifecycle",
+    "LifecycleError",
+    "LifecycleRegistry",
+    "LoggingSink",
+    "MemorySink",
+    "Reason",
+    "RegistryStatistics",
+    "RidConflictError",
+    "StaleInstanceError",
+    "State",
+    "TableDefinitionError",
+    "Ticket",
+    "Trigger",
+    "UnknownRequestError",
+    "__version__",
+    "check_audit",
+    "read_audit",
+]

@@ -1,0 +1,135 @@
+"""kvlife's exceptions, split by who is at fault.
+
+Every refused transition raises a subclass of :class:`LifecycleError` that carries the
+data of the refusal as attributes (``serial``, ``rid``, ``state``, ``trigger``,
+``reason``, ``op``) and **changes nothing**: no state, no counter, no ticket, no record of
+the registry is modified, except that the refusal itself is counted in
+``statistics().refusals`` and written to the audit sinks.
+
+``reason`` is one of the closed set in :data:`Reason`, the same string the audit log uses.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: Why a transition was refused. The audit log's ``reason`` field uses exactly these strings.
+Reason = Literal[
+    "invalid_transition",
+    "stale_instance",
+    "duplicate_ack",
+    "unknown_request",
+    "rid_conflict",
+    "duplicate_registration",
+]
+
+#: The closed set of refusal reasons, in a fixed order.
+REASONS: tuple[Reason, ...] = get_args(Reason)
+
+
+class LifecycleError(Exception):
+    """Base class of every refusal kvlife raises.
+
+    Attributes:
+        serial: the lifecycle's registry-wide serial, or ``None`` when no lifecycle was
+            found (an unknown request).
+        rid: the request id involved, or ``None`` when the request had none.
+        state: the lifecycle's state name when the refusal happened, or ``None``.
+        trigger: the trigger that was refused (``"register"`` for registrations).
+        reason: one of :data:`REASONS`.
+        op: the ticket's copy number for ``ack``/``fail`` refusals, else ``None``.
+
+    A refusal leaves the registry and every lifecycle exactly as they were; only the
+    refusal counters and the audit log record it.
+    """
+
+    reason: Reason = "invalid_transition"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        serial: int | None = None,
+        rid: str | None = None,
+        state: str | None = None,
+        trigger: str | None = None,
+        op: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.serial = serial
+        self.rid = rid
+        self.state = state
+        self.trigger = trigger
+        self.op = op
+
+
+class InvalidTransitionError(LifecycleError):
+    """The transition table refuses this trigger in the lifecycle's current state.
+
+    Raised, for example, by ``start_offload`` on a ``finished_pending`` lifecycle or by
+    ``finish`` on one that already finished. Nothing changed.
+    """
+
+    reason: Reason = "invalid_transition"
+
+
+class StaleInstanceError(InvalidTransitionError):
+    """The lifecycle this call names has already been released.
+
+    Typical cause: a late or repeated delivery of a ticket whose lifecycle has finished
+    and released, or a scheduler that kept a :class:`~kvlife.fsm.Lifecycle` after its
+    release. Nothing changed; in particular no newer lifecycle with the same rid was
+    touched.
+    """
+
+    reason: Reason = "stale_instance"
+
+
+class DuplicateAckError(InvalidTransitionError):
+    """This ticket was already delivered (acked or failed) once.
+
+    A ticket is single use. Nothing changed: the copy it names was completed by the first
+    delivery.
+    """
+
+    reason: Reason = "duplicate_ack"
+
+
+class UnknownRequestError(LifecycleError, LookupError):
+    """The registry holds no live lifecycle for this request object (or lifecycle, or ticket).
+
+    Raised for a request that was never registered, whose lifecycle has been released, or
+    that is a different object from the one registered under its rid (equality and hash
+    are never consulted), and for a lifecycle or ticket that belongs to another registry.
+    Nothing changed.
+    """
+
+    reason: Reason = "unknown_request"
+
+
+class RidConflictError(LifecycleError):
+    """``register`` was refused: a lifecycle that has not finished already holds this rid.
+
+    A rid may be reused once the lifecycle holding it has finished or aborted (it may
+    still be ``finished_pending``). Nothing was registered.
+    """
+
+    reason: Reason = "rid_conflict"
+
+
+class DuplicateRegistrationError(LifecycleError):
+    """``register`` was refused: this object's current lifecycle has not finished.
+
+    The same object may be registered again once its lifecycle has finished or aborted.
+    Nothing was registered.
+    """
+
+    reason: Reason = "duplicate_registration"
+
+
+class TableDefinitionError(ValueError):
+    """A transition table failed the definition checks when it was built.
+
+    Raised by :func:`kvlife.fsm.table.build_lifecycle_table`; the message names the check
+    and the offending states or edges. Nothing is built.
+    """

@@ -1,0 +1,710 @@
+"""Lifecycles, tickets and the identity registry (contract §3).
+
+One :class:`LifecycleRegistry` owns every lifecycle of one offload manager. It is the only
+maker of :class:`Lifecycle` objects (``register``) and of :class:`Ticket` objects
+(``start_offload``). Every change of a lifecycle goes through one of its methods, which
+looks the change up in the compiled table of :mod:`kvlife.fsm.table` and either applies
+it whole or refuses it with a typed error that changed nothing.
+
+Identity: a request is found by ``id()`` in a dict whose entries exist only while the
+registry holds a strong reference to the request, so the id cannot be recycled under the
+entry; ``==`` and ``hash`` of the request are never called. A completion is delivered with
+its ticket, which names the exact lifecycle instance and copy, so a late ack of an old
+request can only ever complete the old request's copy.
+
+Not thread-safe: call a registry from one thread (the scheduler's); completions produced
+on other threads are queued and delivered from that thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, NoReturn
+
+from kvlife.fsm.audit import REGISTER, AuditRecord, DetailValue
+from kvlife.fsm.errors import (
+    REASONS,
+    DuplicateAckError,
+    DuplicateRegistrationError,
+    InvalidTransitionError,
+    LifecycleError,
+    Reason,
+    RidConflictError,
+    StaleInstanceError,
+    UnknownRequestError,
+)
+from kvlife.fsm.table import LIFECYCLE, STATES, State, Trigger
+
+Outcome = Literal["finished", "aborted"]
+
+# The hot path keeps a lifecycle's state as an index into STATES and reads the compiled
+# rows of the one table by that index.
+_NAMES: Final = tuple(s.value for s in STATES)
+_ALLOCATED: Final = STATES.index(State.ALLOCATED)
+_OFFLOADING: Final = STATES.index(State.OFFLOADING)
+_RELEASED: Final = STATES.index(State.RELEASED)
+_START: Final = LIFECYCLE.rows[Trigger.START_OFFLOAD]
+_ACK: Final = LIFECYCLE.rows[Trigger.ACK]
+_FAIL: Final = LIFECYCLE.rows[Trigger.FAIL]
+_FINISH: Final = LIFECYCLE.rows[Trigger.FINISH]
+_ABORT: Final = LIFECYCLE.rows[Trigger.ABORT]
+# Invariant: a lifecycle in one of these states has not finished; its rid and its request
+# object cannot be registered again.
+_UNFINISHED: Final = (_ALLOCATED, _OFFLOADING)
+
+_EMPTY: Final[Mapping[str, DetailValue]] = {}
+_now = time.monotonic_ns
+_new_record = tuple.__new__
+
+ReleaseHook = Callable[["Lifecycle", Any], None]
+
+
+class Lifecycle:
+    """The lifecycle of one request instance: its state, copies in flight and outcome.
+
+    Made only by :meth:`LifecycleRegistry.register`; every attribute is read-only and
+    every change goes through the registry. A lifecycle that reached ``released`` stays
+    readable (its final state and outcome) but holds no reference to its request.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_born_ns",
+        "_inflight",
+        "_older",
+        "_outcome",
+        "_pending",
+        "_registry",
+        "_req",
+        "_rid",
+        "_s",
+        "_serial",
+        "_started",
+    )
+
+    # Declared for the type checker; set by LifecycleRegistry.register.
+    _registry: LifecycleRegistry
+    _serial: int
+    _rid: str
+    _req: Any
+    _s: int  # index into STATES
+    _inflight: int  # Invariant: == popcount(_pending); 0 in allocated, >= 1 in offloading
+    _pending: int  # bit k set <=> the copy with local index k is in flight
+    _started: int  # copies started so far; the next copy's local index
+    _outcome: Outcome | None
+    _born_ns: int
+    _older: Lifecycle | None  # the next older unreleased lifecycle holding the same rid
+
+    def __init__(self) -> None:
+        raise TypeError("Lifecycle objects are made only by LifecycleRegistry.register()")
+
+    @property
+    def rid(self) -> str:
+        """The request id this lifecycle was registered under (a label, never a key)."""
+        return self._rid
+
+    @property
+    def serial(self) -> int:
+        """Registry-wide, increasing, never-reused number of this lifecycle."""
+        return self._serial
+
+    @property
+    def state(self) -> State:
+        """The current state."""
+        return STATES[self._s]
+
+    @property
+    def inflight(self) -> int:
+        """Copies started and not yet acked or failed."""
+        return self._inflight
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """``None`` until finish/abort, then ``"finished"`` or ``"aborted"``."""
+        return self._outcome
+
+    @property
+    def req(self) -> Any:
+        """The request object; ``None`` once released."""
+        return self._req
+
+    @property
+    def copies_started(self) -> int:
+        """How many copies this lifecycle has started in all."""
+        return self._started
+
+    @property
+    def released(self) -> bool:
+        """Whether the lifecycle reached ``released``."""
+        return self._s == _RELEASED
+
+    @property
+    def registry(self) -> LifecycleRegistry:
+        """The registry that owns this lifecycle."""
+        return self._registry
+
+    def __repr__(self) -> str:
+        return (
+            f"<Lifecycle serial={self._serial} rid={self._rid!r} state={_NAMES[self._s]} "
+            f"inflight={self._inflight} outcome={self._outcome}>"
+        )
+
+
+class Ticket:
+    """Names one copy of one lifecycle instance. Returned by ``start_offload``.
+
+    Deliver it exactly once, with :meth:`LifecycleRegistry.complete` (or ``deliver``),
+    when the copy's completion event is done (``ok=True``) or the copy failed
+    (``ok=False``). Tickets are immutable and made only by the registry.
+    """
+
+    __slots__ = ("_bit", "_lc", "_op")
+
+    _lc: Lifecycle
+    _op: int
+    _bit: int
+
+    def __init__(self) -> None:
+        raise TypeError("Ticket objects are made only by LifecycleRegistry.start_offload()")
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """The lifecycle instance this copy belongs to."""
+        return self._lc
+
+    @property
+    def op(self) -> int:
+        """The copy's registry-wide, never-reused number."""
+        return self._op
+
+    @property
+    def rid(self) -> str:
+        """The rid of the ticket's lifecycle."""
+        return self._lc._rid
+
+    @property
+    def serial(self) -> int:
+        """The serial of the ticket's lifecycle."""
+        return self._lc._serial
+
+    def __repr__(self) -> str:
+        return f"<Ticket op={self._op} serial={self._lc._serial} rid={self._lc._rid!r}>"
+
+
+_new_lifecycle = object.__new__
+_new_ticket = object.__new__
+
+
+@dataclass(frozen=True)
+class RegistryStatistics:
+    """A snapshot of a registry, for leak hunting and dashboards."""
+
+    #: Unreleased lifecycles per state (``released`` is always 0).
+    live: Mapping[State, int]
+    #: Lifecycles registered / released since the registry was made.
+    registered: int
+    released: int
+    #: Accepted transitions (registrations not included).
+    transitions: int
+    #: Refused calls per reason (every reason present, zero or not).
+    refusals: Mapping[str, int]
+    #: Copies in flight over all live lifecycles.
+    inflight: int
+    #: Age in seconds of the oldest unreleased lifecycle, or ``None`` when none is live.
+    oldest_live_age_s: float | None
+    #: rid and serial of the oldest unreleased lifecycle, or ``None``.
+    oldest_live: tuple[str, int] | None
+
+
+class LifecycleRegistry:
+    """All lifecycles of one offload manager, keyed by request identity.
+
+    Args:
+        sinks: audit sinks (objects with a ``write(record)`` method, see
+            :mod:`kvlife.fsm.audit`). With none, no audit record is built.
+
+    Every method that changes something either applies one transition of the table whole
+    (state, in-flight count, references, counters, audit record, release hooks) or raises
+    a :class:`~kvlife.fsm.errors.LifecycleError` subclass and changes nothing except the
+    refusal counters and the audit log.
+    """
+
+    def __init__(self, *, sinks: tuple[Any, ...] | list[Any] = ()) -> None:
+        self._by_id: dict[int, Lifecycle] = {}  # id(req) -> the request's current lifecycle
+        self._by_rid: dict[str, Lifecycle] = {}  # rid -> newest unreleased lifecycle
+        self._live: dict[int, Lifecycle] = {}  # serial -> lifecycle, oldest first
+        self._next_serial = 0
+        self._next_op = 0
+        self._seq = 0
+        self._transitions = 0
+        self._released = 0
+        self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self._hooks: list[ReleaseHook] = []
+        self._sinks: list[Any] = []
+        self._writers: tuple[Callable[[AuditRecord], object], ...] = ()
+        for sink in sinks:
+            self.attach(sink)
+
+    # ------------------------------------------------------------------ configuration
+
+    def attach(self, sink: Any) -> None:
+        """Attach an audit sink; it receives every record from now on."""
+        write = getattr(sink, "write", None)
+        if not callable(write):
+            raise TypeError(f"an audit sink needs a write(record) method, got {sink!r}")
+        self._sinks.append(sink)
+        self._writers = (*self._writers, write)
+
+    def detach(self, sink: Any) -> None:
+        """Stop sending records to ``sink`` (found by identity). Raises ``ValueError`` if
+        it is not attached."""
+        for index, attached in enumerate(self._sinks):
+            if attached is sink:
+                del self._sinks[index]
+                self._writers = tuple(s.write for s in self._sinks)
+                return
+        raise ValueError(f"{sink!r} is not attached to {self!r}")
+
+    @property
+    def sinks(self) -> tuple[Any, ...]:
+        """The attached audit sinks."""
+        return tuple(self._sinks)
+
+    def on_release(self, hook: ReleaseHook) -> ReleaseHook:
+        """Call ``hook(lifecycle, req)`` exactly once per lifecycle, when it reaches
+        ``released`` (after the registry dropped its references; ``req`` is the request
+        object it held). Usable as a decorator.
+
+        Hooks run in the order added. If one raises, the others still run, the release
+        stays applied and audited, and the first exception is re-raised afterwards.
+        """
+        if not callable(hook):
+            raise TypeError(f"on_release needs a callable, got {hook!r}")
+        self._hooks.append(hook)
+        return hook
+
+    # ------------------------------------------------------------------ lookups
+
+    def __len__(self) -> int:
+        """Unreleased lifecycles."""
+        return len(self._live)
+
+    def __contains__(self, req: object) -> bool:
+        """Whether ``req`` (by identity) has an unreleased current lifecycle here; a
+        :class:`Lifecycle` is contained while it is unreleased and owned by this registry."""
+        if type(req) is Lifecycle:
+            return req._registry is self and req._s != _RELEASED
+        return id(req) in self._by_id
+
+    def lifecycle(self, req: object) -> Lifecycle:
+        """The current (newest) lifecycle of the request object ``req``.
+
+        Raises:
+            UnknownRequestError: ``req`` (by identity) has no unreleased lifecycle here.
+        """
+        lc = self._by_id.get(id(req))
+        if lc is None:
+            raise self._unknown(req, None, audit=False)
+        return lc
+
+    def live(self, rid: str) -> Lifecycle | None:
+        """The newest unreleased lifecycle holding ``rid``, or ``None``."""
+        return self._by_rid.get(rid)
+
+    def lifecycles(self) -> list[Lifecycle]:
+        """Every unreleased lifecycle, oldest first."""
+        return list(self._live.values())
+
+    # ------------------------------------------------------------------ transitions
+
+    def register(self, req: object, rid: str | None = None) -> Lifecycle:
+        """Make a lifecycle for ``req`` in state ``allocated``.
+
+        ``rid`` defaults to ``req.rid`` and must be a ``str``. Any object works as a
+        request: it is found by identity only.
+
+        Raises:
+            TypeError: the rid is missing or not a str, or ``req`` is ``None`` or a
+                Lifecycle/Ticket. Nothing registered, nothing audited.
+            DuplicateRegistrationError: ``req``'s current lifecycle is ``allocated`` or
+                ``offloading``. Nothing registered.
+            RidConflictError: a lifecycle that has not finished holds ``rid``. Nothing
+                registered.
+        """
+        if rid is None:
+            rid = getattr(req, "rid", None)
+        if not isinstance(rid, str):
+            raise TypeError(f"a rid must be a str, got {type(rid).__name__} {rid!r:.80}")
+        if req is None or type(req) in (Lifecycle, Ticket):
+            raise TypeError(f"cannot register {req!r} as a request")
+        key = id(req)
+        current = self._by_id.get(key)
+        if current is not None and current._s in _UNFINISHED:
+            self._refuse(
+                DuplicateRegistrationError,
+                current,
+                REGISTER,
+                f"{req!r:.80} is already registered: its lifecycle {current!r} has not finished",
+                rid=rid,
+            )
+        newest = self._by_rid.get(rid)
+        if newest is not None and newest._s in _UNFINISHED:
+            self._refuse(
+                RidConflictError,
+                newest,
+                REGISTER,
+                f"rid {rid!r} is held by {newest!r}, which has not finished",
+                rid=rid,
+            )
+        lc: Lifecycle = _new_lifecycle(Lifecycle)
+        serial = self._next_serial
+        self._next_serial = serial + 1
+        lc._registry = self
+        lc._serial = serial
+        lc._rid = rid
+        lc._req = req
+        lc._s = _ALLOCATED
+        lc._inflight = 0
+        lc._pending = 0
+        lc._started = 0
+        lc._outcome = None
+        lc._born_ns = _now()
+        lc._older = newest
+        self._by_id[key] = lc
+        self._by_rid[rid] = lc
+        self._live[serial] = lc
+        if self._writers:
+            record = _new_record(
+                AuditRecord,
+                (self._seq, _now(), rid, serial, REGISTER, None, "allocated", True, None, None, 0, _EMPTY),
+            )
+            self._seq += 1
+            for write in self._writers:
+                write(record)
+        return lc
+
+    def start_offload(self, target: object, **detail: DetailValue) -> Ticket:
+        """Record that a copy of ``target``'s KV was launched; return its ticket.
+
+        ``target`` is the request object or its :class:`Lifecycle`. ``detail`` (small
+        scalars: tokens, bytes, pages) goes into the audit record. Call this only after
+        the copy's completion event was recorded.
+
+        Raises:
+            UnknownRequestError: ``target`` is not registered here (or was released).
+            StaleInstanceError: ``target`` is a released lifecycle.
+            InvalidTransitionError: the state refuses it (``finished_pending``).
+            In every case no ticket exists and nothing changed.
+        """
+        lc = self._by_id.get(id(target))
+        if lc is None:
+            lc = self._resolve(target, Trigger.START_OFFLOAD)
+        s = lc._s
+        row = _START[s]
+        if row is None:
+            self._refuse_table(lc, Trigger.START_OFFLOAD, None)
+        k = lc._started
+        lc._started = k + 1
+        bit = 1 << k
+        lc._pending |= bit
+        inflight = lc._inflight = lc._inflight + 1
+        lc._s = row[0]
+        op = self._next_op
+        self._next_op = op + 1
+        self._transitions += 1
+        ticket: Ticket = _new_ticket(Ticket)
+        ticket._lc = lc
+        ticket._op = op
+        ticket._bit = bit
+        if self._writers:
+            record = _new_record(
+                AuditRecord,
+                (self._seq, _now(), lc._rid, lc._serial, "start_offload",
+                 _NAMES[s], _NAMES[row[0]], True, None, op, inflight, detail),
+            )  # fmt: skip
+            self._seq += 1
+            for write in self._writers:
+                write(record)
+        return ticket
+
+    def complete(self, ticket: Ticket, ok: bool = True, **detail: DetailValue) -> Lifecycle:
+        """Deliver a copy's completion: ``ack`` if ``ok`` else ``fail``.
+
+        Completes exactly the copy the ticket names, on exactly the lifecycle instance
+        that started it, whatever rids, ids or ``__eq__`` say. The last completion of a
+        finished/aborted lifecycle releases it (and runs the ``on_release`` hooks).
+        Returns the ticket's lifecycle.
+
+        Raises:
+            TypeError: ``ticket`` is not a Ticket. Nothing audited.
+            UnknownRequestError: the ticket belongs to another registry.
+            StaleInstanceError: the ticket's lifecycle was already released.
+            DuplicateAckError: this ticket was already delivered.
+            In every case nothing changed.
+        """
+        if type(ticket) is not Ticket:
+            raise TypeError(f"complete() needs a Ticket, got {type(ticket).__name__}")
+        lc = ticket._lc
+        s = lc._s
+        bit = ticket._bit
+        if lc._registry is not self or s == _RELEASED or not lc._pending & bit:
+            self._refuse_ticket(ticket, ok, True)
+        row = (_ACK if ok else _FAIL)[s]
+        if row is None:  # pragma: no cover - a pending bit implies offloading/finished_pending
+            self._refuse_table(lc, Trigger.ACK if ok else Trigger.FAIL, ticket._op)
+        inflight = lc._inflight
+        dst = row[0] if inflight > 1 else row[1]
+        lc._pending ^= bit
+        lc._inflight = inflight - 1
+        lc._s = dst
+        self._transitions += 1
+        if self._writers:
+            record = _new_record(
+                AuditRecord,
+                (self._seq, _now(), lc._rid, lc._serial, "ack" if ok else "fail",
+                 _NAMES[s], _NAMES[dst], True, None, ticket._op, inflight - 1, detail),
+            )  # fmt: skip
+            self._seq += 1
+            for write in self._writers:
+                write(record)
+        if dst == _RELEASED:
+            self._release(lc)
+        return lc
+
+    def deliver(self, ticket: Ticket, ok: bool = True, **detail: DetailValue) -> Reason | None:
+        """Like :meth:`complete` but for the completion pump: a refusal is counted and
+        audited and its reason returned instead of raised. Returns ``None`` when applied.
+
+        Raises:
+            TypeError: ``ticket`` is not a Ticket (a bug in the caller, never a race).
+        """
+        if type(ticket) is not Ticket:
+            raise TypeError(f"deliver() needs a Ticket, got {type(ticket).__name__}")
+        lc = ticket._lc
+        if lc._registry is not self or lc._s == _RELEASED or not lc._pending & ticket._bit:
+            return self._refuse_ticket(ticket, ok, False)
+        self.complete(ticket, ok, **detail)
+        return None
+
+    def finish(self, target: object, **detail: DetailValue) -> Lifecycle:
+        """The request finished: its host copies are kept (published) on release.
+
+        From ``allocated`` it releases at once; from ``offloading`` it moves to
+        ``finished_pending`` and releases when the last copy resolves. A final flush is
+        ``start_offload`` then ``finish``. Returns the lifecycle.
+
+        Raises:
+            UnknownRequestError / StaleInstanceError / InvalidTransitionError (already
+            finished or aborted). Nothing changed.
+        """
+        return self._end(target, Trigger.FINISH, _FINISH, "finished", detail)
+
+    def abort(self, target: object, **detail: DetailValue) -> Lifecycle:
+        """The request was aborted: its host copies are discarded on release.
+
+        Same transitions and errors as :meth:`finish`; only the outcome differs.
+        """
+        return self._end(target, Trigger.ABORT, _ABORT, "aborted", detail)
+
+    def _end(
+        self,
+        target: object,
+        trigger: Trigger,
+        rows: tuple[tuple[int, int] | None, ...],
+        outcome: Outcome,
+        detail: Mapping[str, DetailValue],
+    ) -> Lifecycle:
+        lc = self._by_id.get(id(target))
+        if lc is None:
+            lc = self._resolve(target, trigger)
+        s = lc._s
+        row = rows[s]
+        if row is None:
+            self._refuse_table(lc, trigger, None)
+        dst = row[0]
+        lc._s = dst
+        lc._outcome = outcome
+        self._transitions += 1
+        if self._writers:
+            record = _new_record(
+                AuditRecord,
+                (self._seq, _now(), lc._rid, lc._serial, trigger.value,
+                 _NAMES[s], _NAMES[dst], True, None, None, lc._inflight, detail),
+            )  # fmt: skip
+            self._seq += 1
+            for write in self._writers:
+                write(record)
+        if dst == _RELEASED:
+            self._release(lc)
+        return lc
+
+    def _release(self, lc: Lifecycle) -> None:
+        req = lc._req
+        lc._req = None
+        key = id(req)
+        if self._by_id.get(key) is lc:
+            del self._by_id[key]
+        rid = lc._rid
+        newest = self._by_rid[rid]
+        if newest is lc:
+            if lc._older is None:
+                del self._by_rid[rid]
+            else:
+                self._by_rid[rid] = lc._older
+        else:
+            while newest._older is not lc:
+                newest = newest._older  # type: ignore[assignment]
+            newest._older = lc._older
+        lc._older = None
+        del self._live[lc._serial]
+        self._released += 1
+        if self._hooks:
+            self._run_hooks(lc, req)
+
+    def _run_hooks(self, lc: Lifecycle, req: object) -> None:
+        first: BaseException | None = None
+        for hook in list(self._hooks):
+            try:
+                hook(lc, req)
+            except Exception as exc:  # noqa: BLE001 - every hook runs; the first error is re-raised
+                if first is None:
+                    first = exc
+        if first is not None:
+            raise first
+
+    # ------------------------------------------------------------------ refusals
+
+    def _resolve(self, target: object, trigger: Trigger) -> Lifecycle:
+        """Slow path of a look-up that missed the identity dict."""
+        if type(target) is Lifecycle:
+            if target._registry is not self:
+                raise self._unknown(target, trigger, audit=True)
+            if target._s == _RELEASED:
+                self._refuse(
+                    StaleInstanceError,
+                    target,
+                    trigger.value,
+                    f"{target!r} was released; {trigger.value} refused",
+                )
+            return target
+        raise self._unknown(target, trigger, audit=True)
+
+    def _unknown(self, target: object, trigger: Trigger | None, *, audit: bool) -> LifecycleError:
+        rid = target._rid if type(target) is Lifecycle else getattr(target, "rid", None)
+        rid = rid if isinstance(rid, str) else None
+        holder = self._by_rid.get(rid) if rid is not None else None
+        why = "is not registered here (never registered, or released)"
+        if type(target) is Lifecycle:
+            why = "belongs to another registry"
+        elif holder is not None:
+            why = f"is not the object registered under rid {rid!r} ({holder!r})"
+        name = trigger.value if trigger is not None else "lookup"
+        error = UnknownRequestError(f"{target!r:.80} {why}; {name} refused", rid=rid, trigger=name)
+        if audit and trigger is not None:
+            self._count_refusal("unknown_request", None, rid, name, None, None, 0)
+        return error
+
+    def _refuse_table(self, lc: Lifecycle, trigger: Trigger, op: int | None) -> NoReturn:
+        self._refuse(
+            InvalidTransitionError,
+            lc,
+            trigger.value,
+            f"can't {trigger.value} when state={_NAMES[lc._s]} ({lc!r})",
+            op=op,
+        )
+
+    def _refuse_ticket(self, ticket: Ticket, ok: bool, raise_: bool) -> Reason:
+        lc = ticket._lc
+        trigger = "ack" if ok else "fail"
+        error: LifecycleError
+        if lc._registry is not self:
+            error = UnknownRequestError(
+                f"{ticket!r} belongs to another registry; {trigger} refused",
+                rid=lc._rid,
+                trigger=trigger,
+                op=ticket._op,
+            )
+            self._count_refusal("unknown_request", None, lc._rid, trigger, None, ticket._op, 0)
+            if raise_:
+                raise error
+            return "unknown_request"
+        if lc._s == _RELEASED:
+            cls: type[LifecycleError] = StaleInstanceError
+            message = f"{ticket!r} is stale: its lifecycle was released"
+        else:
+            cls = DuplicateAckError
+            message = f"{ticket!r} was already delivered"
+        if raise_:
+            self._refuse(cls, lc, trigger, message, op=ticket._op)
+        self._count_refusal(cls.reason, lc._serial, lc._rid, trigger, _NAMES[lc._s], ticket._op,
+                            lc._inflight)  # fmt: skip
+        return cls.reason
+
+    def _refuse(
+        self,
+        cls: type[LifecycleError],
+        lc: Lifecycle,
+        trigger: str,
+        message: str,
+        *,
+        op: int | None = None,
+        rid: str | None = None,
+    ) -> NoReturn:
+        rid = lc._rid if rid is None else rid
+        state = _NAMES[lc._s]
+        self._count_refusal(cls.reason, lc._serial, rid, trigger, state, op, lc._inflight)
+        raise cls(message, serial=lc._serial, rid=rid, state=state, trigger=trigger, op=op)
+
+    def _count_refusal(
+        self,
+        reason: Reason,
+        serial: int | None,
+        rid: str | None,
+        trigger: str,
+        state: str | None,
+        op: int | None,
+        inflight: int,
+    ) -> None:
+        self._refusals[reason] += 1
+        if self._writers:
+            record = _new_record(
+                AuditRecord,
+                (self._seq, _now(), rid, serial, trigger, state, None, False, reason, op,
+                 inflight, _EMPTY),
+            )  # fmt: skip
+            self._seq += 1
+            for write in self._writers:
+                write(record)
+
+    # ------------------------------------------------------------------ introspection
+
+    def statistics(self) -> RegistryStatistics:
+        """A snapshot: live per state, totals, refusals per reason, oldest live age."""
+        live = dict.fromkeys(State, 0)
+        inflight = 0
+        for lc in self._live.values():
+            live[STATES[lc._s]] += 1
+            inflight += lc._inflight
+        oldest = next(iter(self._live.values()), None)
+        return RegistryStatistics(
+            live=live,
+            registered=self._next_serial,
+            released=self._released,
+            transitions=self._transitions,
+            refusals=dict(self._refusals),
+            inflight=inflight,
+            oldest_live_age_s=None if oldest is None else (_now() - oldest._born_ns) / 1e9,
+            oldest_live=None if oldest is None else (oldest._rid, oldest._serial),
+        )
+
+    def flush(self) -> None:
+        """Flush every attached sink that can be flushed."""
+        for sink in self._sinks:
+            flush = getattr(sink, "flush", None)
+            if callable(flush):
+                flush()
+
+    def __repr__(self) -> str:
+        return f"<LifecycleRegistry live={len(self._live)} registered={self._next_serial}>"

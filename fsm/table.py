@@ -1,0 +1,327 @@
+"""The lifecycle transition table: the one place where transitions are decided.
+
+Rule 1 (after h11's ``_state.py``): everything that affects which transition a trigger
+takes lives here, as data. :data:`LIFECYCLE_EDGES` is the table of the contract (§2);
+:func:`build_lifecycle_table` checks its definition, builds it into a ``transitions``
+machine (the reference engine, also used for the diagrams) and compiles that machine into
+the tuple-indexed table the hot path runs.
+
+Guards: ``ack`` and ``fail`` complete one in-flight copy. Their guards are evaluated on the
+in-flight count *before* the completion: ``more_in_flight`` is ``inflight > 1``,
+``last_in_flight`` is ``inflight == 1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final, NamedTuple
+
+from transitions import Machine
+
+from kvlife.fsm.errors import TableDefinitionError
+
+
+class State(str, Enum):
+    """A lifecycle's state. Values are the lower-case names used in logs and diagrams."""
+
+    #: Registered; no copy in flight. The initial state.
+    ALLOCATED = "allocated"
+    #: At least one copy in flight; the request is still running.
+    OFFLOADING = "offloading"
+    #: Finished or aborted with copies still in flight; releases when the last resolves.
+    FINISHED_PENDING = "finished_pending"
+    #: Terminal. The registry has dropped every reference to the request.
+    RELEASED = "released"
+
+
+class Trigger(str, Enum):
+    """What can be asked of a lifecycle."""
+
+    #: A copy of some of the request's KV pages to host memory was launched.
+    START_OFFLOAD = "start_offload"
+    #: A copy completed (its CUDA event is done on every rank).
+    ACK = "ack"
+    #: A copy failed; its host pages are freed.
+    FAIL = "fail"
+    #: The request finished; its host copies are kept.
+    FINISH = "finish"
+    #: The request was aborted; its host copies are discarded.
+    ABORT = "abort"
+
+
+class Guard(str, Enum):
+    """Guards on completion edges, evaluated on ``inflight`` before the completion."""
+
+    #: ``inflight > 1``: other copies stay in flight after this one.
+    MORE_IN_FLIGHT = "more_in_flight"
+    #: ``inflight == 1``: this is the last copy in flight.
+    LAST_IN_FLIGHT = "last_in_flight"
+
+
+class Edge(NamedTuple):
+    """One allowed transition: ``src --trigger [guard]--> dst``."""
+
+    src: State
+    trigger: Trigger
+    dst: State
+    guard: Guard | None = None
+
+
+#: The table's shape: a tuple of edges. Any (state, trigger) pair not listed is refused.
+EdgeTable = tuple[Edge, ...]
+
+_A, _O, _F, _R = State.ALLOCATED, State.OFFLOADING, State.FINISHED_PENDING, State.RELEASED
+_MORE, _LAST = Guard.MORE_IN_FLIGHT, Guard.LAST_IN_FLIGHT
+
+#: The lifecycle table of the contract (§2). Released is terminal: it has no edges.
+LIFECYCLE_EDGES: Final[EdgeTable] = (
+    Edge(_A, Trigger.START_OFFLOAD, _O),
+    Edge(_A, Trigger.FINISH, _R),
+    Edge(_A, Trigger.ABORT, _R),
+    Edge(_O, Trigger.START_OFFLOAD, _O),
+    Edge(_O, Trigger.ACK, _O, _MORE),
+    Edge(_O, Trigger.ACK, _A, _LAST),
+    Edge(_O, Trigger.FAIL, _O, _MORE),
+    Edge(_O, Trigger.FAIL, _A, _LAST),
+    Edge(_O, Trigger.FINISH, _F),
+    Edge(_O, Trigger.ABORT, _F),
+    Edge(_F, Trigger.ACK, _F, _MORE),
+    Edge(_F, Trigger.ACK, _R, _LAST),
+    Edge(_F, Trigger.FAIL, _F, _MORE),
+    Edge(_F, Trigger.FAIL, _R, _LAST),
+)
+
+#: The triggers that complete a copy; the only ones that may carry guards.
+COMPLETION_TRIGGERS: Final = frozenset({Trigger.ACK, Trigger.FAIL})
+
+#: States in a fixed order; the hot path stores a lifecycle's state as an index into this.
+STATES: Final[tuple[State, ...]] = tuple(State)
+#: Triggers in a fixed order.
+TRIGGERS: Final[tuple[Trigger, ...]] = tuple(Trigger)
+
+
+class _GuardModel:
+    """What a ``transitions`` model needs to evaluate the guards (reference engine)."""
+
+    state: str
+    inflight: int
+
+    def more_in_flight(self) -> bool:
+        return self.inflight > 1
+
+    def last_in_flight(self) -> bool:
+        return self.inflight == 1
+
+
+#: Next state for one trigger, indexed by the source state's index in :data:`STATES`:
+#: ``None`` when refused, else ``(dst if more in flight, dst if last in flight)`` (the
+#: two are equal for unguarded edges).
+Row = tuple[tuple[int, int] | None, ...]
+
+
+@dataclass(frozen=True)
+class LifecycleTable:
+    """A checked table: its edges, the ``transitions`` machine built from them, and the
+    compiled rows the hot path uses.
+
+    Attributes:
+        edges: the table as data, in declaration order.
+        initial: the initial state.
+        terminal: the terminal state.
+        machine: a ``transitions.Machine(model=None, auto_transitions=False)`` built from
+            the edges; the reference engine and the source of the diagrams.
+        rows: per trigger, the compiled :data:`Row`.
+        digest: a short hash of the table (edges, initial, terminal), written into audit
+            log headers so a log can be matched to the table that produced it.
+    """
+
+    edges: EdgeTable
+    initial: State
+    terminal: State
+    machine: Machine
+    rows: Mapping[Trigger, Row]
+    digest: str
+
+    def next_state(self, state: State, trigger: Trigger, inflight: int) -> State | None:
+        """The state ``trigger`` leads to from ``state`` with ``inflight`` copies in flight
+        (before the trigger), or ``None`` if the table refuses it."""
+        row = self.rows[trigger][STATES.index(state)]
+        if row is None:
+            return None
+        return STATES[row[0] if inflight > 1 else row[1]]
+
+
+def _sorted_edges(edges: Iterable[Edge]) -> list[Edge]:
+    """Edges in a stable order (state order, then trigger order, then guard)."""
+    return sorted(
+        edges,
+        key=lambda e: (
+            STATES.index(e.src),
+            TRIGGERS.index(e.trigger),
+            "" if e.guard is None else e.guard.value,
+        ),
+    )
+
+
+def table_digest(edges: Iterable[Edge], initial: State, terminal: State) -> str:
+    """A 16-hex-digit SHA-256 prefix of the canonical form of a table."""
+    lines = [f"initial={initial.value}", f"terminal={terminal.value}"]
+    lines += [
+        f"{e.src.value} {e.trigger.value} {e.guard.value if e.guard else '-'} {e.dst.value}"
+        for e in _sorted_edges(edges)
+    ]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def check_definition(edges: EdgeTable, initial: State, terminal: State) -> None:
+    """Run the definition checks of §2 on a table; raise :class:`TableDefinitionError`.
+
+    Checks: edges are well typed; exactly one initial state, distinct from the terminal
+    one; no edge leaves the terminal state; every state is reachable from the initial
+    state; every non-terminal state can reach the terminal state; each (state, trigger)
+    pair is deterministic (one unguarded edge, or exactly the two complementary guards,
+    and guards only on completion triggers).
+    """
+    if not isinstance(initial, State) or not isinstance(terminal, State):
+        raise TableDefinitionError("the initial and terminal states must be State members")
+    if initial is terminal:
+        raise TableDefinitionError(f"the initial state {initial.value!r} is also terminal")
+    for edge in edges:
+        if not (
+            isinstance(edge, Edge)
+            and isinstance(edge.src, State)
+            and isinstance(edge.dst, State)
+            and isinstance(edge.trigger, Trigger)
+            and (edge.guard is None or isinstance(edge.guard, Guard))
+        ):
+            raise TableDefinitionError(f"malformed edge {edge!r}")
+    leaving = [e for e in edges if e.src is terminal]
+    if leaving:
+        raise TableDefinitionError(
+            f"edges leave the terminal state {terminal.value!r}: {[tuple(e) for e in leaving]}"
+        )
+    pairs: dict[tuple[State, Trigger], list[Guard | None]] = {}
+    for edge in edges:
+        pairs.setdefault((edge.src, edge.trigger), []).append(edge.guard)
+    for (src, trigger), guards in pairs.items():
+        where = f"({src.value}, {trigger.value})"
+        if guards == [None]:
+            continue
+        if None in guards:
+            raise TableDefinitionError(f"{where} mixes an unguarded edge with others: {guards}")
+        if trigger not in COMPLETION_TRIGGERS:
+            raise TableDefinitionError(f"{where}: only ack/fail edges may carry guards")
+        if sorted(g.value for g in guards if g is not None) != sorted(g.value for g in Guard):
+            raise TableDefinitionError(
+                f"{where} is not deterministic: needs exactly one edge per guard, got {guards}"
+            )
+    successors: dict[State, set[State]] = {s: set() for s in State}
+    predecessors: dict[State, set[State]] = {s: set() for s in State}
+    for edge in edges:
+        successors[edge.src].add(edge.dst)
+        predecessors[edge.dst].add(edge.src)
+    reachable = _closure(initial, successors)
+    unreachable = [s.value for s in State if s not in reachable]
+    if unreachable:
+        raise TableDefinitionError(f"states unreachable from {initial.value!r}: {unreachable}")
+    can_finish = _closure(terminal, predecessors)
+    trapped = [s.value for s in State if s not in can_finish]
+    if trapped:
+        raise TableDefinitionError(f"states that can never reach {terminal.value!r}: {trapped}")
+
+
+def _closure(start: State, step: Mapping[State, set[State]]) -> set[State]:
+    seen = {start}
+    todo = deque([start])
+    while todo:
+        for nxt in step[todo.popleft()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def build_machine(edges: EdgeTable, initial: State) -> Machine:
+    """Build the table into a ``transitions`` machine (``model=None``, no auto transitions).
+
+    Edges are added in a stable order so every rendering of the machine is deterministic.
+    Guards become ``conditions`` naming methods of the model (``more_in_flight``,
+    ``last_in_flight``); see :func:`reference_model`.
+    """
+    machine = Machine(
+        model=None,
+        states=[s.value for s in State],
+        initial=initial.value,
+        auto_transitions=False,
+        send_event=False,
+    )
+    for edge in _sorted_edges(edges):
+        machine.add_transition(
+            edge.trigger.value,
+            edge.src.value,
+            edge.dst.value,
+            conditions=[edge.guard.value] if edge.guard else None,
+        )
+    return machine
+
+
+def _compile(machine: Machine) -> dict[Trigger, Row]:
+    """Compile the machine into per-trigger rows indexed by state index."""
+    rows: dict[Trigger, Row] = {}
+    for trigger in Trigger:
+        row: list[tuple[int, int] | None] = [None] * len(STATES)
+        event = machine.events.get(trigger.value)
+        if event is not None:
+            for src_name, transitions in event.transitions.items():
+                more = last = None
+                for transition in transitions:
+                    dst = STATES.index(State(transition.dest))
+                    names = {c.func for c in transition.conditions}
+                    if not names or Guard.MORE_IN_FLIGHT.value in names:
+                        more = dst
+                    if not names or Guard.LAST_IN_FLIGHT.value in names:
+                        last = dst
+                if more is None or last is None:  # pragma: no cover - check_definition
+                    raise TableDefinitionError(f"incomplete guards on ({src_name}, {trigger})")
+                row[STATES.index(State(src_name))] = (more, last)
+        rows[trigger] = tuple(row)
+    return rows
+
+
+def build_lifecycle_table(
+    edges: EdgeTable = LIFECYCLE_EDGES,
+    initial: State = State.ALLOCATED,
+    terminal: State = State.RELEASED,
+) -> LifecycleTable:
+    """Check ``edges``, build them into a ``transitions`` machine and compile it.
+
+    Raises:
+        TableDefinitionError: a definition check failed; nothing is built.
+    """
+    check_definition(edges, initial, terminal)
+    machine = build_machine(edges, initial)
+    return LifecycleTable(
+        edges=edges,
+        initial=initial,
+        terminal=terminal,
+        machine=machine,
+        rows=_compile(machine),
+        digest=table_digest(edges, initial, terminal),
+    )
+
+
+def reference_model(state: State = State.ALLOCATED, inflight: int = 0) -> _GuardModel:
+    """A plain model for driving :attr:`LifecycleTable.machine` as a reference engine:
+    ``table.machine.events[trigger].trigger(model)`` (the static-machine pattern)."""
+    model = _GuardModel()
+    model.state = state.value
+    model.inflight = inflight
+    return model
+
+
+#: The table every registry uses, built and checked at import.
+LIFECYCLE: Final[LifecycleTable] = build_lifecycle_table()
