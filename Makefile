@@ -45,7 +45,7 @@ pytest: venv dot
 test: lint types pytest
 
 demo: venv
-	$(PY) -m kvlife.fsm.demo
+	$(PY) -m kvlife.fsm.demo --out out
 
 bench: venv
 	$(PY) -m kvlife.fsm.bench

@@ -17,13 +17,7 @@ Typical use in a scheduler::
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("kvlife")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0+unknown"
-
+from kvlife.fsm._version import __version__
 from kvlife.fsm.audit import (
     AuditLog,
     AuditRecord,

@@ -24,13 +24,14 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, NamedTuple
 
+from kvlife.fsm._version import __version__
 from kvlife.fsm.errors import REASONS
-from kvlife.fsm.table import LIFECYCLE, STATES, State, Trigger
+from kvlife.fsm.table import LIFECYCLE, State, Trigger
 
 #: The schema version written in every header and understood by the reader.
 SCHEMA_VERSION: Final = 1
@@ -72,7 +73,7 @@ class AuditRecord(NamedTuple):
 
 
 _FIELDS: Final = AuditRecord._fields
-_encode_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_encode_str: Callable[[str], str] = json.encoder.encode_basestring_ascii
 # Every name that can appear in src/dst/trigger/reason, already quoted for JSON.
 _QUOTED: Final[dict[str | None, str]] = {None: "null"}
 _QUOTED.update({s.value: f'"{s.value}"' for s in State})
@@ -94,21 +95,17 @@ def encode_record(r: AuditRecord) -> str:
     control characters, NUL, U+2028/U+2029 and every other non-ASCII character come out
     as escapes, so a hostile rid can never break a record into two lines.
     """
-    rid = r[2]
-    serial = r[3]
-    op = r[9]
+    seq, t_ns, rid, serial, trigger, src, dst, ok, reason, op, inflight, detail = r
+    quoted = _QUOTED
     return (
-        f'{{"seq":{r[0]},"t_ns":{r[1]},"rid":{"null" if rid is None else _encode_str(rid)},'
-        f'"serial":{"null" if serial is None else serial},"trigger":{_quote(r[4])},'
-        f'"src":{_QUOTED[r[5]]},"dst":{_QUOTED[r[6]]},"ok":{"true" if r[7] else "false"},'
-        f'"reason":{_QUOTED[r[8]]},"op":{"null" if op is None else op},"inflight":{r[10]},'
-        f'"detail":{_encode_detail(r[11])}}}'
+        f'{{"seq":{seq:d},"t_ns":{t_ns:d},'
+        f'"rid":{"null" if rid is None else _encode_str(rid)},'
+        f'"serial":{"null" if serial is None else int(serial)},'
+        f'"trigger":{quoted.get(trigger) or _encode_str(trigger)},'
+        f'"src":{quoted[src]},"dst":{quoted[dst]},"ok":{"true" if ok else "false"},'
+        f'"reason":{quoted[reason]},"op":{"null" if op is None else int(op)},'
+        f'"inflight":{inflight:d},"detail":{_encode_detail(detail) if detail else "{}"}}}'
     )
-
-
-def _quote(name: str) -> str:
-    quoted = _QUOTED.get(name)
-    return quoted if quoted is not None else _encode_str(name)  # type: ignore[no-any-return]
 
 
 class AuditSchemaError(ValueError):
@@ -128,7 +125,9 @@ def record_from_dict(obj: Mapping[str, Any]) -> AuditRecord:
     if set(obj) != set(_FIELDS):
         missing = sorted(set(_FIELDS) - set(obj))
         extra = sorted(set(obj) - set(_FIELDS))
-        raise AuditSchemaError(f"record fields differ from schema 1: missing {missing}, extra {extra}")
+        raise AuditSchemaError(
+            f"record fields differ from schema 1: missing {missing}, extra {extra}"
+        )
     states = {s.value for s in State}
     checks: list[tuple[str, bool]] = [
         ("seq", _is_int(obj["seq"]) and obj["seq"] >= 0),
@@ -154,8 +153,6 @@ def record_from_dict(obj: Mapping[str, Any]) -> AuditRecord:
 
 def make_header() -> dict[str, Any]:
     """The header record a JSON-lines file starts with (and each appended segment)."""
-    from kvlife.fsm import __version__
-
     return {
         "kvlife_audit": SCHEMA_VERSION,
         "library_version": __version__,
@@ -540,8 +537,13 @@ def check_audit(
         for (_, serial), inst in report.instances.items():
             if inst.state != State.RELEASED.value:
                 report.violations.append(
-                    Violation("leaked", None, serial, f"lifecycle {serial} ({inst.rid!r}) "
-                              f"ended {inst.state} with {inst.inflight} in flight")
+                    Violation(
+                        "leaked",
+                        None,
+                        serial,
+                        f"lifecycle {serial} ({inst.rid!r}) "
+                        f"ended {inst.state} with {inst.inflight} in flight",
+                    )
                 )
     return report
 
@@ -563,8 +565,14 @@ def _check_segment(index: int, records: list[AuditRecord], report: AuditReport) 
             if inst is not None:
                 inst.refusals += 1
                 if r.src is not None and r.src != inst.state:
-                    bad(Violation("state_mismatch", r.seq, r.serial,
-                                  f"refusal reports state {r.src} but the instance is {inst.state}"))
+                    bad(
+                        Violation(
+                            "state_mismatch",
+                            r.seq,
+                            r.serial,
+                            f"refusal reports state {r.src} but the instance is {inst.state}",
+                        )
+                    )
             continue
         report.transitions[r.trigger] = report.transitions.get(r.trigger, 0) + 1
         if r.serial is None:
@@ -572,41 +580,84 @@ def _check_segment(index: int, records: list[AuditRecord], report: AuditReport) 
             continue
         if r.trigger == REGISTER:
             if r.serial in replay:
-                bad(Violation("serial_reused", r.seq, r.serial, f"serial {r.serial} registered twice"))
+                bad(
+                    Violation(
+                        "serial_reused", r.seq, r.serial, f"serial {r.serial} registered twice"
+                    )
+                )
             replay[r.serial] = _Replay(rid=r.rid, state=r.dst or "?")
             if r.dst != State.ALLOCATED.value or r.inflight != 0:
-                bad(Violation("illegal_transition", r.seq, r.serial,
-                              f"registration to {r.dst} with {r.inflight} in flight"))
+                bad(
+                    Violation(
+                        "illegal_transition",
+                        r.seq,
+                        r.serial,
+                        f"registration to {r.dst} with {r.inflight} in flight",
+                    )
+                )
             continue
         inst = replay.get(r.serial)
         if inst is None:
             # The log starts after this instance was registered (a late sink, a ring):
             # take the record's own source state as the truth.
-            inst = replay[r.serial] = _Replay(rid=r.rid, state=r.src or "?",
-                                              inflight=r.inflight + _BEFORE[r.trigger])
+            inst = replay[r.serial] = _Replay(
+                rid=r.rid, state=r.src or "?", inflight=r.inflight + _BEFORE[r.trigger]
+            )
         if r.src != inst.state:
-            bad(Violation("state_mismatch", r.seq, r.serial,
-                          f"{r.trigger} from {r.src} but the instance was {inst.state}"))
+            bad(
+                Violation(
+                    "state_mismatch",
+                    r.seq,
+                    r.serial,
+                    f"{r.trigger} from {r.src} but the instance was {inst.state}",
+                )
+            )
         before = r.inflight + _BEFORE[r.trigger]
         if before != inst.inflight:
-            bad(Violation("inflight_mismatch", r.seq, r.serial,
-                          f"{r.trigger} implies {before} in flight before, replay has {inst.inflight}"))
+            bad(
+                Violation(
+                    "inflight_mismatch",
+                    r.seq,
+                    r.serial,
+                    f"{r.trigger} implies {before} in flight before, replay has {inst.inflight}",
+                )
+            )
         expected = _legal_next(r.src, r.trigger, before)
         if expected is None or expected != r.dst:
-            bad(Violation("illegal_transition", r.seq, r.serial,
-                          f"{r.src} --{r.trigger} (inflight {before})--> {r.dst} is not in the "
-                          f"table (table says {expected})"))
+            bad(
+                Violation(
+                    "illegal_transition",
+                    r.seq,
+                    r.serial,
+                    f"{r.src} --{r.trigger} (inflight {before})--> {r.dst} is not in the "
+                    f"table (table says {expected})",
+                )
+            )
         if r.trigger == Trigger.START_OFFLOAD.value and r.op is not None:
             op_owner[r.op] = r.serial
         elif r.trigger in ("ack", "fail"):
             if r.op is None or r.op not in op_owner:
-                bad(Violation("unknown_op", r.seq, r.serial, f"{r.trigger} of copy {r.op} never started"))
+                bad(
+                    Violation(
+                        "unknown_op", r.seq, r.serial, f"{r.trigger} of copy {r.op} never started"
+                    )
+                )
             elif op_owner[r.op] != r.serial:
-                bad(Violation("wrong_instance", r.seq, r.serial,
-                              f"copy {r.op} was started by lifecycle {op_owner[r.op]}, "
-                              f"completed on lifecycle {r.serial}"))
+                bad(
+                    Violation(
+                        "wrong_instance",
+                        r.seq,
+                        r.serial,
+                        f"copy {r.op} was started by lifecycle {op_owner[r.op]}, "
+                        f"completed on lifecycle {r.serial}",
+                    )
+                )
             elif r.op in completed:
-                bad(Violation("duplicate_completion", r.seq, r.serial, f"copy {r.op} completed twice"))
+                bad(
+                    Violation(
+                        "duplicate_completion", r.seq, r.serial, f"copy {r.op} completed twice"
+                    )
+                )
             if r.op is not None:
                 completed.add(r.op)
         inst.state = r.dst or inst.state

@@ -243,7 +243,8 @@ class LifecycleRegistry:
         self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._hooks: list[ReleaseHook] = []
         self._sinks: list[Any] = []
-        self._writers: tuple[Callable[[AuditRecord], object], ...] = ()
+        # None when no sink is attached: then no record is ever built.
+        self._write: Callable[[AuditRecord], object] | None = None
         for sink in sinks:
             self.attach(sink)
 
@@ -255,7 +256,7 @@ class LifecycleRegistry:
         if not callable(write):
             raise TypeError(f"an audit sink needs a write(record) method, got {sink!r}")
         self._sinks.append(sink)
-        self._writers = (*self._writers, write)
+        self._rewire()
 
     def detach(self, sink: Any) -> None:
         """Stop sending records to ``sink`` (found by identity). Raises ``ValueError`` if
@@ -263,9 +264,23 @@ class LifecycleRegistry:
         for index, attached in enumerate(self._sinks):
             if attached is sink:
                 del self._sinks[index]
-                self._writers = tuple(s.write for s in self._sinks)
+                self._rewire()
                 return
         raise ValueError(f"{sink!r} is not attached to {self!r}")
+
+    def _rewire(self) -> None:
+        writers = tuple(sink.write for sink in self._sinks)
+        if not writers:
+            self._write = None
+        elif len(writers) == 1:
+            self._write = writers[0]
+        else:
+
+            def fan_out(record: AuditRecord) -> None:
+                for write in writers:
+                    write(record)
+
+            self._write = fan_out
 
     @property
     def sinks(self) -> tuple[Any, ...]:
@@ -375,14 +390,26 @@ class LifecycleRegistry:
         self._by_id[key] = lc
         self._by_rid[rid] = lc
         self._live[serial] = lc
-        if self._writers:
+        if self._write is not None:
             record = _new_record(
                 AuditRecord,
-                (self._seq, _now(), rid, serial, REGISTER, None, "allocated", True, None, None, 0, _EMPTY),
+                (
+                    self._seq,
+                    _now(),
+                    rid,
+                    serial,
+                    REGISTER,
+                    None,
+                    "allocated",
+                    True,
+                    None,
+                    None,
+                    0,
+                    _EMPTY,
+                ),
             )
             self._seq += 1
-            for write in self._writers:
-                write(record)
+            self._write(record)
         return lc
 
     def start_offload(self, target: object, **detail: DetailValue) -> Ticket:
@@ -418,15 +445,14 @@ class LifecycleRegistry:
         ticket._lc = lc
         ticket._op = op
         ticket._bit = bit
-        if self._writers:
+        if self._write is not None:
             record = _new_record(
                 AuditRecord,
                 (self._seq, _now(), lc._rid, lc._serial, "start_offload",
                  _NAMES[s], _NAMES[row[0]], True, None, op, inflight, detail),
             )  # fmt: skip
             self._seq += 1
-            for write in self._writers:
-                write(record)
+            self._write(record)
         return ticket
 
     def complete(self, ticket: Ticket, ok: bool = True, **detail: DetailValue) -> Lifecycle:
@@ -460,15 +486,14 @@ class LifecycleRegistry:
         lc._inflight = inflight - 1
         lc._s = dst
         self._transitions += 1
-        if self._writers:
+        if self._write is not None:
             record = _new_record(
                 AuditRecord,
                 (self._seq, _now(), lc._rid, lc._serial, "ack" if ok else "fail",
                  _NAMES[s], _NAMES[dst], True, None, ticket._op, inflight - 1, detail),
             )  # fmt: skip
             self._seq += 1
-            for write in self._writers:
-                write(record)
+            self._write(record)
         if dst == _RELEASED:
             self._release(lc)
         return lc
@@ -527,15 +552,14 @@ class LifecycleRegistry:
         lc._s = dst
         lc._outcome = outcome
         self._transitions += 1
-        if self._writers:
+        if self._write is not None:
             record = _new_record(
                 AuditRecord,
                 (self._seq, _now(), lc._rid, lc._serial, trigger.value,
                  _NAMES[s], _NAMES[dst], True, None, None, lc._inflight, detail),
             )  # fmt: skip
             self._seq += 1
-            for write in self._writers:
-                write(record)
+            self._write(record)
         if dst == _RELEASED:
             self._release(lc)
         return lc
@@ -568,7 +592,7 @@ class LifecycleRegistry:
         for hook in list(self._hooks):
             try:
                 hook(lc, req)
-            except Exception as exc:  # noqa: BLE001 - every hook runs; the first error is re-raised
+            except Exception as exc:
                 if first is None:
                     first = exc
         if first is not None:
@@ -668,15 +692,14 @@ class LifecycleRegistry:
         inflight: int,
     ) -> None:
         self._refusals[reason] += 1
-        if self._writers:
+        if self._write is not None:
             record = _new_record(
                 AuditRecord,
                 (self._seq, _now(), rid, serial, trigger, state, None, False, reason, op,
                  inflight, _EMPTY),
             )  # fmt: skip
             self._seq += 1
-            for write in self._writers:
-                write(record)
+            self._write(record)
 
     # ------------------------------------------------------------------ introspection
 

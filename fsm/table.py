@@ -148,9 +148,10 @@ class LifecycleTable:
 
     def next_state(self, state: State, trigger: Trigger, inflight: int) -> State | None:
         """The state ``trigger`` leads to from ``state`` with ``inflight`` copies in flight
-        (before the trigger), or ``None`` if the table refuses it."""
+        (before the trigger), or ``None`` if the table refuses it. A completion with
+        nothing in flight passes neither guard and is refused."""
         row = self.rows[trigger][STATES.index(state)]
-        if row is None:
+        if row is None or (trigger in COMPLETION_TRIGGERS and inflight < 1):
             return None
         return STATES[row[0] if inflight > 1 else row[1]]
 

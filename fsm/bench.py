@@ -1,0 +1,304 @@
+"""Benchmark of the core: one request's lifecycle against the bookkeeping it replaces.
+
+Run: ``python -m kvlife.fsm.bench`` (or ``kvlife bench fsm``). One lifecycle is: register,
+4 x (start_offload, ack), finish -> released. Every setup runs in the same process, in
+interleaved rounds, and the table reports the median time per lifecycle and its ratio to
+the seed-style bookkeeping measured in the same rounds. The memory line is tracemalloc's
+count of bytes retained per live lifecycle (10k live, request objects and rids excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from transitions import Machine
+
+from kvlife.fsm.audit import JsonLinesSink, MemorySink
+from kvlife.fsm.registry import LifecycleRegistry
+from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
+
+COPIES = 4
+
+
+class BenchRequest:
+    """A minimal engine request: a rid, identity hash, weak-referenceable."""
+
+    __slots__ = ("__weakref__", "inflight", "rid", "state")
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.state = "allocated"
+        self.inflight = 0
+
+
+class SeedBookkeeping:
+    """The ad-hoc bookkeeping kvlife replaces, as the engine fix it grew out of does it:
+    state and in-flight counters in WeakKeyDictionaries keyed by the request, and an
+    ``ongoing`` dict from ack id to request."""
+
+    def __init__(self) -> None:
+        self.state: WeakKeyDictionary[BenchRequest, str] = WeakKeyDictionary()
+        self.inflight: WeakKeyDictionary[BenchRequest, int] = WeakKeyDictionary()
+        self.ongoing: dict[int, BenchRequest] = {}
+        self.next_ack = 0
+
+    def register(self, req: BenchRequest) -> None:
+        if req in self.state:
+            raise ValueError("already registered")
+        self.state[req] = "allocated"
+        self.inflight[req] = 0
+
+    def start_offload(self, req: BenchRequest) -> int:
+        state = self.state[req]
+        if state not in ("allocated", "offloading"):
+            raise ValueError(f"cannot offload in {state}")
+        ack_id = self.next_ack
+        self.next_ack += 1
+        self.ongoing[ack_id] = req
+        self.inflight[req] += 1
+        self.state[req] = "offloading"
+        return ack_id
+
+    def ack(self, ack_id: int) -> None:
+        req = self.ongoing.pop(ack_id, None)
+        if req is None:
+            return
+        left = self.inflight[req] - 1
+        self.inflight[req] = left
+        if left == 0:
+            if self.state[req] == "finished_pending":
+                self._release(req)
+            else:
+                self.state[req] = "allocated"
+
+    def finish(self, req: BenchRequest) -> None:
+        if self.inflight[req]:
+            self.state[req] = "finished_pending"
+        else:
+            self._release(req)
+
+    def _release(self, req: BenchRequest) -> None:
+        del self.state[req]
+        del self.inflight[req]
+
+
+def _requests(n: int) -> list[BenchRequest]:
+    return [BenchRequest(f"req-{i}") for i in range(n)]
+
+
+def run_kvlife(registry: LifecycleRegistry, reqs: Sequence[BenchRequest]) -> None:
+    register, start, complete, finish = (
+        registry.register,
+        registry.start_offload,
+        registry.complete,
+        registry.finish,
+    )
+    for req in reqs:
+        register(req)
+        for _ in range(COPIES):
+            complete(start(req))
+        finish(req)
+
+
+def run_seed(book: SeedBookkeeping, reqs: Sequence[BenchRequest]) -> None:
+    for req in reqs:
+        book.register(req)
+        for _ in range(COPIES):
+            book.ack(book.start_offload(req))
+        book.finish(req)
+
+
+def _transitions_spec() -> dict[str, Any]:
+    machine = LIFECYCLE.machine
+    spec: list[dict[str, Any]] = []
+    for trigger, event in machine.events.items():
+        for src, transitions in event.transitions.items():
+            for t in transitions:
+                spec.append(
+                    {
+                        "trigger": trigger,
+                        "source": src,
+                        "dest": t.dest,
+                        "conditions": [c.func for c in t.conditions] or None,
+                    }
+                )
+    return {
+        "states": [s.value for s in State],
+        "transitions": spec,
+        "initial": State.ALLOCATED.value,
+        "auto_transitions": False,
+    }
+
+
+class MachineRequest(BenchRequest):
+    """A request that is its own ``transitions`` model."""
+
+    __slots__ = ("__dict__",)
+
+    def more_in_flight(self) -> bool:
+        return self.inflight > 1
+
+    def last_in_flight(self) -> bool:
+        return self.inflight == 1
+
+
+def run_machine_per_request(reqs: Sequence[MachineRequest], spec: dict[str, Any]) -> None:
+    for req in reqs:
+        req.inflight = 0
+        Machine(model=req, **spec)
+        for _ in range(COPIES):
+            req.trigger(Trigger.START_OFFLOAD.value)  # type: ignore[attr-defined]
+            req.inflight += 1
+            req.trigger(Trigger.ACK.value)  # type: ignore[attr-defined]
+            req.inflight -= 1
+        req.trigger(Trigger.FINISH.value)  # type: ignore[attr-defined]
+        # what a per-request machine leaves behind on the model
+        for name in ("trigger", "state", "machine"):
+            req.__dict__.pop(name, None)
+        req.__dict__.clear()
+
+
+def run_static_machine(reqs: Sequence[BenchRequest]) -> None:
+    events = LIFECYCLE.machine.events
+    start, ack, finish = (
+        events[Trigger.START_OFFLOAD.value],
+        events[Trigger.ACK.value],
+        events[Trigger.FINISH.value],
+    )
+    for _ in reqs:
+        model = reference_model()
+        for _ in range(COPIES):
+            start.trigger(model)
+            model.inflight += 1
+            ack.trigger(model)
+            model.inflight -= 1
+        finish.trigger(model)
+
+
+@dataclass
+class Row:
+    name: str
+    median_us: float
+    ratio: float
+
+
+def measure(
+    rounds: int = 15, batch: int = 2000, slow_batch: int = 100, keep_files: bool = False
+) -> tuple[list[Row], dict[str, float]]:
+    """Run every setup ``rounds`` times interleaved; return rows and memory figures."""
+    reqs = _requests(batch)
+    mreqs = [MachineRequest(f"req-{i}") for i in range(slow_batch)]
+    spec = _transitions_spec()
+    tmp = Path(tempfile.mkdtemp(prefix="kvlife-bench-"))
+    sink_never = JsonLinesSink(tmp / "never.jsonl", fsync="never")
+    sink_batch = JsonLinesSink(tmp / "batch.jsonl", fsync="batch")
+    registries = {
+        "kvlife, no audit": LifecycleRegistry(),
+        "kvlife + memory ring": LifecycleRegistry(sinks=[MemorySink(capacity=1 << 16)]),
+        "kvlife + JSON lines (fsync never)": LifecycleRegistry(sinks=[sink_never]),
+        "kvlife + JSON lines (fsync per batch)": LifecycleRegistry(sinks=[sink_batch]),
+    }
+    setups: dict[str, tuple[Callable[[], None], int]] = {
+        "seed-style dicts (baseline)": (lambda: run_seed(SeedBookkeeping(), reqs), batch),
+    }
+    for name, registry in registries.items():
+        setups[name] = (functools.partial(run_kvlife, registry, reqs), batch)
+    setups["transitions static machine"] = (
+        lambda: run_static_machine(reqs[:slow_batch]),
+        slow_batch,
+    )
+    setups["transitions Machine per request"] = (
+        lambda: run_machine_per_request(mreqs, spec),
+        slow_batch,
+    )
+    samples: dict[str, list[float]] = {name: [] for name in setups}
+    for fn, _ in setups.values():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for name, (fn, n) in setups.items():
+            gc.collect()
+            t0 = time.perf_counter_ns()
+            fn()
+            samples[name].append((time.perf_counter_ns() - t0) / n / 1000)
+    for sink in (sink_never, sink_batch):
+        sink.close()
+        if not keep_files:
+            (sink.path).unlink()
+    if not keep_files:
+        tmp.rmdir()
+    base = statistics.median(samples["seed-style dicts (baseline)"])
+    rows = [
+        Row(name, statistics.median(values), statistics.median(values) / base)
+        for name, values in samples.items()
+    ]
+    return rows, measure_memory()
+
+
+def measure_memory(live: int = 10_000) -> dict[str, float]:
+    """Bytes retained per live lifecycle (request objects and rids excluded)."""
+    reqs = _requests(live)
+    figures: dict[str, float] = {}
+    gc.collect()
+    tracemalloc.start()
+    try:
+        registry = LifecycleRegistry()
+        before = tracemalloc.get_traced_memory()[0]
+        for req in reqs:
+            registry.register(req)
+        figures["registered (allocated)"] = (tracemalloc.get_traced_memory()[0] - before) / live
+        tickets = [registry.start_offload(req) for req in reqs]
+        figures["offloading, 1 copy in flight"] = (
+            tracemalloc.get_traced_memory()[0] - before - sys.getsizeof(tickets)
+        ) / live
+        del tickets
+    finally:
+        tracemalloc.stop()
+    return figures
+
+
+def format_table(rows: Sequence[Row], memory: dict[str, float]) -> str:
+    """The benchmark's printed table."""
+    width = max(len(r.name) for r in rows)
+    lines = [
+        f"one lifecycle = register, {COPIES} x (start_offload, ack), finish -> released",
+        f"{'setup':<{width}}  {'median us':>10}  {'x seed-style':>12}",
+    ]
+    lines += [f"{r.name:<{width}}  {r.median_us:>10.2f}  {r.ratio:>12.2f}" for r in rows]
+    kv = next(r for r in rows if r.name == "kvlife, no audit")
+    for r in rows:
+        if r.name.startswith("transitions"):
+            lines.append(f"kvlife is {r.median_us / kv.median_us:.0f}x faster than {r.name}")
+    lines.append("bytes per live lifecycle (tracemalloc, 10k live, requests excluded):")
+    lines += [f"  {name}: {value:.0f} B" for name, value in memory.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: print the table."""
+    parser = argparse.ArgumentParser(prog="kvlife bench fsm", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    parser.add_argument(
+        "--batch", type=int, default=2000, help="lifecycles per round (default 2000)"
+    )
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.batch < 1:
+        parser.error("--rounds and --batch must be positive")
+    rows, memory = measure(rounds=args.rounds, batch=args.batch, slow_batch=min(100, args.batch))
+    print(format_table(rows, memory))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""The audit log: encoding, sinks, crash-tolerant reading and the replay checker."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+
+from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink, __version__
+from kvlife.fsm.audit import (
+    AuditFormatError,
+    AuditRecord,
+    AuditSchemaError,
+    JsonLinesSink,
+    LoggingSink,
+    check_audit,
+    encode_record,
+    read_audit,
+    record_from_dict,
+    trim_torn_tail,
+)
+from tests.strategies import HOSTILE_RIDS, Req, hostile_rids
+
+
+def _workload(registry: LifecycleRegistry, n: int, rid: str = "r") -> None:
+    """A small mixed workload: rid reuse, a late ack, a refusal."""
+    for i in range(n):
+        req = Req(f"{rid}{i % 2}")
+        ticket = registry.start_offload(registry.register(req), tokens=16)
+        registry.finish(req)
+        registry.complete(ticket)
+        registry.deliver(ticket)  # a duplicate: refused, audited
+
+
+def _write_log(path: Path, records: int) -> list[AuditRecord]:
+    memory = MemorySink()
+    with JsonLinesSink(path, fsync="never") as sink:
+        registry = LifecycleRegistry(sinks=[sink, memory])
+        while len(memory) < records:
+            _workload(registry, 1)
+    return memory.records()
+
+
+# --- encoding ----------------------------------------------------------------------------
+
+
+def test_encoding_is_json_with_the_schema_fields() -> None:
+    record = AuditRecord(3, 99, "a", 1, "ack", "offloading", "allocated", True, None, 7, 0,
+                         {"tokens": 16})  # fmt: skip
+    obj = json.loads(encode_record(record))
+    assert list(obj) == list(AuditRecord._fields)
+    assert record_from_dict(obj) == record
+    assert encode_record(record).isascii()
+
+
+@pytest.mark.parametrize("rid", HOSTILE_RIDS)
+def test_hostile_rid_stays_in_one_record(rid: str, tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    with JsonLinesSink(path, fsync="never") as sink:
+        registry = LifecycleRegistry(sinks=[sink])
+        req = Req(rid)
+        registry.complete(registry.start_offload(registry.register(req)))
+        registry.finish(req)
+    raw = path.read_bytes()
+    assert raw.count(b"\n") == 5  # header + 4 records, no line broken by the rid
+    assert b"\xe2\x80\xa8" not in raw and b"\x00" not in raw
+    log = read_audit(path)
+    assert not log.problems and log.torn_tail == 0
+    assert [r.rid for r in log.records] == [rid] * 4
+    assert check_audit(log, expect_released=True).ok
+
+
+@given(rid=hostile_rids)
+def test_any_rid_round_trips(rid: str) -> None:
+    record = AuditRecord(0, 1, rid, 0, "register", None, "allocated", True, None, None, 0, {})
+    line = encode_record(record)
+    assert "\n" not in line and "\u2028" not in line
+    assert record_from_dict(json.loads(line)) == record
+    assert len(line.splitlines()) == 1
+
+
+# --- sinks -------------------------------------------------------------------------------
+
+
+def test_jsonl_header(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    JsonLinesSink(path).close()
+    header = json.loads(path.read_text().splitlines()[0])
+    assert header["kvlife_audit"] == 1
+    assert header["library_version"] == __version__
+    assert header["table"] == LIFECYCLE.digest
+    assert isinstance(header["pid"], int) and isinstance(header["wall_start"], float)
+
+
+@pytest.mark.parametrize("policy", ["never", "batch", "record"])
+def test_every_fsync_policy_writes_every_record(policy: str, tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    memory = MemorySink()
+    sink = JsonLinesSink(path, fsync=policy, batch_records=7)  # type: ignore[arg-type]
+    registry = LifecycleRegistry(sinks=[sink, memory])
+    _workload(registry, 10)
+    if policy == "record":  # written before write() returned
+        assert len(read_audit(path).records) == len(memory)
+    sink.close()
+    sink.close()
+    assert read_audit(path).records == memory.records()
+    with pytest.raises(ValueError, match="closed"):  # at once, or at the next flush
+        sink.write(memory.records()[0])
+        sink.flush()
+
+
+def test_sink_arguments_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fsync"):
+        JsonLinesSink(tmp_path / "a", fsync="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_records"):
+        JsonLinesSink(tmp_path / "a", batch_records=0)
+    with pytest.raises(ValueError, match="capacity"):
+        MemorySink(capacity=0)
+    assert not (tmp_path / "a").exists()
+
+
+def test_memory_ring_keeps_the_newest() -> None:
+    ring = MemorySink(capacity=5)
+    registry = LifecycleRegistry(sinks=[ring])
+    _workload(registry, 5)
+    records = ring.records()
+    assert len(records) == 5 == ring.capacity
+    assert [r.seq for r in records] == list(range(records[0].seq, records[0].seq + 5))
+    ring.clear()
+    assert len(ring) == 0
+
+
+def test_logging_sink(caplog: pytest.LogCaptureFixture) -> None:
+    registry = LifecycleRegistry(sinks=[LoggingSink("kvlife.test")])
+    with caplog.at_level(logging.INFO, logger="kvlife.test"):
+        registry.register(Req("a\nb"))
+    assert len(caplog.records) == 1
+    assert json.loads(caplog.records[0].getMessage())["rid"] == "a\nb"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvlife.test"):
+        registry.register(Req("c"))
+    assert caplog.records == []
+
+
+# --- crash-tolerant reading --------------------------------------------------------------
+
+
+def test_truncation_at_every_byte_reads_back_exactly_the_complete_records(
+    tmp_path: Path,
+) -> None:
+    full = tmp_path / "full.jsonl"
+    records = _write_log(full, 50)
+    data = full.read_bytes()
+    lines = data.split(b"\n")[:-1]
+    assert len(lines) >= 51  # header + at least 50 records
+    ends = []  # byte offset just after each line's newline
+    offset = 0
+    for line in lines:
+        offset += len(line) + 1
+        ends.append(offset)
+    cut = tmp_path / "cut.jsonl"
+    for size in range(len(data) + 1):
+        cut.write_bytes(data[:size])
+        log = read_audit(cut)
+        complete = sum(1 for end in ends if end <= size)
+        assert log.records == records[: max(0, complete - 1)], size
+        assert not log.problems, (size, log.problems)
+        assert log.torn_tail == size - (ends[complete - 1] if complete else 0)
+
+
+def test_append_after_a_torn_tail_trims_it_first(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    first = _write_log(path, 10)
+    torn = b'{"seq":99,"t_ns":1,"rid":"tor'
+    with path.open("ab") as f:
+        f.write(torn)
+    assert read_audit(path).torn_tail == len(torn)
+    sink = JsonLinesSink(path, fsync="record")
+    assert sink.trimmed_bytes == len(torn)
+    registry = LifecycleRegistry(sinks=[sink])
+    registry.register(Req("after"))
+    sink.close()
+    log = read_audit(path)
+    assert not log.problems and log.torn_tail == 0
+    assert len(log.segments) == 2
+    assert log.segments[0].records == first
+    assert [r.rid for r in log.segments[1].records] == ["after"]
+    assert check_audit(log).ok
+
+
+def test_trim_torn_tail_on_missing_and_clean_files(tmp_path: Path) -> None:
+    assert trim_torn_tail(tmp_path / "missing") == 0
+    clean = tmp_path / "clean"
+    clean.write_bytes(b"a\nb\n")
+    assert trim_torn_tail(clean) == 0 and clean.read_bytes() == b"a\nb\n"
+    no_newline = tmp_path / "nonl"
+    no_newline.write_bytes(b"x" * 200_000)
+    assert trim_torn_tail(no_newline) == 200_000 and no_newline.read_bytes() == b""
+
+
+def test_corruption_in_the_middle_is_reported_not_joined(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    records = _write_log(path, 10)
+    lines = path.read_bytes().split(b"\n")
+    lines[4] = lines[4][:20]  # a torn line in the middle, followed by complete ones
+    lines[6] = b'{"seq": 1}'  # valid JSON, wrong schema
+    path.write_bytes(b"\n".join(lines))
+    log = read_audit(path)
+    assert [p.line for p in log.problems] == [5, 7]
+    assert "schema" in log.problems[1].message
+    kept = [r for i, r in enumerate(records) if i not in (3, 5)]
+    assert log.records == kept
+    report = check_audit(log)
+    assert any(v.kind == "seq_gap" for v in report.violations)
+    with pytest.raises(AuditFormatError, match=":5:"):
+        read_audit(path, strict=True)
+
+
+def test_a_file_that_is_not_an_audit_log(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('["not", "an", "object"]\n{"kvlife_audit": 2}\n')
+    log = read_audit(path)
+    assert len(log.problems) == 2 and log.records == []
+    path.write_text(encode_record(AuditRecord(0, 1, "a", 0, "register", None, "allocated",
+                                              True, None, None, 0, {})) + "\n")  # fmt: skip
+    log = read_audit(path)
+    assert "before any header" in log.problems[0].message and len(log.records) == 1
+    with pytest.raises(AuditFormatError):
+        read_audit(path, strict=True)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"seq": -1},
+        {"ok": "yes"},
+        {"trigger": "explode"},
+        {"src": "limbo"},
+        {"reason": "because"},
+        {"ok": False},  # ok false needs a reason and no dst
+        {"extra": 1},
+        {"detail": []},
+        {"serial": True},
+    ],
+)
+def test_schema_violations_are_typed(change: dict[str, object]) -> None:
+    good = json.loads(encode_record(AuditRecord(0, 1, "a", 0, "ack", "offloading", "allocated",
+                                                True, None, 0, 0, {})))  # fmt: skip
+    with pytest.raises(AuditSchemaError):
+        record_from_dict({**good, **change})
+
+
+# --- the checker -------------------------------------------------------------------------
+
+
+def _clean_records() -> list[AuditRecord]:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    old, new = Req("a"), Req("a")
+    t_old = registry.start_offload(registry.register(old))
+    registry.finish(old)
+    t_new = registry.start_offload(registry.register(new))
+    registry.complete(t_old)
+    registry.deliver(t_old)
+    registry.complete(t_new)
+    registry.abort(new)
+    return sink.records()
+
+
+def _renumber(records: list[AuditRecord]) -> list[AuditRecord]:
+    return [r._replace(seq=i) for i, r in enumerate(records)]
+
+
+def test_checker_passes_a_clean_log_and_replays_final_states() -> None:
+    report = check_audit(_clean_records(), expect_released=True)
+    assert report.ok, report.violations
+    assert {s.serial: s.state for s in report.instances.values()} == {0: "released", 1: "released"}
+    assert report.refusals == {"stale_instance": 1}
+    assert report.live == []
+
+
+def test_checker_flags_a_planted_illegal_transition() -> None:
+    records = _clean_records()
+    # finish straight from offloading to released skips finished_pending
+    i = next(i for i, r in enumerate(records) if r.trigger == "finish")
+    records[i] = records[i]._replace(dst="released")
+    kinds = {v.kind for v in check_audit(records).violations}
+    assert "illegal_transition" in kinds
+
+
+def test_checker_flags_a_seq_gap() -> None:
+    records = _clean_records()
+    del records[3]
+    violations = check_audit(records).violations
+    assert [v.kind for v in violations if v.kind == "seq_gap"] == ["seq_gap"]
+
+
+def test_checker_flags_an_ack_applied_to_the_wrong_instance() -> None:
+    records = _clean_records()
+    # the old copy's ack (serial 0) rewritten as if it completed the new instance (serial 1)
+    i = next(i for i, r in enumerate(records) if r.trigger == "ack" and r.serial == 0 and r.ok)
+    j = next(i for i, r in enumerate(records) if r.trigger == "ack" and r.serial == 1 and r.ok)
+    records[i] = records[i]._replace(serial=1, src="offloading", dst="allocated")
+    del records[j]
+    kinds = {v.kind for v in check_audit(_renumber(records)).violations}
+    assert "wrong_instance" in kinds
+
+
+def test_checker_lists_live_lifecycles_and_flags_leaks_on_request() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    registry.start_offload(registry.register(Req("stuck")))
+    report = check_audit(sink.records())
+    assert report.ok and [i.rid for i in report.live] == ["stuck"]
+    leaked = check_audit(sink.records(), expect_released=True)
+    assert [v.kind for v in leaked.violations] == ["leaked"]
+
+
+def test_checker_flags_a_refusal_that_reports_a_changed_state() -> None:
+    records = _clean_records()
+    i = next(i for i, r in enumerate(records) if not r.ok)
+    records[i] = records[i]._replace(src="offloading")
+    assert "state_mismatch" in {v.kind for v in check_audit(records).violations}

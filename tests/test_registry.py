@@ -1,0 +1,763 @@
+"""The identity registry: rid reuse, identity traps, re-admission, refusals, and a model."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvlife.fsm import (
+    DuplicateAckError,
+    DuplicateRegistrationError,
+    InvalidTransitionError,
+    Lifecycle,
+    LifecycleError,
+    LifecycleRegistry,
+    MemorySink,
+    RidConflictError,
+    StaleInstanceError,
+    State,
+    Ticket,
+    UnknownRequestError,
+    check_audit,
+)
+from tests.strategies import RIDS, EqByRid, Req, Slotted, Unhashable, request_kinds
+
+A, O, F, R = State.ALLOCATED, State.OFFLOADING, State.FINISHED_PENDING, State.RELEASED
+
+
+def snapshot(registry: LifecycleRegistry, *lcs: Lifecycle) -> tuple[Any, ...]:
+    """Everything a refusal must leave unchanged (refusal counters excluded)."""
+    stats = registry.statistics()
+    return (
+        len(registry),
+        dict(stats.live),
+        stats.registered,
+        stats.released,
+        stats.transitions,
+        stats.inflight,
+        tuple(
+            (lc.state, lc.inflight, lc.outcome, lc.req, lc.copies_started, lc._pending)
+            for lc in lcs
+        ),
+        tuple((rid, registry.live(rid)) for rid in ("a", "b", "r0", "r1", "r2")),
+    )
+
+
+# --- the rid-reuse race --------------------------------------------------------------------
+
+
+def test_rid_reuse_race_late_ack_releases_only_the_old_lifecycle() -> None:
+    registry = LifecycleRegistry()
+    old, new = Req("a"), Req("a")
+    old_lc = registry.register(old)
+    old_ticket = registry.start_offload(old)
+    registry.finish(old)
+    assert old_lc.state is F
+
+    new_lc = registry.register(new)
+    new_ticket = registry.start_offload(new)
+    assert registry.live("a") is new_lc
+
+    assert registry.complete(old_ticket) is old_lc
+    assert old_lc.state is R and old_lc.req is None and old_lc.outcome == "finished"
+    assert new_lc.state is O and new_lc.inflight == 1 and new_lc.req is new
+    assert registry.live("a") is new_lc and len(registry) == 1
+
+    assert registry.complete(new_ticket) is new_lc
+    assert new_lc.state is A and new_lc.inflight == 0
+    registry.finish(new)
+    assert new_lc.state is R and len(registry) == 0 and registry.live("a") is None
+
+
+EVENTS = ("old_finish", "new_register", "new_start", "old_ack")
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(EVENTS)), ids="-".join)
+def test_rid_reuse_race_every_order(order: tuple[str, ...]) -> None:
+    """The four events of the race in every order. An event the contract refuses at that
+    point (registering while the old lifecycle is unfinished, starting before registering)
+    raises its typed error, changes nothing, and is retried once at the end."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    old, new = EqByRid("a"), EqByRid("a")  # equal and same hash: only identity tells them apart
+    old_lc = registry.register(old)
+    old_ticket = registry.start_offload(old)
+    tickets: dict[str, Ticket] = {}
+
+    def run(event: str) -> None:
+        if event == "old_finish":
+            registry.finish(old_lc)
+        elif event == "new_register":
+            registry.register(new)
+        elif event == "new_start":
+            tickets["new"] = registry.start_offload(new)
+        else:
+            assert registry.complete(old_ticket) is old_lc
+
+    retry: list[str] = []
+    for event in order:
+        before = snapshot(registry, old_lc)
+        try:
+            run(event)
+        except RidConflictError as exc:
+            # the race retries refused events, so the error is checked where it is caught
+            assert event == "new_register" and exc.serial == old_lc.serial  # noqa: PT017
+            assert exc.rid == "a"  # noqa: PT017
+            assert snapshot(registry, old_lc) == before
+            retry.append(event)
+        except UnknownRequestError:
+            assert event == "new_start" and new not in registry
+            assert snapshot(registry, old_lc) == before
+            retry.append(event)
+    for event in sorted(retry, key=EVENTS.index):
+        run(event)
+
+    new_lc = registry.lifecycle(new)
+    assert new_lc is not old_lc
+    assert old_lc.state is R and old_lc.outcome == "finished" and old_lc.req is None
+    assert new_lc.state is O and new_lc.inflight == 1 and new_lc.outcome is None
+    assert registry.live("a") is new_lc
+    registry.complete(tickets["new"])
+    assert new_lc.state is A
+    report = check_audit(sink.records())
+    assert report.ok, report.violations
+
+
+def test_late_ack_after_new_request_finished_too() -> None:
+    registry = LifecycleRegistry()
+    old, new = Req("a"), Req("a")
+    t_old = registry.start_offload(registry.register(old))
+    registry.abort(old)
+    new_lc = registry.register(new)
+    t_new = registry.start_offload(new)
+    registry.finish(new)
+    assert registry.live("a") is new_lc
+    registry.complete(t_new)  # the new one releases first
+    assert new_lc.state is R
+    old_lc = t_old.lifecycle
+    assert registry.live("a") is old_lc and old_lc.state is F
+    registry.complete(t_old, ok=False)
+    assert old_lc.state is R and registry.live("a") is None and len(registry) == 0
+
+
+# --- identity traps ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [EqByRid, Unhashable, Slotted, Req])
+def test_identity_traps_two_requests_same_rid(kind: type) -> None:
+    registry = LifecycleRegistry()
+    first, second = kind("x"), kind("x")
+    lc1 = registry.register(first)
+    t1 = registry.start_offload(first)
+    registry.finish(first)
+    lc2 = registry.register(second)
+    assert registry.lifecycle(first) is lc1 and registry.lifecycle(second) is lc2
+    assert first in registry and second in registry
+    registry.complete(t1)
+    assert first not in registry and second in registry
+    with pytest.raises(UnknownRequestError):
+        registry.lifecycle(first)
+    with pytest.raises(UnknownRequestError, match="not the object registered under rid 'x'"):
+        registry.finish(first)
+    assert lc2.state is A
+    registry.abort(second)
+    assert lc2.state is R and lc2.outcome == "aborted"
+
+
+def test_plain_object_with_explicit_rid() -> None:
+    registry = LifecycleRegistry()
+    req = object()
+    lc = registry.register(req, rid="plain")
+    assert lc.rid == "plain" and registry.lifecycle(req) is lc and req in registry
+    registry.finish(registry.start_offload(req).lifecycle)
+    assert lc.state is F
+
+
+@pytest.mark.parametrize("bad_rid", [None, 7, b"bytes", 1.5])
+def test_register_refuses_a_non_str_rid(bad_rid: object) -> None:
+    registry = LifecycleRegistry()
+    with pytest.raises(TypeError, match="rid must be a str"):
+        registry.register(object(), rid=bad_rid)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="rid must be a str"):
+        registry.register(object())  # no rid attribute at all
+    assert len(registry) == 0 and registry.statistics().registered == 0
+
+
+def test_a_lifecycle_or_ticket_is_not_a_request() -> None:
+    registry = LifecycleRegistry()
+    lc = registry.register(Req("a"))
+    with pytest.raises(TypeError):
+        registry.register(lc, rid="b")
+    with pytest.raises(TypeError):
+        registry.register(None, rid="b")
+    assert len(registry) == 1
+
+
+def test_different_object_with_registered_rid_is_unknown() -> None:
+    registry = LifecycleRegistry()
+    registry.register(EqByRid("a"))
+    impostor = EqByRid("a")
+    with pytest.raises(UnknownRequestError, match="not the object registered") as info:
+        registry.start_offload(impostor)
+    assert info.value.rid == "a" and info.value.reason == "unknown_request"
+
+
+def test_id_recycling_with_late_tickets_never_touches_a_live_lifecycle() -> None:
+    """100,000 register/release cycles of fresh objects whose ``id()`` gets recycled; the
+    ticket of every released lifecycle is delivered late. Every one is refused as stale and
+    no live lifecycle moves."""
+    registry = LifecycleRegistry()
+    anchors = [Req(f"anchor-{i}") for i in range(3)]
+    anchor_tickets = [registry.start_offload(registry.register(a)) for a in anchors]
+    anchor_lcs = [t.lifecycle for t in anchor_tickets]
+    anchor_before = [(lc.state, lc.inflight, lc._pending) for lc in anchor_lcs]
+    seen_ids: set[int] = set()
+    recycled = stale = 0
+    late: list[Ticket] = []
+    for i in range(100_000):
+        req: Any = (Req, EqByRid, Slotted)[i % 3]("cycle")  # same rid every time
+        if id(req) in seen_ids:
+            recycled += 1
+        seen_ids.add(id(req))
+        registry.register(req)
+        ticket = registry.start_offload(req)
+        registry.finish(req)
+        registry.complete(ticket)
+        late.append(ticket)
+        del req
+        if len(late) == 16:
+            for old in late:
+                assert registry.deliver(old) == "stale_instance"
+                stale += 1
+            late.clear()
+    assert recycled > 50_000, recycled  # CPython reuses freed ids: the trap is real
+    assert stale == 100_000
+    assert [(lc.state, lc.inflight, lc._pending) for lc in anchor_lcs] == anchor_before
+    assert len(registry) == 3
+    assert registry.statistics().refusals["stale_instance"] == 100_000
+    for t in anchor_tickets:
+        registry.complete(t)
+    assert all(lc.state is A for lc in anchor_lcs)
+
+
+# --- re-admission ------------------------------------------------------------------------
+
+
+def test_readmission_of_the_same_object_with_a_copy_in_flight() -> None:
+    registry = LifecycleRegistry()
+    req = Req("a")
+    first = registry.register(req)
+    t_first = registry.start_offload(req)
+    registry.abort(req)
+    assert first.state is F
+    second = registry.register(req)  # preempted and re-admitted: same object
+    assert registry.lifecycle(req) is second and second is not first
+    t_second = registry.start_offload(req)
+    registry.complete(t_first)
+    assert first.state is R and first.outcome == "aborted" and first.req is None
+    assert second.state is O and second.inflight == 1 and registry.lifecycle(req) is second
+    assert req in registry
+    registry.complete(t_second)
+    registry.finish(req)
+    assert second.state is R and req not in registry
+
+
+def test_register_twice_while_unfinished_is_refused() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    lc = registry.register(req)
+    for state_setup in (lambda: None, lambda: registry.start_offload(req)):
+        state_setup()
+        before = snapshot(registry, lc)
+        with pytest.raises(DuplicateRegistrationError) as info:
+            registry.register(req)
+        assert info.value.serial == lc.serial and info.value.state == lc.state.value
+        assert snapshot(registry, lc) == before
+        assert sink.records()[-1].reason == "duplicate_registration"
+        assert sink.records()[-1].ok is False
+
+
+# --- every refused (state, trigger) pair --------------------------------------------------
+
+
+@dataclass
+class Setup:
+    registry: LifecycleRegistry
+    sink: MemorySink
+    req: Req
+    lc: Lifecycle
+    tickets: list[Ticket] = field(default_factory=list)
+
+
+def _in_state(state: State) -> Setup:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    lc = registry.register(req)
+    setup = Setup(registry, sink, req, lc)
+    if state is A:
+        setup.tickets.append(registry.start_offload(req))
+        registry.complete(setup.tickets[0])  # an already-used ticket for ack/fail in A
+    elif state is F:
+        setup.tickets += [registry.start_offload(req), registry.start_offload(req)]
+        registry.complete(setup.tickets[0])  # used ticket; one copy still in flight
+        registry.finish(req)
+    elif state is R:
+        setup.tickets.append(registry.start_offload(req))
+        registry.finish(req)
+        registry.complete(setup.tickets[0])
+    assert lc.state is state
+    return setup
+
+
+REFUSED: list[tuple[State, str, type[LifecycleError]]] = [
+    (A, "ack", DuplicateAckError),
+    (A, "fail", DuplicateAckError),
+    (F, "start_offload", InvalidTransitionError),
+    (F, "finish", InvalidTransitionError),
+    (F, "abort", InvalidTransitionError),
+    (F, "ack", DuplicateAckError),  # the used ticket; the live one is accepted
+    (R, "start_offload", StaleInstanceError),
+    (R, "finish", StaleInstanceError),
+    (R, "abort", StaleInstanceError),
+    (R, "ack", StaleInstanceError),
+    (R, "fail", StaleInstanceError),
+]
+
+
+@pytest.mark.parametrize(("state", "trigger", "error"), REFUSED)
+def test_refused_pair_raises_typed_error_and_changes_nothing(
+    state: State, trigger: str, error: type[LifecycleError]
+) -> None:
+    s = _in_state(state)
+    before = snapshot(s.registry, s.lc)
+    refusals_before = s.registry.statistics().refusals[error.reason]
+    n_records = len(s.sink)
+    calls: dict[str, Callable[[], object]] = {
+        "start_offload": lambda: s.registry.start_offload(s.lc),
+        "finish": lambda: s.registry.finish(s.lc),
+        "abort": lambda: s.registry.abort(s.lc),
+        "ack": lambda: s.registry.complete(s.tickets[0]),
+        "fail": lambda: s.registry.complete(s.tickets[0], ok=False),
+    }
+    with pytest.raises(error) as info:
+        calls[trigger]()
+    exc = info.value
+    assert type(exc) is error
+    assert (exc.serial, exc.rid, exc.state, exc.trigger, exc.reason) == (
+        s.lc.serial,
+        "a",
+        state.value,
+        trigger,
+        error.reason,
+    )
+    assert str(exc)
+    assert snapshot(s.registry, s.lc) == before
+    assert s.registry.statistics().refusals[error.reason] == refusals_before + 1
+    assert len(s.sink) == n_records + 1
+    record = s.sink.records()[-1]
+    assert (record.ok, record.dst, record.reason, record.trigger, record.src, record.serial) == (
+        False,
+        None,
+        error.reason,
+        trigger,
+        state.value,
+        s.lc.serial,
+    )
+    assert check_audit(s.sink.records()).ok
+
+
+def test_stale_is_a_kind_of_invalid_transition() -> None:
+    assert issubclass(StaleInstanceError, InvalidTransitionError)
+    assert issubclass(DuplicateAckError, InvalidTransitionError)
+    assert issubclass(UnknownRequestError, LookupError)
+
+
+def test_refusal_through_a_request_object_after_release_is_unknown() -> None:
+    registry = LifecycleRegistry()
+    req = Req("a")
+    registry.register(req)
+    registry.finish(req)
+    for call in (registry.start_offload, registry.finish, registry.abort, registry.lifecycle):
+        with pytest.raises(UnknownRequestError):
+            call(req)
+    assert registry.statistics().refusals["unknown_request"] == 3  # lookups are not audited
+
+
+def test_another_registrys_ticket_and_lifecycle_are_unknown() -> None:
+    one, two = LifecycleRegistry(), LifecycleRegistry()
+    req = Req("a")
+    ticket = one.start_offload(one.register(req))
+    lc = ticket.lifecycle
+    with pytest.raises(UnknownRequestError, match="another registry"):
+        two.complete(ticket)
+    with pytest.raises(UnknownRequestError, match="another registry"):
+        two.finish(lc)
+    assert two.deliver(ticket) == "unknown_request"
+    assert lc.state is O and lc.inflight == 1
+    one.complete(ticket)
+
+
+def test_deliver_counts_instead_of_raising() -> None:
+    registry = LifecycleRegistry()
+    req = Req("a")
+    ticket = registry.start_offload(registry.register(req))
+    assert registry.deliver(ticket) is None
+    assert registry.deliver(ticket) == "duplicate_ack"
+    registry.finish(req)
+    assert registry.deliver(ticket) == "stale_instance"
+    with pytest.raises(TypeError):
+        registry.deliver("not a ticket")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        registry.complete(object())  # type: ignore[arg-type]
+
+
+def test_lifecycle_and_ticket_have_no_public_constructor() -> None:
+    with pytest.raises(TypeError, match="register"):
+        Lifecycle()
+    with pytest.raises(TypeError, match="start_offload"):
+        Ticket()
+
+
+def test_lifecycle_attributes_are_read_only() -> None:
+    registry = LifecycleRegistry()
+    lc = registry.register(Req("a"))
+    for name in ("rid", "serial", "state", "inflight", "outcome", "req"):
+        with pytest.raises(AttributeError):
+            setattr(lc, name, None)
+
+
+# --- hooks, statistics, sinks -------------------------------------------------------------
+
+
+def test_on_release_runs_exactly_once_with_the_request() -> None:
+    registry = LifecycleRegistry()
+    calls: list[tuple[Lifecycle, Any]] = []
+    registry.on_release(lambda lc, req: calls.append((lc, req)))
+    req = Req("a")
+    t1 = registry.start_offload(registry.register(req))
+    t2 = registry.start_offload(req)
+    registry.finish(req)
+    registry.complete(t1)
+    assert calls == []
+    registry.complete(t2)
+    assert len(calls) == 1 and calls[0][1] is req and calls[0][0].state is R
+    registry.deliver(t2)
+    assert len(calls) == 1
+
+
+def test_a_raising_hook_still_releases_and_runs_the_others() -> None:
+    registry = LifecycleRegistry()
+    seen: list[str] = []
+
+    def broken(lc: Lifecycle, req: Any) -> None:
+        raise RuntimeError("hook failed")
+
+    registry.on_release(broken)
+    registry.on_release(lambda lc, req: seen.append(lc.rid))
+    req = Req("a")
+    lc = registry.register(req)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        registry.finish(req)
+    assert lc.state is R and seen == ["a"] and len(registry) == 0
+
+
+def test_release_drops_every_reference_to_the_request() -> None:
+    registry = LifecycleRegistry()
+    req = Req("a")
+    ref = weakref.ref(req)
+    t = registry.start_offload(registry.register(req))
+    registry.finish(req)
+    del req
+    gc.collect()
+    assert ref() is not None  # held while the copy is in flight
+    registry.complete(t)
+    gc.collect()
+    assert ref() is None
+
+
+def test_statistics_show_live_states_and_oldest() -> None:
+    registry = LifecycleRegistry()
+    a, b, c = Req("a"), Req("b"), Req("c")
+    registry.register(a)
+    registry.start_offload(registry.register(b))
+    registry.start_offload(registry.register(c))
+    registry.finish(c)
+    stats = registry.statistics()
+    assert stats.live == {A: 1, O: 1, F: 1, R: 0}
+    assert stats.oldest_live == ("a", 0) and stats.oldest_live_age_s is not None
+    assert stats.registered == 3 and stats.released == 0 and stats.inflight == 2
+    assert stats.transitions == 3
+    assert set(stats.refusals) == {
+        "invalid_transition",
+        "stale_instance",
+        "duplicate_ack",
+        "unknown_request",
+        "rid_conflict",
+        "duplicate_registration",
+    }
+    assert [lc.rid for lc in registry.lifecycles()] == ["a", "b", "c"]
+
+
+def test_no_sink_builds_no_record_and_sinks_can_be_detached() -> None:
+    registry = LifecycleRegistry()
+    registry.register(Req("a"))
+    assert registry._seq == 0
+    sink = MemorySink()
+    registry.attach(sink)
+    registry.register(Req("b"))
+    registry.detach(sink)
+    registry.register(Req("c"))
+    assert [r.rid for r in sink.records()] == ["b"]
+    with pytest.raises(ValueError, match="not attached"):
+        registry.detach(sink)
+    with pytest.raises(TypeError, match="write"):
+        registry.attach(object())
+
+
+def test_two_sinks_receive_the_same_records() -> None:
+    one, two = MemorySink(), MemorySink()
+    registry = LifecycleRegistry(sinks=[one, two])
+    registry.finish(registry.register(Req("a")))
+    assert one.records() == two.records() and len(one) == 2
+
+
+def test_detail_is_audited() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    registry.register(req)
+    ticket = registry.start_offload(req, tokens=16, bytes=2048)
+    registry.complete(ticket, pages=1)
+    assert sink.records()[1].detail == {"tokens": 16, "bytes": 2048}
+    assert sink.records()[2].detail == {"pages": 1}
+    assert ticket.op == sink.records()[1].op == sink.records()[2].op
+
+
+# --- a model-based test over rids drawn from three values -----------------------------------
+
+
+@dataclass
+class ModelInstance:
+    serial: int
+    rid: str
+    req: Any
+    state: State = A
+    pending: set[int] = field(default_factory=set)
+    outcome: str | None = None
+    finished_called: bool = False
+
+
+COVERAGE: dict[str, int] = {
+    "rid_reuse_with_copy_in_flight": 0,
+    "stale_refusal": 0,
+    "finish_with_copy_in_flight": 0,
+    "duplicate_refusal": 0,
+    "readmission": 0,
+}
+
+
+class RegistryModel(RuleBasedStateMachine):
+    """Drives a registry with random register/start/ack/fail/finish/abort and late or
+    duplicate ticket deliveries; a plain-Python model predicts every outcome."""
+
+    reqs = Bundle("reqs")
+    tickets = Bundle("tickets")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sink = MemorySink(capacity=1 << 20)
+        self.registry = LifecycleRegistry(sinks=[self.sink])
+        self.released: list[tuple[int, Any]] = []
+        self.registry.on_release(lambda lc, req: self.released.append((lc.serial, req)))
+        self.model: dict[int, ModelInstance] = {}
+        self.current: dict[int, int] = {}  # id(req) -> serial of its current lifecycle
+        self.lcs: dict[int, Lifecycle] = {}
+        self.ticket_serial: dict[int, int] = {}  # op -> serial
+        self.next_serial = 0
+
+    # model helpers
+    def newest(self, rid: str) -> ModelInstance | None:
+        live = [m for m in self.model.values() if m.rid == rid and m.state is not R]
+        return max(live, key=lambda m: m.serial) if live else None
+
+    def current_of(self, req: Any) -> ModelInstance | None:
+        serial = self.current.get(id(req))
+        if serial is None:
+            return None
+        inst = self.model[serial]
+        return inst if inst.state is not R else None
+
+    @rule(target=reqs, kind=request_kinds, rid=RIDS)
+    def new_request(self, kind: type, rid: str) -> Any:
+        return kind(rid)
+
+    @rule(req=reqs)
+    def register(self, req: Any) -> None:
+        cur = self.current_of(req)
+        newest = self.newest(req.rid)
+        if cur is not None and cur.state in (A, O):
+            with pytest.raises(DuplicateRegistrationError):
+                self.registry.register(req)
+            return
+        if newest is not None and newest.state in (A, O):
+            with pytest.raises(RidConflictError):
+                self.registry.register(req)
+            return
+        if any(m.rid == req.rid and m.state is not R and m.pending for m in self.model.values()):
+            COVERAGE["rid_reuse_with_copy_in_flight"] += 1
+        if cur is not None:
+            COVERAGE["readmission"] += 1
+        lc = self.registry.register(req)
+        assert lc.serial == self.next_serial
+        self.next_serial += 1
+        self.model[lc.serial] = ModelInstance(lc.serial, req.rid, req)
+        self.lcs[lc.serial] = lc
+        self.current[id(req)] = lc.serial
+        note(f"registered {lc!r}")
+
+    def _target(self, req: Any, via_lifecycle: bool) -> tuple[Any, ModelInstance | None]:
+        inst = self.current_of(req)
+        if via_lifecycle:
+            serial = self.current.get(id(req))
+            if serial is None:
+                return None, None
+            return self.lcs[serial], self.model[serial]
+        return req, inst
+
+    @rule(target=tickets, req=reqs, via_lifecycle=st.booleans())
+    def start_offload(self, req: Any, via_lifecycle: bool) -> Any:
+        target, inst = self._target(req, via_lifecycle)
+        if target is None:
+            return None
+        if inst is None:
+            with pytest.raises(UnknownRequestError):
+                self.registry.start_offload(target)
+            return None
+        if inst.state is R:
+            with pytest.raises(StaleInstanceError):
+                self.registry.start_offload(target)
+            COVERAGE["stale_refusal"] += 1
+            return None
+        if inst.state is F:
+            with pytest.raises(InvalidTransitionError):
+                self.registry.start_offload(target)
+            return None
+        ticket = self.registry.start_offload(target)
+        inst.state = O
+        inst.pending.add(ticket.op)
+        self.ticket_serial[ticket.op] = inst.serial
+        return ticket
+
+    @rule(ticket=tickets, ok=st.booleans(), raising=st.booleans())
+    def deliver(self, ticket: Ticket | None, ok: bool, raising: bool) -> None:
+        if ticket is None:
+            return
+        inst = self.model[self.ticket_serial[ticket.op]]
+        if inst.state is R or ticket.op not in inst.pending:
+            expected: type[LifecycleError] = (
+                StaleInstanceError if inst.state is R else DuplicateAckError
+            )
+            COVERAGE["stale_refusal" if inst.state is R else "duplicate_refusal"] += 1
+            if raising:
+                with pytest.raises(expected):
+                    self.registry.complete(ticket, ok=ok)
+            else:
+                assert self.registry.deliver(ticket, ok=ok) == expected.reason
+            return
+        if raising:
+            assert self.registry.complete(ticket, ok=ok) is self.lcs[inst.serial]
+        else:
+            assert self.registry.deliver(ticket, ok=ok) is None
+        inst.pending.discard(ticket.op)
+        if not inst.pending:
+            inst.state = A if inst.state is O else R
+
+    @rule(ticket=consumes(tickets))
+    def forget_ticket(self, ticket: Ticket | None) -> None:
+        """A ticket leaves the bundle (lets others be drawn more often)."""
+
+    @rule(req=reqs, abort=st.booleans(), via_lifecycle=st.booleans())
+    def end(self, req: Any, abort: bool, via_lifecycle: bool) -> None:
+        target, inst = self._target(req, via_lifecycle)
+        if target is None:
+            return
+        call = self.registry.abort if abort else self.registry.finish
+        if inst is None:
+            with pytest.raises(UnknownRequestError):
+                call(target)
+            return
+        if inst.state is R:
+            with pytest.raises(StaleInstanceError):
+                call(target)
+            COVERAGE["stale_refusal"] += 1
+            return
+        if inst.state is F:
+            with pytest.raises(InvalidTransitionError):
+                call(target)
+            return
+        if inst.pending:
+            COVERAGE["finish_with_copy_in_flight"] += 1
+        call(target)
+        inst.outcome = "aborted" if abort else "finished"
+        inst.state = F if inst.pending else R
+
+    @invariant()
+    def lifecycles_match_the_model(self) -> None:
+        # §6.3 and §6.4: each lifecycle is exactly what its own transitions made it.
+        for serial, inst in self.model.items():
+            lc = self.lcs[serial]
+            assert lc.state is inst.state, (lc, inst)
+            assert lc.inflight == len(inst.pending)
+            assert lc.outcome == inst.outcome
+            assert (lc.req is None) == (inst.state is R)
+            if inst.state is not R:
+                assert lc.req is inst.req
+        live = [m for m in self.model.values() if m.state is not R]
+        assert len(self.registry) == len(live)
+        for rid in ("r0", "r1", "r2"):
+            newest = self.newest(rid)
+            got = self.registry.live(rid)
+            assert (got.serial if got else None) == (newest.serial if newest else None)
+        # §6.5: finished/aborted with copies resolved means released, hook run once.
+        released = [s for s, _ in self.released]
+        assert len(released) == len(set(released))
+        assert set(released) == {m.serial for m in self.model.values() if m.state is R}
+        for serial, req in self.released:
+            assert req is self.model[serial].req
+
+    def teardown(self) -> None:
+        # §6.6: replaying the audit log reproduces every lifecycle's final state.
+        report = check_audit(self.sink.records())
+        assert report.ok, report.violations[:5]
+        for (_, serial), summary in report.instances.items():
+            assert summary.state == self.model[serial].state.value
+            assert summary.inflight == len(self.model[serial].pending)
+        assert len(report.instances) == len(self.model)
+
+
+def test_registry_model() -> None:
+    for key in COVERAGE:
+        COVERAGE[key] = 0
+    run_state_machine_as_test(RegistryModel)
+    # coverage guards: the run must have exercised the races it exists for
+    for key in ("rid_reuse_with_copy_in_flight", "stale_refusal", "finish_with_copy_in_flight",
+                "duplicate_refusal", "readmission"):  # fmt: skip
+        assert COVERAGE[key] > 0, (key, COVERAGE)
