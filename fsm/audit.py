@@ -24,10 +24,12 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, Literal
+
+import msgspec
 
 from kvlife.fsm._version import __version__
 from kvlife.fsm.errors import REASONS
@@ -43,15 +45,20 @@ REGISTER: Final = "register"
 DetailValue = int | float | str | bool | None
 
 
-class AuditRecord(NamedTuple):
-    """One accepted or refused transition. Holds no live references.
+class AuditRecord(msgspec.Struct, frozen=True, gc=False):
+    """One accepted or refused transition. Immutable; holds no live references.
 
     Fields follow schema version 1 of the contract (§4): ``seq`` is gap-free per registry;
     ``t_ns`` is ``time.monotonic_ns()``; ``serial`` is ``None`` only when no lifecycle was
     found (``unknown_request``); ``src`` is the state before (``None`` for a registration
     or when no lifecycle was found); ``dst`` is ``None`` when refused; ``reason`` is
     ``None`` when accepted; ``op`` is the ticket's copy number for ``start_offload``,
-    ``ack`` and ``fail``; ``inflight`` is the copies in flight after the record.
+    ``ack`` and ``fail``; ``inflight`` is the copies in flight after the record; ``detail``
+    holds small scalars (tokens, bytes, pages).
+
+    A ``msgspec.Struct`` with ``gc=False``: building one costs about as much as a tuple and
+    the cycle collector never scans the records a ring holds (they cannot form cycles:
+    every field is a scalar or a dict of scalars).
     """
 
     seq: int
@@ -65,47 +72,47 @@ class AuditRecord(NamedTuple):
     reason: str | None
     op: int | None
     inflight: int
-    detail: Mapping[str, DetailValue]
+    detail: dict[str, DetailValue]
 
     def to_json(self) -> str:
-        """The record as one line of JSON (no newline), ASCII only."""
+        """The record as one line of JSON (no newline)."""
         return encode_record(self)
 
-
-_FIELDS: Final = AuditRecord._fields
-_encode_str: Callable[[str], str] = json.encoder.encode_basestring_ascii
-# Every name that can appear in src/dst/trigger/reason, already quoted for JSON.
-_QUOTED: Final[dict[str | None, str]] = {None: "null"}
-_QUOTED.update({s.value: f'"{s.value}"' for s in State})
-_QUOTED.update({t.value: f'"{t.value}"' for t in Trigger})
-_QUOTED.update({r: f'"{r}"' for r in REASONS})
-_QUOTED[REGISTER] = f'"{REGISTER}"'
+    def replace(self, **changes: Any) -> AuditRecord:
+        """A copy with some fields changed (records are immutable)."""
+        return msgspec.structs.replace(self, **changes)
 
 
-def _encode_detail(detail: Mapping[str, DetailValue]) -> str:
-    if not detail:
-        return "{}"
-    return json.dumps(detail, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+#: Field names in schema order.
+RECORD_FIELDS: Final[tuple[str, ...]] = AuditRecord.__struct_fields__
+_ENCODER: Final = msgspec.json.Encoder()
+# JSON allows U+0085, U+2028 and U+2029 raw, but str.splitlines() (and JavaScript, for the
+# last two) break lines there: they are escaped so a hostile rid stays on its one line for
+# every reader. msgspec already escapes every character below U+0020.
+_LINE_BREAKS: Final = (
+    ("\u0085".encode(), b"\\u0085"),
+    ("\u2028".encode(), b"\\u2028"),
+    ("\u2029".encode(), b"\\u2029"),
+)
 
 
-def encode_record(r: AuditRecord) -> str:
-    """Encode a record as one ASCII JSON line (no newline).
+def encode_lines(records: Iterable[AuditRecord]) -> bytes:
+    """Encode records as JSON lines (UTF-8, each line ending in a newline).
 
-    Strings are escaped by the C JSON encoder (``ensure_ascii``): quotes, backslashes,
-    control characters, NUL, U+2028/U+2029 and every other non-ASCII character come out
-    as escapes, so a hostile rid can never break a record into two lines.
+    Strings are escaped by msgspec: quotes, backslashes, newlines and every control
+    character including NUL; U+0085, U+2028 and U+2029 are escaped here. A hostile rid can
+    never break a record into two lines, for any reader.
     """
-    seq, t_ns, rid, serial, trigger, src, dst, ok, reason, op, inflight, detail = r
-    quoted = _QUOTED
-    return (
-        f'{{"seq":{seq:d},"t_ns":{t_ns:d},'
-        f'"rid":{"null" if rid is None else _encode_str(rid)},'
-        f'"serial":{"null" if serial is None else int(serial)},'
-        f'"trigger":{quoted.get(trigger) or _encode_str(trigger)},'
-        f'"src":{quoted[src]},"dst":{quoted[dst]},"ok":{"true" if ok else "false"},'
-        f'"reason":{quoted[reason]},"op":{"null" if op is None else int(op)},'
-        f'"inflight":{inflight:d},"detail":{_encode_detail(detail) if detail else "{}"}}}'
-    )
+    data = _ENCODER.encode_lines(records)
+    if not data.isascii():
+        for raw, escaped in _LINE_BREAKS:
+            data = data.replace(raw, escaped)
+    return data
+
+
+def encode_record(record: AuditRecord) -> str:
+    """Encode one record as a line of JSON, without the newline."""
+    return encode_lines((record,))[:-1].decode()
 
 
 class AuditSchemaError(ValueError):
@@ -122,9 +129,9 @@ def record_from_dict(obj: Mapping[str, Any]) -> AuditRecord:
     Raises:
         AuditSchemaError: a field is missing, extra, or of the wrong type or value.
     """
-    if set(obj) != set(_FIELDS):
-        missing = sorted(set(_FIELDS) - set(obj))
-        extra = sorted(set(obj) - set(_FIELDS))
+    if set(obj) != set(RECORD_FIELDS):
+        missing = sorted(set(RECORD_FIELDS) - set(obj))
+        extra = sorted(set(obj) - set(RECORD_FIELDS))
         raise AuditSchemaError(
             f"record fields differ from schema 1: missing {missing}, extra {extra}"
         )
@@ -148,7 +155,7 @@ def record_from_dict(obj: Mapping[str, Any]) -> AuditRecord:
         raise AuditSchemaError(f"bad value for {bad} in record {dict(obj)!r:.200}")
     if obj["ok"] != (obj["reason"] is None) or obj["ok"] != (obj["dst"] is not None):
         raise AuditSchemaError(f"ok/reason/dst disagree in record seq={obj['seq']}")
-    return AuditRecord(*(obj[name] for name in _FIELDS))
+    return AuditRecord(**obj)
 
 
 def make_header() -> dict[str, Any]:
@@ -277,10 +284,10 @@ class JsonLinesSink:
         self.batch_records = batch_records
         self.trimmed_bytes = trim_torn_tail(self.path)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._buffer: list[str] = []
+        self._buffer: list[AuditRecord] = []
         self.records_written = 0
         header = json.dumps(make_header(), separators=(",", ":"), ensure_ascii=True)
-        self._write_bytes((header + "\n").encode("ascii"), sync=fsync != "never")
+        self._write_bytes(f"{header}\n".encode("ascii"), sync=fsync != "never")
         self.write = self._write_record if fsync == "record" else self._buffer_record
 
     def _write_bytes(self, data: bytes, *, sync: bool) -> None:
@@ -295,12 +302,12 @@ class JsonLinesSink:
             os.fsync(fd)
 
     def _write_record(self, record: AuditRecord) -> None:
-        self._write_bytes((encode_record(record) + "\n").encode("ascii"), sync=True)
+        self._write_bytes(encode_lines((record,)), sync=True)
         self.records_written += 1
 
     def _buffer_record(self, record: AuditRecord) -> None:
         buffer = self._buffer
-        buffer.append(encode_record(record))
+        buffer.append(record)  # encoded in batches: one msgspec call per flush
         if len(buffer) >= self.batch_records:
             self.flush()
 
@@ -308,10 +315,10 @@ class JsonLinesSink:
         """Write buffered records (and fsync unless the policy is ``"never"``)."""
         if not self._buffer:
             return
-        lines = self._buffer
+        records = self._buffer
         self._buffer = []
-        self._write_bytes(("\n".join(lines) + "\n").encode("ascii"), sync=self.fsync != "never")
-        self.records_written += len(lines)
+        self._write_bytes(encode_lines(records), sync=self.fsync != "never")
+        self.records_written += len(records)
 
     def close(self) -> None:
         """Flush and close the file. Closing twice is harmless."""

@@ -54,9 +54,7 @@ _ABORT: Final = LIFECYCLE.rows[Trigger.ABORT]
 # object cannot be registered again.
 _UNFINISHED: Final = (_ALLOCATED, _OFFLOADING)
 
-_EMPTY: Final[Mapping[str, DetailValue]] = {}
 _now = time.monotonic_ns
-_new_record = tuple.__new__
 
 ReleaseHook = Callable[["Lifecycle", Any], None]
 
@@ -191,6 +189,19 @@ class Ticket:
 
     def __repr__(self) -> str:
         return f"<Ticket op={self._op} serial={self._lc._serial} rid={self._lc._rid!r}>"
+
+
+_DETAIL_TYPES: Final = (int, float, str, bool, type(None))
+
+
+def _check_detail(detail: Mapping[str, object]) -> None:
+    """Audit detail must be small scalars: no live objects, no prompt content."""
+    for key, value in detail.items():
+        if not isinstance(value, _DETAIL_TYPES):
+            raise TypeError(
+                f"audit detail {key}={type(value).__name__} is not a scalar "
+                "(int, float, str, bool or None); nothing changed"
+            )
 
 
 _new_lifecycle = object.__new__
@@ -391,23 +402,10 @@ class LifecycleRegistry:
         self._by_rid[rid] = lc
         self._live[serial] = lc
         if self._write is not None:
-            record = _new_record(
-                AuditRecord,
-                (
-                    self._seq,
-                    _now(),
-                    rid,
-                    serial,
-                    REGISTER,
-                    None,
-                    "allocated",
-                    True,
-                    None,
-                    None,
-                    0,
-                    _EMPTY,
-                ),
-            )
+            record = AuditRecord(
+                self._seq, _now(), rid, serial, REGISTER, None, "allocated", True, None, None,
+                0, {},
+            )  # fmt: skip
             self._seq += 1
             self._write(record)
         return lc
@@ -425,6 +423,8 @@ class LifecycleRegistry:
             InvalidTransitionError: the state refuses it (``finished_pending``).
             In every case no ticket exists and nothing changed.
         """
+        if detail:
+            _check_detail(detail)
         lc = self._by_id.get(id(target))
         if lc is None:
             lc = self._resolve(target, Trigger.START_OFFLOAD)
@@ -446,10 +446,9 @@ class LifecycleRegistry:
         ticket._op = op
         ticket._bit = bit
         if self._write is not None:
-            record = _new_record(
-                AuditRecord,
-                (self._seq, _now(), lc._rid, lc._serial, "start_offload",
-                 _NAMES[s], _NAMES[row[0]], True, None, op, inflight, detail),
+            record = AuditRecord(
+                self._seq, _now(), lc._rid, lc._serial, "start_offload",
+                _NAMES[s], _NAMES[row[0]], True, None, op, inflight, detail,
             )  # fmt: skip
             self._seq += 1
             self._write(record)
@@ -472,6 +471,8 @@ class LifecycleRegistry:
         """
         if type(ticket) is not Ticket:
             raise TypeError(f"complete() needs a Ticket, got {type(ticket).__name__}")
+        if detail:
+            _check_detail(detail)
         lc = ticket._lc
         s = lc._s
         bit = ticket._bit
@@ -487,10 +488,9 @@ class LifecycleRegistry:
         lc._s = dst
         self._transitions += 1
         if self._write is not None:
-            record = _new_record(
-                AuditRecord,
-                (self._seq, _now(), lc._rid, lc._serial, "ack" if ok else "fail",
-                 _NAMES[s], _NAMES[dst], True, None, ticket._op, inflight - 1, detail),
+            record = AuditRecord(
+                self._seq, _now(), lc._rid, lc._serial, "ack" if ok else "fail",
+                _NAMES[s], _NAMES[dst], True, None, ticket._op, inflight - 1, detail,
             )  # fmt: skip
             self._seq += 1
             self._write(record)
@@ -539,8 +539,10 @@ class LifecycleRegistry:
         trigger: Trigger,
         rows: tuple[tuple[int, int] | None, ...],
         outcome: Outcome,
-        detail: Mapping[str, DetailValue],
+        detail: dict[str, DetailValue],
     ) -> Lifecycle:
+        if detail:
+            _check_detail(detail)
         lc = self._by_id.get(id(target))
         if lc is None:
             lc = self._resolve(target, trigger)
@@ -553,10 +555,9 @@ class LifecycleRegistry:
         lc._outcome = outcome
         self._transitions += 1
         if self._write is not None:
-            record = _new_record(
-                AuditRecord,
-                (self._seq, _now(), lc._rid, lc._serial, trigger.value,
-                 _NAMES[s], _NAMES[dst], True, None, None, lc._inflight, detail),
+            record = AuditRecord(
+                self._seq, _now(), lc._rid, lc._serial, trigger.value,
+                _NAMES[s], _NAMES[dst], True, None, None, lc._inflight, detail,
             )  # fmt: skip
             self._seq += 1
             self._write(record)
@@ -693,10 +694,9 @@ class LifecycleRegistry:
     ) -> None:
         self._refusals[reason] += 1
         if self._write is not None:
-            record = _new_record(
-                AuditRecord,
-                (self._seq, _now(), rid, serial, trigger, state, None, False, reason, op,
-                 inflight, _EMPTY),
+            record = AuditRecord(
+                self._seq, _now(), rid, serial, trigger, state, None, False, reason, op,
+                inflight, {},
             )  # fmt: skip
             self._seq += 1
             self._write(record)

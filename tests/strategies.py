@@ -17,6 +17,7 @@ HOSTILE_RIDS: list[str] = [
     "carriage\rreturn",
     "line\u2028separator",
     "para\u2029graph",
+    "next\x85line",
     "nul\x00byte",
     "\\N",
     "<b>html</b>",

@@ -384,12 +384,6 @@ def test_refused_pair_raises_typed_error_and_changes_nothing(
     assert check_audit(s.sink.records()).ok
 
 
-def test_stale_is_a_kind_of_invalid_transition() -> None:
-    assert issubclass(StaleInstanceError, InvalidTransitionError)
-    assert issubclass(DuplicateAckError, InvalidTransitionError)
-    assert issubclass(UnknownRequestError, LookupError)
-
-
 def test_refusal_through_a_request_object_after_release_is_unknown() -> None:
     registry = LifecycleRegistry()
     req = Req("a")
@@ -537,6 +531,21 @@ def test_two_sinks_receive_the_same_records() -> None:
     registry = LifecycleRegistry(sinks=[one, two])
     registry.finish(registry.register(Req("a")))
     assert one.records() == two.records() and len(one) == 2
+
+
+@pytest.mark.parametrize("call", ["start_offload", "complete", "finish", "abort"])
+def test_non_scalar_detail_is_refused_before_anything_changes(call: str) -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    lc = registry.register(req)
+    ticket = registry.start_offload(req)
+    before = snapshot(registry, lc)
+    n = len(sink)
+    target: Any = ticket if call == "complete" else req
+    with pytest.raises(TypeError, match="not a scalar"):
+        getattr(registry, call)(target, pages=[1, 2])
+    assert snapshot(registry, lc) == before and len(sink) == n
 
 
 def test_detail_is_audited() -> None:

@@ -1,0 +1,61 @@
+"""The error hierarchy: who is at fault, and the data each refusal carries."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlife.fsm import errors
+from kvlife.fsm.errors import (
+    REASONS,
+    DuplicateAckError,
+    DuplicateRegistrationError,
+    InvalidTransitionError,
+    LifecycleError,
+    RidConflictError,
+    StaleInstanceError,
+    TableDefinitionError,
+    UnknownRequestError,
+)
+
+ALL = [
+    InvalidTransitionError,
+    StaleInstanceError,
+    DuplicateAckError,
+    UnknownRequestError,
+    RidConflictError,
+    DuplicateRegistrationError,
+]
+
+
+def test_hierarchy() -> None:
+    assert all(issubclass(cls, LifecycleError) for cls in ALL)
+    assert issubclass(StaleInstanceError, InvalidTransitionError)
+    assert issubclass(DuplicateAckError, InvalidTransitionError)
+    assert issubclass(UnknownRequestError, LookupError)
+    assert issubclass(TableDefinitionError, ValueError)
+    assert not issubclass(TableDefinitionError, LifecycleError)
+
+
+def test_each_reason_belongs_to_exactly_one_error_class() -> None:
+    assert sorted(cls.reason for cls in ALL) == sorted(REASONS)
+    assert REASONS == (
+        "invalid_transition",
+        "stale_instance",
+        "duplicate_ack",
+        "unknown_request",
+        "rid_conflict",
+        "duplicate_registration",
+    )
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_errors_carry_their_data(cls: type[LifecycleError]) -> None:
+    exc = cls("why", serial=3, rid="a", state="offloading", trigger="ack", op=9)
+    assert (exc.serial, exc.rid, exc.state, exc.trigger, exc.op) == (3, "a", "offloading", "ack", 9)
+    assert exc.reason in REASONS and str(exc) == "why"
+
+
+def test_module_documents_what_errors_leave_behind() -> None:
+    assert "changes nothing" in (errors.__doc__ or "")
+    for cls in ALL:
+        assert "Nothing" in (cls.__doc__ or ""), cls
