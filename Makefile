@@ -37,7 +37,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check fsm offload diagrams tests
 
 types: venv
-	$(VENV)/bin/mypy --strict fsm
+	$(VENV)/bin/mypy --strict -p kvlife.fsm -p kvlife.offload
 
 pytest: venv dot
 	$(PY) -m pytest -q

@@ -1,0 +1,48 @@
+"""kvlife.offload: real KV offload to (pinned) host memory on torch.
+
+:class:`KVLayout` describes the engine's device KV pool; :class:`HostPagePool` holds host
+pages shaped after it; :class:`CopyEngine` gathers token slots on the device and copies
+them into host pages (side streams and CUDA events on a GPU, synchronous on CPU);
+:class:`CompletionQueue` delivers each copy's ticket when its event is done (agreed over
+``torch.distributed`` under tensor parallelism); :class:`OffloadManager` is what a
+scheduler calls.
+"""
+
+from __future__ import annotations
+
+from kvlife.offload.completion import CompletionQueue
+from kvlife.offload.copy_engine import CopyEngine, CopyError, CopyJob
+from kvlife.offload.host_pool import (
+    DoubleFreeError,
+    ForeignPageError,
+    HostPageError,
+    HostPagePool,
+    HostPages,
+)
+from kvlife.offload.layout import KVLayout, LayoutError
+from kvlife.offload.manager import (
+    HostCopy,
+    KVSource,
+    OffloadManager,
+    OffloadResult,
+    OffloadStats,
+)
+
+__all__ = [
+    "CompletionQueue",
+    "CopyEngine",
+    "CopyError",
+    "CopyJob",
+    "DoubleFreeError",
+    "ForeignPageError",
+    "HostCopy",
+    "HostPageError",
+    "HostPagePool",
+    "HostPages",
+    "KVLayout",
+    "KVSource",
+    "LayoutError",
+    "OffloadManager",
+    "OffloadResult",
+    "OffloadStats",
+]

@@ -1,0 +1,256 @@
+"""Copy a request's KV from the device pool into host pages.
+
+CUDA path (contract §5): the copy runs on side streams that first wait on the stream that
+produced the KV (the current stream at launch). Each chunk of pages is gathered on the
+device (``index_select`` per component into a reused staging buffer, then one transpose
+into the page-major host layout) on a *gather* stream, and copied to pinned host memory on
+a *copy* stream; two staging buffers alternate, so the gather of chunk i+1 overlaps the
+copy of chunk i. The job's completion event is recorded on the copy stream after its last
+copy; only then does :meth:`CopyEngine.launch` return.
+
+CPU path: the same API; a copy runs synchronously at launch, or, with ``defer=True``,
+when the caller runs it (:meth:`CopyJob.run`) -- which is how tests hold completions back
+and release them in any order, and how they see a copy read device memory *late*, as a
+real asynchronous copy does.
+
+CUDA facts this relies on (``c10/cuda/CUDAEvent.h``, the stream docs):
+``Event.query()`` returns True for an event that was never recorded, so a job counts as
+done only if its event was recorded (``recorded``); ``Stream.wait_stream`` / ``wait_event``
+return at once and only order *future* work on the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvlife.offload.host_pool import HostPagePool, HostPages
+from kvlife.offload.layout import KVLayout
+
+
+class CopyError(RuntimeError):
+    """A copy could not be launched or failed while running."""
+
+
+class CopyJob:
+    """One launched copy: some token slots into some host pages.
+
+    ``query()`` is True once the copy is over (done or failed); ``error`` holds the
+    exception of a failed copy. A job's ticket is delivered only after ``query()``.
+    """
+
+    __slots__ = ("_keep", "_run", "error", "event", "pages", "recorded", "stream", "tokens")
+
+    def __init__(
+        self,
+        pages: HostPages,
+        tokens: int,
+        stream: int,
+        event: torch.cuda.Event | None,
+        run: Any = None,
+        keep: tuple[Any, ...] = (),
+    ) -> None:
+        self.pages = pages
+        self.tokens = tokens
+        self.stream = stream
+        self.event = event
+        self.recorded = event is None and run is None  # CPU sync copies are done at launch
+        self.error: BaseException | None = None
+        self._run = run
+        self._keep = keep  # device tensors the in-flight copy reads (kept alive until done)
+
+    def query(self) -> bool:
+        """Whether the copy is over. Never True for an event that was not recorded."""
+        if not self.recorded:
+            return False
+        event = self.event
+        return event is None or bool(event.query())
+
+    @property
+    def deferred(self) -> bool:
+        """A CPU copy that has not run yet (``defer=True``)."""
+        return self._run is not None
+
+    def run(self) -> None:
+        """Run a deferred CPU copy now. A copy that raises is recorded as failed."""
+        if self._run is None:
+            raise CopyError(f"{self!r} is not a deferred copy (or already ran)")
+        run, self._run = self._run, None
+        try:
+            run()
+        except Exception as exc:  # a failed copy is data: the fail path
+            self.error = exc
+        self.recorded = True
+        self._keep = ()
+
+    def release_resources(self) -> None:
+        """Drop references to device tensors (after completion)."""
+        self._keep = ()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "done" if self.query() else "in flight"
+        return (
+            f"<CopyJob {self.tokens} tokens -> {len(self.pages)} pages, "
+            f"stream {self.stream}, {state}>"
+        )
+
+
+class CopyEngine:
+    """Copies token slots of a device KV pool into host pages.
+
+    Args:
+        layout: the pool's layout.
+        kv: the engine's KV tensors (see :meth:`KVLayout.component_views`).
+        host: the host page pool.
+        chunk_pages: pages per pipelined chunk (CUDA) and staging-buffer size.
+        streams: side streams (CUDA) / completion streams (CPU); copies go round robin.
+        defer: CPU only: a copy runs when :meth:`CopyJob.run` is called.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv: Sequence[torch.Tensor],
+        host: HostPagePool,
+        *,
+        chunk_pages: int = 64,
+        streams: int = 1,
+        defer: bool = False,
+    ) -> None:
+        if host.layout != layout:
+            raise ValueError("the host pool was made for another layout")
+        if chunk_pages <= 0 or streams <= 0:
+            raise ValueError("chunk_pages and streams must be positive")
+        self.layout = layout
+        self.components = layout.component_views(kv)
+        self.device = self.components[0].device
+        self.host = host
+        self.chunk_pages = chunk_pages
+        self.streams = streams
+        self.cuda = self.device.type == "cuda"
+        if defer and self.cuda:
+            raise ValueError("defer is a CPU test facility; CUDA copies are asynchronous")
+        self.defer = defer
+        self._next_stream = 0
+        shape_cm = (layout.components, chunk_pages * layout.page_size, layout.elems)
+        shape_pm = (chunk_pages, layout.components, layout.page_size, layout.elems)
+        buffers = 2 if self.cuda else 1
+        self._staging_cm = [
+            torch.empty(shape_cm, dtype=layout.dtype, device=self.device) for _ in range(buffers)
+        ]
+        self._staging_pm = [
+            torch.empty(shape_pm, dtype=layout.dtype, device=self.device) for _ in range(buffers)
+        ]
+        if self.cuda:
+            self._gather_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
+            self._copy_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
+            # staging buffer b is free again once the copy that read it is done
+            self._staging_free = [torch.cuda.Event() for _ in range(buffers)]
+            self._gathered = [torch.cuda.Event() for _ in range(buffers)]
+            self._buffer = 0
+
+    def launch(self, slots: torch.Tensor | Sequence[int], pages: HostPages) -> CopyJob:
+        """Copy the KV of ``slots`` (token order) into ``pages`` (filled in order).
+
+        Returns the job once its completion event is recorded (CUDA), its copy ran (CPU),
+        or it is deferred. A copy that raises while running is returned as a finished job
+        with ``error`` set (the fail path). Raises ``ValueError`` for bad arguments, before
+        anything is launched.
+        """
+        n = len(slots)
+        page_size = self.layout.page_size
+        if pages.pool is not self.host:
+            raise ValueError("the pages belong to another pool")
+        if n == 0 or n > len(pages) * page_size or n <= (len(pages) - 1) * page_size:
+            raise ValueError(f"{n} tokens do not fill {len(pages)} pages of {page_size}")
+        index = torch.as_tensor(slots, dtype=torch.long)
+        if index.dim() != 1:
+            raise ValueError("slots must be one-dimensional")
+        if n and (int(index.min()) < 0 or int(index.max()) >= self.layout.slots):
+            raise ValueError(f"slot indices out of range [0, {self.layout.slots})")
+        stream = self._next_stream
+        self._next_stream = (stream + 1) % self.streams
+        if self.cuda:
+            try:
+                return self._launch_cuda(index, pages, stream)
+            except Exception as exc:  # e.g. a launch failure: the fail path
+                # chunks launched before the failure may still write the host pages: wait
+                # for them, so the fail path can free the pages safely.
+                self._copy_streams[stream].synchronize()
+                failed = CopyJob(pages, n, stream, None)
+                failed.error = exc
+                return failed
+        if self.defer:
+            return CopyJob(pages, n, stream, None, run=lambda: self._copy_cpu(index, pages))
+        job = CopyJob(pages, n, stream, None)
+        try:
+            self._copy_cpu(index, pages)
+        except Exception as exc:  # a failed copy is data: the fail path
+            job.error = exc
+        return job
+
+    def _chunks(self, n: int, pages: HostPages) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``(first token, tokens, page indices)`` per chunk of at most ``chunk_pages``."""
+        page_size = self.layout.page_size
+        out = []
+        indices = pages.indices
+        for first_page in range(0, len(indices), self.chunk_pages):
+            chunk = indices[first_page : first_page + self.chunk_pages]
+            first_token = first_page * page_size
+            out.append((first_token, min(n - first_token, len(chunk) * page_size), chunk))
+        return out
+
+    def _gather(self, index: torch.Tensor, tokens: int, pages: int, buffer: int) -> torch.Tensor:
+        """Gather ``tokens`` slots into page-major staging; returns ``[pages, C, ps, E]``."""
+        cm = self._staging_cm[buffer]
+        for c, component in enumerate(self.components):
+            torch.index_select(component, 0, index, out=cm[c, :tokens])
+        page_size = self.layout.page_size
+        padded = pages * page_size
+        if tokens < padded:  # a partial last page: its tail is never read, zero it anyway
+            cm[:, tokens:padded].zero_()
+        pm = self._staging_pm[buffer][:pages]
+        pm.copy_(cm[:, :padded].view(-1, pages, page_size, self.layout.elems).transpose(0, 1))
+        return pm
+
+    def _copy_to_host(
+        self, staged: torch.Tensor, chunk: tuple[int, ...], non_blocking: bool
+    ) -> None:
+        offset = 0
+        for first, count in HostPages(self.host, chunk).runs():
+            self.host.page_view(first, count).copy_(
+                staged[offset : offset + count], non_blocking=non_blocking
+            )
+            offset += count
+
+    def _copy_cpu(self, index: torch.Tensor, pages: HostPages) -> None:
+        for first_token, tokens, chunk in self._chunks(len(index), pages):
+            staged = self._gather(index[first_token : first_token + tokens], tokens, len(chunk), 0)
+            self._copy_to_host(staged, chunk, non_blocking=False)
+
+    def _launch_cuda(self, index: torch.Tensor, pages: HostPages, stream: int) -> CopyJob:
+        index = index.to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream(self.device)
+        gather_stream = self._gather_streams[stream]
+        copy_stream = self._copy_streams[stream]
+        gather_stream.wait_stream(compute)  # the KV (and the index) were made on compute
+        for first_token, tokens, chunk in self._chunks(len(index), pages):
+            buffer = self._buffer
+            self._buffer = (buffer + 1) % len(self._staging_pm)
+            with torch.cuda.stream(gather_stream):
+                gather_stream.wait_event(self._staging_free[buffer])
+                staged = self._gather(
+                    index[first_token : first_token + tokens], tokens, len(chunk), buffer
+                )
+                self._gathered[buffer].record(gather_stream)
+            with torch.cuda.stream(copy_stream):
+                copy_stream.wait_event(self._gathered[buffer])
+                self._copy_to_host(staged, chunk, non_blocking=True)
+                self._staging_free[buffer].record(copy_stream)
+        done = torch.cuda.Event()
+        done.record(copy_stream)
+        job = CopyJob(pages, len(index), stream, done, keep=(index,))
+        job.recorded = True  # only now may the job be queried, and its ticket issued
+        return job

@@ -1,0 +1,183 @@
+"""Host memory for offloaded KV: one tensor shaped after the layout, carved into pages.
+
+The pool's tensor is ``[pages, components, page_size, elems]``; page ``i`` is one
+contiguous block. It is pinned when CUDA is available (pageable D2H copies run at a fifth
+of the link's speed and are not asynchronous).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kvlife.offload.layout import KVLayout
+
+
+class HostPageError(ValueError):
+    """A free that the pool refuses. Nothing was freed: the call is all or nothing."""
+
+
+class DoubleFreeError(HostPageError):
+    """A page is already free (or listed twice in one call)."""
+
+
+class ForeignPageError(HostPageError):
+    """The pages belong to another pool, or an index is out of range."""
+
+
+class HostPages:
+    """A set of pages allocated from one :class:`HostPagePool`, in allocation order.
+
+    Immutable; made only by :meth:`HostPagePool.alloc`.
+    """
+
+    __slots__ = ("_indices", "_pool")
+
+    def __init__(self, pool: HostPagePool, indices: tuple[int, ...]) -> None:
+        self._pool = pool
+        self._indices = indices
+
+    @property
+    def pool(self) -> HostPagePool:
+        """The pool the pages came from."""
+        return self._pool
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Page indices into the pool's tensor."""
+        return self._indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Maximal runs of consecutive pages as ``(first page, count)``, in order: each run
+        is one contiguous block of host memory, so one copy."""
+        runs: list[tuple[int, int]] = []
+        for index in self._indices:
+            if runs and runs[-1][0] + runs[-1][1] == index:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((index, 1))
+        return runs
+
+    def __repr__(self) -> str:
+        return f"<HostPages {len(self._indices)} pages, runs={self.runs()[:4]}>"
+
+
+class HostPagePool:
+    """Fixed-size pool of host pages with O(1) allocation and free.
+
+    Args:
+        layout: the device KV layout the pages mirror.
+        pages: number of pages.
+        pin_memory: pin the tensor; ``None`` pins when CUDA is available.
+
+    ``alloc(n)`` hands out ``n`` pages or nothing (never a partial allocation). A fresh
+    pool hands pages out in order and freed pages are reused first, so allocations come
+    in long runs of consecutive pages (large copies). ``free`` is all or nothing: a double
+    free or a foreign page raises and frees none of the pages given.
+    """
+
+    def __init__(self, layout: KVLayout, pages: int, *, pin_memory: bool | None = None) -> None:
+        if not isinstance(pages, int) or isinstance(pages, bool) or pages <= 0:
+            raise ValueError(f"pages must be a positive int, got {pages!r}")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.layout = layout
+        self.tensor = torch.empty(
+            (pages, layout.components, layout.page_size, layout.elems),
+            dtype=layout.dtype,
+            pin_memory=pin_memory,
+        )
+        self._free: list[int] = list(range(pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self._allocated = bytearray(pages)  # 1 while a page is handed out
+
+    @property
+    def capacity(self) -> int:
+        """Pages in the pool."""
+        return len(self._allocated)
+
+    @property
+    def available(self) -> int:
+        """Pages free now."""
+        return len(self._free)
+
+    @property
+    def in_use(self) -> int:
+        """Pages handed out now."""
+        return self.capacity - len(self._free)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host tensor is pinned (page-locked)."""
+        return bool(self.tensor.is_pinned())
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page."""
+        return self.layout.bytes_per_page
+
+    def alloc(self, n: int) -> HostPages | None:
+        """``n`` pages, or ``None`` if fewer than ``n`` are free (nothing allocated then)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"alloc needs a positive page count, got {n!r}")
+        free = self._free
+        if len(free) < n:
+            return None
+        taken = free[-n:]
+        del free[-n:]
+        taken.reverse()
+        for index in taken:
+            self._allocated[index] = 1
+        return HostPages(self, tuple(taken))
+
+    def free(self, pages: HostPages) -> None:
+        """Return pages to the pool.
+
+        Raises:
+            ForeignPageError: ``pages`` did not come from this pool.
+            DoubleFreeError: a page is already free or listed twice.
+            In both cases no page was freed.
+        """
+        if not isinstance(pages, HostPages) or pages.pool is not self:
+            raise ForeignPageError(f"{pages!r} was not allocated from this pool")
+        indices = pages.indices
+        allocated = self._allocated
+        if len(set(indices)) != len(indices):
+            raise DoubleFreeError(f"{pages!r} lists a page twice; nothing freed")
+        for index in indices:
+            if not 0 <= index < len(allocated):
+                raise ForeignPageError(f"page {index} is out of range; nothing freed")
+            if not allocated[index]:
+                raise DoubleFreeError(f"page {index} is already free; nothing freed")
+        for index in indices:
+            allocated[index] = 0
+        self._free.extend(sorted(indices, reverse=True))
+
+    def is_allocated(self, index: int) -> bool:
+        """Whether page ``index`` is handed out."""
+        return bool(self._allocated[index])
+
+    def page_view(self, first: int, count: int) -> torch.Tensor:
+        """The pool's tensor for pages ``first .. first+count-1`` (one contiguous block)."""
+        return self.tensor[first : first + count]
+
+    def read_tokens(self, pages: Sequence[int] | HostPages, tokens: int) -> torch.Tensor:
+        """Copy out the first ``tokens`` tokens held by ``pages`` as
+        ``[components, tokens, elems]`` (for checks and restores)."""
+        indices = list(pages.indices if isinstance(pages, HostPages) else pages)
+        data = self.tensor[indices]  # [pages, components, page_size, elems]
+        components, elems = self.layout.components, self.layout.elems
+        flat = data.permute(1, 0, 2, 3).reshape(components, -1, elems)
+        return flat[:, :tokens]
+
+    def __repr__(self) -> str:
+        return (
+            f"<HostPagePool {self.available}/{self.capacity} free, "
+            f"{self.bytes_per_page} B/page, pinned={self.pinned}>"
+        )

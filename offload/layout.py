@@ -1,0 +1,148 @@
+"""The shape of an engine's device KV pool, and the page-major host layout kvlife copies into.
+
+Serving engines keep KV in one of a few shapes, all indexed by token *slot*:
+
+* ``"per_layer"``: one tensor per layer for K and one for V, each ``[slots, heads, head_dim]``.
+* ``"stacked"``: one tensor ``[layers, 2, slots, heads, head_dim]`` (K and V stacked).
+* ``"mla"``: one latent buffer per layer, ``[slots, latent_dim]`` (multi-head latent
+  attention caches a single compressed vector per token and layer).
+
+kvlife sees every shape as a list of *components*: 2-D views ``[slots, elems]`` (one per
+layer and K/V, or one per layer for MLA). A host page holds ``page_size`` tokens of every
+component, component-major inside the page (``[components, page_size, elems]``), so one
+host page is one contiguous block: a request's pages can be copied in large runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LayoutKind = Literal["per_layer", "stacked", "mla"]
+
+
+class LayoutError(ValueError):
+    """Device tensors do not match the layout they were declared with. Nothing was built."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the device KV pool looks like.
+
+    Attributes:
+        kind: ``"per_layer"``, ``"stacked"`` or ``"mla"``.
+        layers: transformer layers.
+        slots: token slots in the device pool.
+        heads: KV heads per layer (1 for MLA).
+        head_dim: elements per head (the latent size for MLA).
+        dtype: element type of the pool.
+        page_size: tokens per host page; offload chunks are whole pages.
+    """
+
+    kind: LayoutKind
+    layers: int
+    slots: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("per_layer", "stacked", "mla"):
+            raise LayoutError(f"unknown layout kind {self.kind!r}")
+        for name in ("layers", "slots", "heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise LayoutError(f"{name} must be a positive int, got {value!r}")
+        if self.kind == "mla" and self.heads != 1:
+            raise LayoutError(
+                f"an MLA layout has one latent per token and layer, heads={self.heads}"
+            )
+        if not isinstance(self.dtype, torch.dtype):
+            raise LayoutError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @classmethod
+    def mla(
+        cls, layers: int, slots: int, latent_dim: int, dtype: torch.dtype, page_size: int = 16
+    ) -> KVLayout:
+        """An MLA layout: one ``[slots, latent_dim]`` buffer per layer."""
+        return cls("mla", layers, slots, 1, latent_dim, dtype, page_size)
+
+    @property
+    def components(self) -> int:
+        """2-D component views per token: ``2 * layers`` (K and V), or ``layers`` for MLA."""
+        return self.layers if self.kind == "mla" else 2 * self.layers
+
+    @property
+    def elems(self) -> int:
+        """Elements of one component of one token."""
+        return self.heads * self.head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of KV per token over every layer."""
+        return self.components * self.elems * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one host page."""
+        return self.bytes_per_token * self.page_size
+
+    def allocate(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Allocate a zeroed device pool of this layout (the tensors an engine would own)."""
+        if self.kind == "stacked":
+            shape = (self.layers, 2, self.slots, self.heads, self.head_dim)
+            return [torch.zeros(shape, dtype=self.dtype, device=device)]
+        if self.kind == "mla":
+            return [
+                torch.zeros((self.slots, self.head_dim), dtype=self.dtype, device=device)
+                for _ in range(self.layers)
+            ]
+        per_layer = (self.slots, self.heads, self.head_dim)
+        return [
+            torch.zeros(per_layer, dtype=self.dtype, device=device) for _ in range(2 * self.layers)
+        ]
+
+    def component_views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The engine's tensors as ``components`` views of shape ``[slots, elems]``.
+
+        For ``"per_layer"`` pass ``[k0, v0, k1, v1, ...]``; for ``"stacked"`` the one
+        tensor; for ``"mla"`` one buffer per layer. Views share memory with the tensors.
+
+        Raises:
+            LayoutError: count, shape, dtype or devices do not match the layout.
+        """
+        tensors = list(tensors)
+        expected: list[tuple[int, ...]]
+        if self.kind == "stacked":
+            expected = [(self.layers, 2, self.slots, self.heads, self.head_dim)]
+        elif self.kind == "mla":
+            expected = [(self.slots, self.head_dim)] * self.layers
+        else:
+            expected = [(self.slots, self.heads, self.head_dim)] * (2 * self.layers)
+        if len(tensors) != len(expected):
+            raise LayoutError(
+                f"{self.kind} layout needs {len(expected)} tensors, got {len(tensors)}"
+            )
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise LayoutError(f"KV tensors are on several devices: {sorted(map(str, devices))}")
+        for i, (tensor, shape) in enumerate(zip(tensors, expected, strict=True)):
+            if tuple(tensor.shape) != shape or tensor.dtype != self.dtype:
+                raise LayoutError(
+                    f"tensor {i}: expected {shape} {self.dtype}, got {tuple(tensor.shape)} "
+                    f"{tensor.dtype}"
+                )
+            if not tensor.is_contiguous():
+                raise LayoutError(f"tensor {i} is not contiguous")
+        if self.kind == "stacked":
+            stacked = tensors[0]
+            return [
+                stacked[layer, kv].reshape(self.slots, self.elems)
+                for layer in range(self.layers)
+                for kv in range(2)
+            ]
+        return [t.reshape(self.slots, self.elems) for t in tensors]

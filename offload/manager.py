@@ -1,0 +1,325 @@
+"""The scheduler-facing API: offload running requests' KV as they decode.
+
+Wiring, per scheduler step::
+
+    manager.register(req)                 # when the request is admitted
+    manager.step(req)                     # after each decode step, for running requests
+    manager.poll()                        # once per step: deliver finished copies
+    manager.finish(req) / manager.abort(req)
+
+The engine answers four questions about a request through :class:`KVSource`: how many
+tokens have final KV, their token ids, their device slots, and -- called *by kvlife* --
+"you may hand this request's device slots back now". kvlife calls ``release_slots`` only
+when no copy that reads them is in flight (contract §6.1).
+
+Host pages: each copy gets its pages before it is launched; a copy that fails frees its
+pages; an aborted request's pages are freed on release; a finished request's pages pass to
+the ``on_release`` hooks in an :class:`OffloadResult` (the hook owns them and returns them
+to the pool, ``manager.host.free(...)``, when done with them, e.g. after a backup).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvlife.fsm.errors import InvalidTransitionError
+from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
+from kvlife.fsm.table import LIFECYCLE, State, Trigger
+from kvlife.offload.completion import CompletionQueue
+from kvlife.offload.copy_engine import CopyEngine, CopyJob
+from kvlife.offload.host_pool import HostPages
+
+
+class KVSource(Protocol):
+    """What kvlife needs to know from the engine about a request."""
+
+    def committed(self, req: Any) -> int:
+        """Tokens of ``req`` whose KV is final (will not be rewritten)."""
+        ...
+
+    def token_ids(self, req: Any, start: int, end: int) -> Sequence[int] | torch.Tensor:
+        """Token ids of ``req`` in ``[start, end)``."""
+        ...
+
+    def slots(self, req: Any, start: int, end: int) -> Sequence[int] | torch.Tensor:
+        """Device slot indices holding the KV of tokens ``[start, end)``."""
+        ...
+
+    def release_slots(self, req: Any, lifecycle: Lifecycle) -> None:
+        """No copy reads the device slots ``req`` held under ``lifecycle`` any more: the
+        engine may reuse them. (A re-admitted request has a newer lifecycle with slots of
+        its own, which this call does not cover.)"""
+        ...
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """One completed (acked) copy: ``tokens`` tokens from ``first_token`` in ``pages``.
+
+    ``hashes`` holds one prefix hash per page: ``H(previous page's hash, token ids)`` for
+    a full page, ``None`` for a partial last page.
+    """
+
+    first_token: int
+    tokens: int
+    pages: HostPages
+    hashes: tuple[bytes | None, ...]
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    """What a release hook receives.
+
+    For a finished request, ``copies`` are its host copies in token order (the longest
+    prefix without a failed copy) and the hook owns their pages. For an aborted request,
+    ``copies`` is empty: kvlife already freed the pages.
+    """
+
+    rid: str
+    serial: int
+    outcome: str
+    tokens: int
+    copies: tuple[HostCopy, ...]
+
+    @property
+    def pages(self) -> list[HostPages]:
+        """Every copy's pages, in token order."""
+        return [c.pages for c in self.copies]
+
+
+@dataclass
+class OffloadStats:
+    """Counters of one manager."""
+
+    copies_launched: int = 0
+    copies_acked: int = 0
+    copies_failed: int = 0
+    tokens_offloaded: int = 0
+    bytes_offloaded: int = 0
+    skipped_no_host_memory: int = 0
+    refused_deliveries: int = 0
+
+
+@dataclass
+class _Progress:
+    """The manager's bookkeeping of one lifecycle (keyed by its serial, never its rid)."""
+
+    req: Any
+    launched: int = 0  # tokens whose copy was launched (acked, failed or in flight)
+    prev_hash: bytes = b""
+    inflight: dict[int, HostCopy] = field(default_factory=dict)  # op -> copy
+    acked: list[HostCopy] = field(default_factory=list)
+    failed_at: int | None = None  # first token of the earliest failed copy
+
+
+ReleaseHook = Callable[[Any, OffloadResult], None]
+
+
+class OffloadManager:
+    """Offloads requests' KV into host pages and drives their lifecycles.
+
+    Args:
+        source: the engine's :class:`KVSource`.
+        copier: the :class:`CopyEngine` (device KV -> host pool).
+        stride_pages: offload once this many full pages are waiting (and at finish).
+        registry: the lifecycle registry to use (a new one if ``None``).
+        group: a ``torch.distributed`` group for tensor-parallel agreement.
+    """
+
+    def __init__(
+        self,
+        source: KVSource,
+        copier: CopyEngine,
+        *,
+        stride_pages: int = 4,
+        registry: LifecycleRegistry | None = None,
+        group: Any = None,
+    ) -> None:
+        if not isinstance(stride_pages, int) or stride_pages <= 0:
+            raise ValueError(f"stride_pages must be a positive int, got {stride_pages!r}")
+        self.source = source
+        self.copier = copier
+        self.host = copier.host
+        self.page_size = copier.layout.page_size
+        self.stride_pages = stride_pages
+        self.registry = registry if registry is not None else LifecycleRegistry()
+        self.queue = CompletionQueue(copier.streams, group=group)
+        self.stats = OffloadStats()
+        self._progress: dict[int, _Progress] = {}
+        self._hooks: list[ReleaseHook] = []
+        self.registry.on_release(self._released)
+
+    def on_release(self, hook: ReleaseHook) -> ReleaseHook:
+        """Call ``hook(req, result)`` when a request's lifecycle is released (after kvlife
+        handed its device slots back). Usable as a decorator."""
+        self._hooks.append(hook)
+        return hook
+
+    # ------------------------------------------------------------------ scheduler calls
+
+    def register(self, req: Any, rid: str | None = None) -> Lifecycle:
+        """Register an admitted request (see :meth:`LifecycleRegistry.register`)."""
+        lc = self.registry.register(req, rid)
+        self._progress[lc.serial] = _Progress(req)
+        return lc
+
+    def step(self, req: Any) -> Ticket | None:
+        """Offload ``req``'s newly committed full pages once ``stride_pages`` are waiting.
+
+        Returns the copy's ticket, or ``None`` when nothing was offloaded (too few pages,
+        or host memory exhausted: then nothing changed and the pages are tried again at
+        the next step).
+        """
+        lc = self.registry.lifecycle(req)
+        progress = self._progress[lc.serial]
+        full_end = self.source.committed(req) // self.page_size * self.page_size
+        if (full_end - progress.launched) // self.page_size < self.stride_pages:
+            return None
+        return self._offload(lc, progress, full_end)
+
+    def finish(self, req: Any) -> Lifecycle:
+        """Flush the rest of ``req``'s committed tokens (a partial last page included),
+        then finish. The lifecycle releases when every copy resolved; then kvlife calls
+        ``release_slots`` and the hooks. If host memory is exhausted the flush is skipped
+        (counted) and the request finishes with what was offloaded."""
+        lc = self.registry.lifecycle(req)
+        self._check_can(lc, Trigger.FINISH)
+        progress = self._progress[lc.serial]
+        if self.source.committed(req) > progress.launched:
+            self._offload(lc, progress, self.source.committed(req))
+        return self.registry.finish(lc)
+
+    def abort(self, req: Any) -> Lifecycle:
+        """Abort ``req``: no flush; its host pages are freed on release."""
+        return self.registry.abort(self.registry.lifecycle(req))
+
+    def poll(self) -> int:
+        """Deliver every finished copy (agreed by all ranks under TP); return how many.
+        With a process group, every rank must call ``poll`` the same number of times."""
+        return self.queue.poll()
+
+    def drain(self, timeout_s: float = 60.0) -> int:
+        """Poll until no copy is in flight."""
+        return self.queue.drain(timeout_s=timeout_s)
+
+    @property
+    def inflight(self) -> int:
+        """Copies launched and not yet delivered."""
+        return len(self.queue)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_can(self, lc: Lifecycle, trigger: Trigger) -> None:
+        """Refuse before anything is allocated or launched. The registry, asked the same
+        question of the same table, raises the typed error and audits the refusal."""
+        if LIFECYCLE.next_state(lc.state, trigger, lc.inflight + 1) is None:
+            getattr(self.registry, trigger.value)(lc)
+            raise InvalidTransitionError(f"{trigger.value} refused for {lc!r}")  # not reached
+
+    def _offload(self, lc: Lifecycle, progress: _Progress, end: int) -> Ticket | None:
+        self._check_can(lc, Trigger.START_OFFLOAD)
+        start = progress.launched
+        tokens = end - start
+        n_pages = -(-tokens // self.page_size)
+        pages = self.host.alloc(n_pages)
+        if pages is None:
+            self.stats.skipped_no_host_memory += 1
+            return None
+        req = progress.req
+        try:
+            slots = self.source.slots(req, start, end)
+            ids = self.source.token_ids(req, start, end)
+            if len(ids) != tokens:
+                raise ValueError(f"token_ids gave {len(ids)} ids for {tokens} tokens")
+            hashes, prev_hash = self._hash_pages(progress.prev_hash, ids)
+            job = self.copier.launch(slots, pages)
+        except BaseException:
+            self.host.free(pages)  # nothing was launched: nothing changes
+            raise
+        # the copy's event is recorded (or the copy ran): only now issue its ticket
+        ticket = self.registry.start_offload(lc, tokens=tokens, pages=n_pages, first=start)
+        progress.launched = end
+        progress.prev_hash = prev_hash
+        progress.inflight[ticket.op] = HostCopy(start, tokens, pages, hashes)
+        self.stats.copies_launched += 1
+        self.queue.push(job, lambda job: self._completed(ticket, job))
+        return ticket
+
+    def _hash_pages(
+        self, prev: bytes, ids: Sequence[int] | torch.Tensor
+    ) -> tuple[tuple[bytes | None, ...], bytes]:
+        hashes: list[bytes | None] = []
+        size = self.page_size
+        if isinstance(ids, torch.Tensor):  # engines often keep token ids in a tensor
+            ids = ids.tolist()
+        for first in range(0, len(ids), size):
+            page = ids[first : first + size]
+            if len(page) < size:
+                hashes.append(None)  # a partial page is not content-addressable yet
+                break
+            h = hashlib.blake2b(prev, digest_size=16)
+            h.update(array("q", page).tobytes())
+            prev = h.digest()
+            hashes.append(prev)
+        return tuple(hashes), prev
+
+    def _completed(self, ticket: Ticket, job: CopyJob) -> None:
+        lc = ticket.lifecycle
+        progress = self._progress.get(lc.serial)
+        copy = progress.inflight.pop(ticket.op, None) if progress is not None else None
+        if progress is None or copy is None:  # pragma: no cover - a queue delivers once
+            self.stats.refused_deliveries += 1
+            return
+        ok = job.error is None
+        if ok:
+            progress.acked.append(copy)
+            self.stats.copies_acked += 1
+            self.stats.tokens_offloaded += copy.tokens
+            self.stats.bytes_offloaded += copy.tokens * self.copier.layout.bytes_per_token
+        else:
+            self.host.free(copy.pages)
+            self.stats.copies_failed += 1
+            if progress.failed_at is None or copy.first_token < progress.failed_at:
+                progress.failed_at = copy.first_token
+        reason = self.registry.deliver(ticket, ok=ok)
+        if reason is not None:  # pragma: no cover - only if the registry was driven behind our back
+            self.stats.refused_deliveries += 1
+
+    def _released(self, lc: Lifecycle, req: Any) -> None:
+        progress = self._progress.pop(lc.serial, None)
+        if progress is None:  # a lifecycle this manager did not register
+            return
+        acked = sorted(progress.acked, key=lambda c: c.first_token)
+        kept: list[HostCopy] = []
+        if lc.outcome == "finished":
+            expected = 0
+            for copy in acked:
+                if copy.first_token != expected or (
+                    progress.failed_at is not None and copy.first_token > progress.failed_at
+                ):
+                    break
+                kept.append(copy)
+                expected += copy.tokens
+        for copy in acked[len(kept) :]:
+            self.host.free(copy.pages)
+        # no copy of this lifecycle is in flight any more: the device slots may go back
+        self.source.release_slots(req, lc)
+        result = OffloadResult(
+            lc.rid,
+            lc.serial,
+            lc.outcome or "",
+            sum(c.tokens for c in kept),
+            tuple(kept),
+        )
+        for hook in list(self._hooks):
+            hook(req, result)
+
+    def lifecycle_state(self, req: Any) -> State:
+        """The state of ``req``'s current lifecycle."""
+        return self.registry.lifecycle(req).state

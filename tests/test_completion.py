@@ -1,0 +1,117 @@
+"""The completion pump: per-stream FIFOs, oldest first, stop at the first copy not done."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlife.offload import CompletionQueue, CopyEngine, CopyJob, HostPagePool, KVLayout
+
+LAYOUT = KVLayout("per_layer", layers=1, slots=4096, heads=1, head_dim=2, dtype=torch.float32,
+                  page_size=1)  # fmt: skip
+
+
+def _engine(streams: int = 1, pages: int = 4096) -> CopyEngine:
+    host = HostPagePool(LAYOUT, pages, pin_memory=False)
+    return CopyEngine(LAYOUT, LAYOUT.allocate(), host, streams=streams, defer=True)
+
+
+def _launch(engine: CopyEngine) -> CopyJob:
+    pages = engine.host.alloc(1)
+    assert pages is not None
+    return engine.launch([0], pages)
+
+
+class CountingJob(CopyJob):
+    """A job that counts how often it is asked whether it is done."""
+
+    __slots__ = ()
+    queries = 0
+
+    def query(self) -> bool:
+        CountingJob.queries += 1
+        return super().query()
+
+
+def test_fifo_stops_at_the_first_copy_not_done() -> None:
+    engine = _engine()
+    queue = CompletionQueue()
+    jobs = [_launch(engine) for _ in range(3)]
+    done: list[int] = []
+    for i, job in enumerate(jobs):
+        queue.push(job, lambda job, i=i: done.append(i))
+    jobs[1].run()
+    jobs[2].run()
+    assert queue.poll() == 0 and done == []  # copy 0 blocks its stream
+    jobs[0].run()
+    assert queue.poll() == 3 and done == [0, 1, 2]
+    assert len(queue) == 0 and queue.delivered == 3
+
+
+def test_streams_complete_independently() -> None:
+    engine = _engine(streams=2)
+    queue = CompletionQueue(streams=2)
+    a, b = _launch(engine), _launch(engine)
+    assert (a.stream, b.stream) == (0, 1)
+    done: list[str] = []
+    queue.push(a, lambda job: done.append("a"))
+    queue.push(b, lambda job: done.append("b"))
+    b.run()
+    assert queue.poll() == 1 and done == ["b"]
+
+
+def test_poll_cost_does_not_grow_with_copies_in_flight() -> None:
+    engine = _engine(streams=2)
+    queue = CompletionQueue(streams=2)
+    for _ in range(4000):
+        job = _launch(engine)
+        job.__class__ = CountingJob
+        queue.push(job, lambda job: None)
+    CountingJob.queries = 0
+    for _ in range(10):
+        assert queue.poll() == 0
+    assert CountingJob.queries == 10 * 2  # one look at each stream's head per poll
+
+
+def test_a_job_whose_event_was_never_recorded_is_never_done() -> None:
+    engine = _engine()
+    job = _launch(engine)
+    job._run = None  # as if launched but its event never recorded
+    assert job.recorded is False and job.query() is False
+    queue = CompletionQueue()
+    queue.push(job, lambda job: pytest.fail("delivered an unrecorded copy"))
+    assert queue.poll() == 0
+
+
+def test_a_failed_copy_is_delivered_with_its_error() -> None:
+    engine = _engine()
+    job = _launch(engine)
+
+    def boom() -> None:
+        raise RuntimeError("copy failed")
+
+    job._run = boom
+    got: list[BaseException | None] = []
+    queue = CompletionQueue()
+    queue.push(job, lambda job: got.append(job.error))
+    job.run()
+    queue.poll()
+    assert len(got) == 1 and isinstance(got[0], RuntimeError)
+
+
+def test_drain_times_out_when_nothing_completes() -> None:
+    queue = CompletionQueue()
+    queue.push(_launch(_engine()), lambda job: None)
+    with pytest.raises(TimeoutError, match="1 copies still in flight"):
+        queue.drain(timeout_s=0.01)
+
+
+def test_bad_streams() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        CompletionQueue(streams=0)
+    queue = CompletionQueue(streams=1)
+    engine = _engine(streams=2)
+    _launch(engine)
+    on_stream_1 = _launch(engine)
+    with pytest.raises(ValueError, match="stream 1"):
+        queue.push(on_stream_1, lambda job: None)

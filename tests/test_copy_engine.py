@@ -1,0 +1,138 @@
+"""The copy engine on CPU: exact bytes for every layout, chunking, deferral, failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlife.offload import CopyEngine, CopyError, HostPagePool, KVLayout
+from tests.test_layout import LAYOUTS
+
+
+def _filled(layout: KVLayout) -> list[torch.Tensor]:
+    kv = layout.allocate()
+    gen = torch.Generator().manual_seed(7)
+    for t in kv:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return kv
+
+
+def _expected(layout: KVLayout, kv: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+    views = layout.component_views(kv)
+    return torch.stack([v[torch.tensor(slots)] for v in views])  # [C, n, E]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(("tokens", "chunk_pages"), [(16, 1), (37, 2), (64, 64), (5, 3)])
+def test_host_pages_hold_exactly_the_device_bytes(name: str, tokens: int, chunk_pages: int) -> None:
+    layout = LAYOUTS[name]
+    kv = _filled(layout)
+    host = HostPagePool(layout, 32, pin_memory=False)
+    engine = CopyEngine(layout, kv, host, chunk_pages=chunk_pages)
+    gen = torch.Generator().manual_seed(tokens)
+    slots = torch.randperm(layout.slots, generator=gen)[:tokens].tolist()  # scattered
+    pages = host.alloc(-(-tokens // layout.page_size))
+    assert pages is not None
+    host.alloc(1)  # make the next allocation non-contiguous with this one
+    job = engine.launch(slots, pages)
+    assert job.query() and job.error is None
+    assert torch.equal(host.read_tokens(pages, tokens), _expected(layout, kv, slots))
+
+
+def test_fragmented_host_pages_are_copied_run_by_run() -> None:
+    layout = LAYOUTS["per_layer"]
+    kv = _filled(layout)
+    host = HostPagePool(layout, 8, pin_memory=False)
+    engine = CopyEngine(layout, kv, host, chunk_pages=3)
+    a, b, c = host.alloc(2), host.alloc(1), host.alloc(2)
+    assert a is not None and b is not None and c is not None
+    host.free(a)
+    host.free(c)
+    pages = host.alloc(4)
+    assert pages is not None and len(pages.runs()) == 2, pages  # two runs, out of order
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+    engine.launch(slots, pages)
+    assert torch.equal(host.read_tokens(pages, 64), _expected(layout, kv, slots))
+
+
+def test_deferred_copy_reads_device_memory_when_it_runs() -> None:
+    layout = LAYOUTS["mla"]
+    kv = _filled(layout)
+    host = HostPagePool(layout, 4, pin_memory=False)
+    engine = CopyEngine(layout, kv, host, defer=True)
+    pages = host.alloc(1)
+    assert pages is not None
+    job = engine.launch(list(range(16)), pages)
+    assert job.deferred and not job.query()
+    for t in kv:
+        t[:16] = 3  # the engine overwrites the slots while the copy is "in flight"
+    job.run()
+    assert job.query() and torch.all(host.read_tokens(pages, 16) == 3)
+    with pytest.raises(CopyError, match="not a deferred copy"):
+        job.run()
+
+
+def test_a_copy_that_raises_is_a_failed_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = LAYOUTS["per_layer"]
+    host = HostPagePool(layout, 4, pin_memory=False)
+    engine = CopyEngine(layout, layout.allocate(), host)
+
+    def boom(*args: object) -> None:
+        raise RuntimeError("DMA error")
+
+    monkeypatch.setattr(engine, "_copy_cpu", boom)
+    pages = host.alloc(1)
+    assert pages is not None
+    job = engine.launch(list(range(16)), pages)
+    assert job.query() and isinstance(job.error, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    ("slots", "n_pages", "message"),
+    [
+        ([], 1, "do not fill"),
+        (list(range(17)), 1, "do not fill"),
+        (list(range(16)), 2, "do not fill"),
+        ([0] * 15 + [999], 1, "out of range"),
+        ([-1] * 16, 1, "out of range"),
+    ],
+)
+def test_bad_launches_are_refused_before_anything_runs(
+    slots: list[int], n_pages: int, message: str
+) -> None:
+    layout = LAYOUTS["per_layer"]
+    host = HostPagePool(layout, 4, pin_memory=False)
+    engine = CopyEngine(layout, layout.allocate(), host)
+    pages = host.alloc(n_pages)
+    assert pages is not None
+    host.tensor.zero_()
+    before = host.tensor.clone()
+    with pytest.raises(ValueError, match=message):
+        engine.launch(slots, pages)
+    assert torch.equal(host.tensor, before)
+
+
+def test_pages_of_another_pool_are_refused() -> None:
+    layout = LAYOUTS["per_layer"]
+    host, other = (HostPagePool(layout, 4, pin_memory=False) for _ in range(2))
+    engine = CopyEngine(layout, layout.allocate(), host)
+    pages = other.alloc(1)
+    assert pages is not None
+    with pytest.raises(ValueError, match="another pool"):
+        engine.launch(list(range(16)), pages)
+
+
+def test_streams_round_robin_and_arguments() -> None:
+    layout = LAYOUTS["per_layer"]
+    host = HostPagePool(layout, 8, pin_memory=False)
+    engine = CopyEngine(layout, layout.allocate(), host, streams=3)
+    streams = []
+    for _ in range(4):
+        pages = host.alloc(1)
+        assert pages is not None
+        streams.append(engine.launch(list(range(16)), pages).stream)
+    assert streams == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="another layout"):
+        CopyEngine(LAYOUTS["mla"], LAYOUTS["mla"].allocate(), host)
+    with pytest.raises(ValueError, match="positive"):
+        CopyEngine(layout, layout.allocate(), host, chunk_pages=0)

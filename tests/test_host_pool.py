@@ -1,0 +1,81 @@
+"""The host page pool: all-or-nothing alloc, typed refusals on bad frees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlife.offload import (
+    DoubleFreeError,
+    ForeignPageError,
+    HostPagePool,
+    HostPages,
+    KVLayout,
+)
+
+LAYOUT = KVLayout("per_layer", layers=2, slots=64, heads=2, head_dim=4, dtype=torch.float32,
+                  page_size=4)  # fmt: skip
+
+
+def test_alloc_is_all_or_nothing() -> None:
+    pool = HostPagePool(LAYOUT, 10, pin_memory=False)
+    a = pool.alloc(7)
+    assert a is not None and a.indices == tuple(range(7)) and a.runs() == [(0, 7)]
+    assert pool.alloc(4) is None
+    assert pool.available == 3 and pool.in_use == 7
+    b = pool.alloc(3)
+    assert b is not None and pool.available == 0
+    pool.free(a)
+    assert pool.available == 7 and not pool.is_allocated(0) and pool.is_allocated(8)
+
+
+def test_freed_pages_come_back_in_runs() -> None:
+    pool = HostPagePool(LAYOUT, 16, pin_memory=False)
+    first = pool.alloc(8)
+    assert first is not None and pool.alloc(8) is not None
+    pool.free(first)
+    again = pool.alloc(8)
+    assert again is not None and again.runs() == [(0, 8)]
+
+
+def test_double_free_and_foreign_pages_change_nothing() -> None:
+    pool = HostPagePool(LAYOUT, 8, pin_memory=False)
+    other = HostPagePool(LAYOUT, 8, pin_memory=False)
+    pages = pool.alloc(3)
+    keep = pool.alloc(2)
+    assert pages is not None and keep is not None
+    pool.free(pages)
+    with pytest.raises(DoubleFreeError, match="already free"):
+        pool.free(pages)
+    foreign = other.alloc(1)
+    assert foreign is not None
+    with pytest.raises(ForeignPageError):
+        pool.free(foreign)
+    with pytest.raises(ForeignPageError):
+        pool.free(HostPages(pool, (99,)))
+    mixed = HostPages(pool, (keep.indices[0], 0))  # one allocated, one free
+    with pytest.raises(DoubleFreeError):
+        pool.free(mixed)
+    with pytest.raises(DoubleFreeError, match="twice"):
+        pool.free(HostPages(pool, (keep.indices[0], keep.indices[0])))
+    assert pool.is_allocated(keep.indices[0]) and pool.available == 6
+    with pytest.raises(ForeignPageError):
+        pool.free("pages")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.0, True])
+def test_bad_alloc_counts(n: object) -> None:
+    pool = HostPagePool(LAYOUT, 4, pin_memory=False)
+    with pytest.raises(ValueError, match="positive"):
+        pool.alloc(n)  # type: ignore[arg-type]
+    assert pool.available == 4
+
+
+def test_pool_shape_and_pinning() -> None:
+    pool = HostPagePool(LAYOUT, 5, pin_memory=False)
+    assert pool.tensor.shape == (5, LAYOUT.components, 4, LAYOUT.elems)
+    assert pool.bytes_per_page == LAYOUT.bytes_per_page
+    assert pool.pinned is False
+    assert pool.page_view(1, 2).is_contiguous()
+    with pytest.raises(ValueError, match="pages"):
+        HostPagePool(LAYOUT, 0)

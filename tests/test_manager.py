@@ -1,0 +1,280 @@
+"""OffloadManager on CPU: exact host bytes, the rid-reuse race with completions held back,
+device slots never handed back early, abort, host exhaustion, failed copies, and tensor
+parallel agreement over gloo."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from array import array
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvlife.fsm import InvalidTransitionError, LifecycleRegistry, MemorySink, State, check_audit
+from kvlife.offload import KVLayout, OffloadResult
+from tests.engine import FakeEngine, host_matches
+from tests.strategies import EqByRid, Req
+from tests.test_layout import LAYOUTS
+
+A, O, F, R = State.ALLOCATED, State.OFFLOADING, State.FINISHED_PENDING, State.RELEASED
+SMALL = KVLayout("per_layer", layers=2, slots=512, heads=2, head_dim=4, dtype=torch.float32,
+                 page_size=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_finished_request_hands_its_exact_kv_to_the_hook(name: str) -> None:
+    engine = FakeEngine(LAYOUTS[name], stride_pages=1, host_pages=16)
+    req = Req("a")
+    lc = engine.admit(req)
+    tickets = []
+    for _ in range(3):
+        engine.decode(req, 13)
+        tickets.append(engine.manager.step(req))
+    assert all(t is not None for t in tickets[1:])
+    engine.manager.finish(req)  # flushes the partial last page
+    engine.manager.poll()
+    assert lc.state is R and lc.outcome == "finished"
+    [(got_req, result)] = engine.results
+    assert got_req is req and isinstance(result, OffloadResult)
+    assert result.tokens == 39 and [c.first_token for c in result.copies] == [0, 16, 32]
+    assert host_matches(engine, result, engine.admissions[lc.serial])
+    assert engine.released_serials == [lc.serial]
+    # the hook owns the pages until it frees them
+    assert engine.host.in_use == sum(len(p) for p in result.pages)
+    for pages in result.pages:
+        engine.host.free(pages)
+    assert engine.host.available == engine.host.capacity
+
+
+def test_prefix_hash_chain_is_seeded_by_the_previous_page() -> None:
+    engine = FakeEngine(SMALL, stride_pages=2)
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 18)
+    engine.manager.step(req)  # pages 0..3 (16 tokens)
+    engine.manager.finish(req)  # 2 more tokens: a partial page
+    engine.manager.poll()
+    [(_, result)] = engine.results
+    ids = engine.admissions[lc.serial].token_ids
+    prev, want = b"", []
+    for first in range(0, 16, 4):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(array("q", ids[first : first + 4]).tobytes())
+        prev = h.digest()
+        want.append(prev)
+    assert [h for c in result.copies for h in c.hashes] == [*want, None]
+
+
+def test_stride_waits_for_enough_full_pages() -> None:
+    engine = FakeEngine(SMALL, stride_pages=3)
+    req = Req("a")
+    engine.admit(req)
+    engine.decode(req, 11)  # 2 full pages
+    assert engine.manager.step(req) is None
+    engine.decode(req, 1)  # 3 full pages
+    ticket = engine.manager.step(req)
+    assert ticket is not None and engine.manager.stats.copies_launched == 1
+    assert engine.manager.step(req) is None
+
+
+def test_rid_reuse_race_with_completions_held_back_and_released_out_of_order() -> None:
+    sink = MemorySink()
+    engine = FakeEngine(SMALL, defer=True, streams=2, stride_pages=1,
+                        registry=LifecycleRegistry(sinks=[sink]))  # fmt: skip
+    manager = engine.manager
+    old, new = EqByRid("a"), EqByRid("a")
+    old_lc = engine.admit(old)
+    engine.decode(old, 8)
+    manager.step(old)  # stream 0
+    manager.finish(old)
+    assert old_lc.state is F
+    new_lc = engine.admit(new)
+    engine.decode(new, 8)
+    manager.step(new)  # stream 1
+    old_job, new_job = (job for job, _ in engine.jobs)
+    new_job.run()  # the new copy completes first
+    manager.poll()
+    assert new_lc.state is A and old_lc.state is F and old_lc.inflight == 1
+    assert engine.released_serials == []  # the old slots are still being read
+    old_job.run()
+    manager.poll()
+    assert old_lc.state is R and new_lc.state is A and new_lc.req is new
+    assert engine.released_serials == [old_lc.serial]
+    [(req, result)] = engine.results
+    assert req is old and result.serial == old_lc.serial
+    assert host_matches(engine, result, engine.admissions[old_lc.serial])
+    manager.finish(new)
+    manager.poll()
+    assert new_lc.state is R
+    assert check_audit(sink.records(), expect_released=True).ok
+
+
+def test_device_slots_wait_for_every_copy_that_reads_them() -> None:
+    engine = FakeEngine(SMALL, defer=True, stride_pages=1)
+    req = Req("a")
+    lc = engine.admit(req)
+    for _ in range(3):
+        engine.decode(req, 4)
+        engine.manager.step(req)
+    engine.manager.finish(req)
+    for i, (job, _) in enumerate(engine.jobs):
+        assert engine.released_serials == [], i
+        job.run()
+        engine.manager.poll()
+    assert engine.released_serials == [lc.serial] and lc.state is R
+
+
+def test_abort_with_copies_in_flight_frees_pages_after_they_complete() -> None:
+    engine = FakeEngine(SMALL, defer=True, stride_pages=1)
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 8)
+    engine.manager.step(req)
+    engine.manager.abort(req)
+    assert lc.state is F and engine.host.in_use == 2  # the copy still writes its pages
+    engine.run_all()
+    engine.manager.poll()
+    assert lc.state is R and lc.outcome == "aborted"
+    assert engine.host.available == engine.host.capacity
+    [(_, result)] = engine.results
+    assert result.copies == () and engine.released_serials == [lc.serial]
+
+
+def test_host_memory_exhausted_skips_and_changes_nothing() -> None:
+    sink = MemorySink()
+    engine = FakeEngine(SMALL, host_pages=2, stride_pages=1,
+                        registry=LifecycleRegistry(sinks=[sink]))  # fmt: skip
+    hog = engine.host.alloc(2)
+    assert hog is not None
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 8)
+
+    def counters() -> tuple[Any, ...]:
+        stats = engine.manager.registry.statistics()
+        return len(sink), stats.transitions, stats.refusals, stats.live, stats.inflight
+
+    before = counters()
+    assert engine.manager.step(req) is None
+    assert (lc.state, lc.inflight, lc.copies_started) == (A, 0, 0)
+    assert counters() == before
+    assert engine.manager.stats.skipped_no_host_memory == 1
+    assert engine.manager.stats.copies_launched == 0 and engine.host.available == 0
+    engine.host.free(hog)  # memory comes back: the same pages are offloaded next step
+    assert engine.manager.step(req) is not None
+    engine.manager.finish(req)
+    engine.manager.poll()
+    [(_, result)] = engine.results
+    assert result.tokens == 8
+
+
+def test_a_copy_that_raises_takes_the_fail_path_and_still_releases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = FakeEngine(SMALL, stride_pages=1, host_pages=8)
+    real = engine.copier._copy_cpu
+    calls = {"n": 0}
+
+    def second_copy_fails(index: torch.Tensor, pages: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("DMA error")
+        real(index, pages)
+
+    monkeypatch.setattr(engine.copier, "_copy_cpu", second_copy_fails)
+    req = Req("a")
+    lc = engine.admit(req)
+    for _ in range(3):
+        engine.decode(req, 4)
+        engine.manager.step(req)
+        engine.manager.poll()
+    assert engine.manager.stats.copies_failed == 1 and lc.state is A
+    engine.manager.finish(req)
+    engine.manager.poll()
+    assert lc.state is R
+    [(_, result)] = engine.results
+    assert [c.first_token for c in result.copies] == [0]  # the prefix before the failure
+    assert engine.host.in_use == 1  # the kept page; failed and later pages were freed
+
+
+def test_step_on_a_finished_request_is_refused_before_allocating() -> None:
+    engine = FakeEngine(SMALL, defer=True, stride_pages=1)
+    req = Req("a")
+    engine.admit(req)
+    engine.decode(req, 4)
+    engine.manager.step(req)
+    engine.manager.finish(req)
+    engine.decode(req, 8)
+    available = engine.host.available
+    with pytest.raises(InvalidTransitionError):
+        engine.manager.step(req)
+    with pytest.raises(InvalidTransitionError):
+        engine.manager.finish(req)
+    assert engine.host.available == available
+
+
+def test_bad_engine_answers_change_nothing() -> None:
+    engine = FakeEngine(SMALL, stride_pages=1)
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 4)
+    engine.admissions[lc.serial].slot_ids[0] = 10_000  # out of the pool's range
+    with pytest.raises(ValueError, match="out of range"):
+        engine.manager.step(req)
+    assert engine.host.available == engine.host.capacity and lc.state is A
+    with pytest.raises(ValueError, match="stride_pages"):
+        type(engine.manager)(engine, engine.copier, stride_pages=0)
+
+
+# --- tensor parallelism over gloo -------------------------------------------------------
+
+
+def _local_done(rank: int, world: int, poll: int) -> int:
+    """Copies finished on ``rank`` by ``poll``: copy 0 at poll rank+1, copy 1 at poll
+    2*(world-rank) (copies on one stream finish in order)."""
+    first = poll >= rank + 1
+    return int(first) + int(first and poll >= 2 * (world - rank))
+
+
+def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        engine = FakeEngine(SMALL, defer=True, stride_pages=1, group=dist.group.WORLD)
+        req = Req("tp")
+        lc = engine.admit(req)
+        for _ in range(2):
+            engine.decode(req, 4)
+            engine.manager.step(req)
+        engine.manager.finish(req)
+        seen = []
+        for poll in range(1, 2 * world + 2):
+            for i, (job, _) in enumerate(engine.jobs):
+                if job.deferred and _local_done(rank, world, poll) > i:
+                    job.run()
+            engine.manager.poll()
+            seen.append([poll, lc.state.value, lc.inflight])
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_lifecycles_move_only_when_every_rank_is_done(
+    world: int, tmp_path: Path
+) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(_tp_worker, args=(world, str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=world, start_method="spawn")  # fmt: skip
+    for rank in range(world):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for poll, state, inflight in seen:
+            agreed = min(_local_done(r, world, poll) for r in range(world))
+            assert inflight == 2 - agreed, (rank, poll, seen)
+            assert state == ("released" if agreed == 2 else "finished_pending"), (rank, poll)
