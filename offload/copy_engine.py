@@ -154,6 +154,9 @@ class CopyEngine:
     def launch(self, slots: torch.Tensor | Sequence[int], pages: HostPages) -> CopyJob:
         """Copy the KV of ``slots`` (token order) into ``pages`` (filled in order).
 
+        ``slots`` on the CPU (a list or CPU tensor) are range-checked; a CUDA tensor is
+        not (that would synchronize with the compute stream).
+
         Returns the job once its completion event is recorded (CUDA), its copy ran (CPU),
         or it is deferred. A copy that raises while running is returned as a finished job
         with ``error`` set (the fail path). Raises ``ValueError`` for bad arguments, before
@@ -168,7 +171,11 @@ class CopyEngine:
         index = torch.as_tensor(slots, dtype=torch.long)
         if index.dim() != 1:
             raise ValueError("slots must be one-dimensional")
-        if n and (int(index.min()) < 0 or int(index.max()) >= self.layout.slots):
+        # Range-checking a device tensor would synchronize with the compute stream (a
+        # pipeline stall per offload): indices already on the GPU are the caller's word.
+        if index.device.type == "cpu" and (
+            int(index.min()) < 0 or int(index.max()) >= self.layout.slots
+        ):
             raise ValueError(f"slot indices out of range [0, {self.layout.slots})")
         stream = self._next_stream
         self._next_stream = (stream + 1) % self.streams

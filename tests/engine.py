@@ -34,15 +34,15 @@ class FakeEngine:
 
     def __init__(self, layout: KVLayout, *, host_pages: int = 256, chunk_pages: int = 4,
                  streams: int = 1, defer: bool = False, stride_pages: int = 2,
-                 group: Any = None, registry: Any = None) -> None:  # fmt: skip
+                 group: Any = None, registry: Any = None, device: str = "cpu") -> None:  # fmt: skip
         self.layout = layout
-        self.kv = layout.allocate("cpu")
+        self.kv = layout.allocate(device)
         self.views = layout.component_views(self.kv)
         self.free_slots: list[int] = list(range(layout.slots - 1, -1, -1))
         self.current: dict[int, Admission] = {}  # id(req) -> current admission
         self.admissions: dict[int, Admission] = {}  # serial -> admission, kept for checks
         self.released_serials: list[int] = []
-        self.host = HostPagePool(layout, host_pages, pin_memory=False)
+        self.host = HostPagePool(layout, host_pages, pin_memory=device != "cpu")
         self.copier = CopyEngine(layout, self.kv, self.host, chunk_pages=chunk_pages,
                                  streams=streams, defer=defer)  # fmt: skip
         self.jobs: list[tuple[CopyJob, list[int]]] = []
@@ -78,11 +78,11 @@ class FakeEngine:
             if not self.free_slots:
                 raise RuntimeError("device KV pool exhausted")
             slot = self.free_slots.pop()
-            values = torch.randn((self.layout.components, self.layout.elems), generator=gen).to(
-                self.layout.dtype
-            )
+            shape = (self.layout.components, self.layout.elems)
+            # kept on the CPU: the bytes the host pages must end up holding
+            values = torch.randn(shape, generator=gen).to(self.layout.dtype)
             for c, view in enumerate(self.views):
-                view[slot] = values[c]
+                view[slot] = values[c].to(view.device)
             admission.token_ids.append(admission.seed * 1000 + len(admission.token_ids))
             admission.slot_ids.append(slot)
             admission.written.append(values)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlife.offload import CopyEngine, CopyError, HostPagePool, KVLayout
+from kvlife.offload import CopyEngine, CopyError, CopyJob, HostPagePool, KVLayout
 from tests.test_layout import LAYOUTS
 
 
@@ -136,3 +136,40 @@ def test_streams_round_robin_and_arguments() -> None:
         CopyEngine(LAYOUTS["mla"], LAYOUTS["mla"].allocate(), host)
     with pytest.raises(ValueError, match="positive"):
         CopyEngine(layout, layout.allocate(), host, chunk_pages=0)
+
+
+# --- on a GPU (tests/gpu/check.sh) ------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_cuda_host_pages_hold_exactly_the_device_bytes(name: str) -> None:
+    layout = LAYOUTS[name]
+    kv = [t.cuda() for t in _filled(layout)]
+    host = HostPagePool(layout, 8, pin_memory=True)
+    engine = CopyEngine(layout, kv, host, chunk_pages=1, streams=2)
+    slots = torch.randperm(layout.slots, generator=torch.Generator().manual_seed(3))[:40].tolist()
+    pages = host.alloc(3)
+    assert pages is not None and host.pinned
+    job = engine.launch(slots, pages)
+    assert job.recorded
+    torch.cuda.synchronize()
+    assert job.query() and job.error is None
+    expected = _expected(layout, [t.cpu() for t in kv], slots)
+    assert torch.equal(host.read_tokens(pages, 40), expected)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_an_unrecorded_event_reports_done_but_a_job_does_not() -> None:
+    event = torch.cuda.Event()
+    assert event.query()  # the CUDA fact kvlife guards against (c10/cuda/CUDAEvent.h)
+    layout = LAYOUTS["per_layer"]
+    host = HostPagePool(layout, 1, pin_memory=True)
+    pages = host.alloc(1)
+    assert pages is not None
+    job = CopyJob(pages, 16, 0, event, run=None)  # an event, but launch() never recorded it
+    assert not job.recorded and not job.query()

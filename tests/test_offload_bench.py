@@ -1,0 +1,31 @@
+"""The offload benchmark runs end to end on CPU (figures are printed, not asserted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlife.offload.bench import main, measure_poll, measure_throughput
+
+
+def test_throughput_row_on_cpu() -> None:
+    row = measure_throughput(64, torch.device("cpu"), reps=1, layers=2)
+    assert row.tokens == 64 and row.bytes == 64 * 2 * 2 * 8 * 128 * 2
+    assert row.manager_gbs > 0 and row.baseline_gbs > 0
+
+
+def test_poll_measurement_sees_nothing_done() -> None:
+    assert measure_poll(torch.device("cpu"), inflight=500, polls=5) >= 0
+
+
+def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device", "cpu", "--tokens", "32", "--reps", "1", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "contiguous copy_" in out and "none done" in out
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "10"], ["--reps", "0"]])
+def test_bad_arguments_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--device", "cpu", *argv])
+    assert info.value.code == 2
