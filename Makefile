@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv dot lint types pytest test demo bench clean
+.PHONY: all venv dot lint types pytest test demo bench diagrams clean
 
 all: test
 
@@ -20,7 +20,7 @@ $(PY):
 # The directories are prerequisites: strict editable mode links files, so new modules need a reinstall.
 $(STAMP): $(PY) pyproject.toml fsm offload diagrams
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[test]" --config-settings editable_mode=strict
+	$(PIP) install --quiet -e ".[test,plot]" --config-settings editable_mode=strict
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -37,18 +37,23 @@ lint: venv
 	$(VENV)/bin/ruff format --check fsm offload diagrams tests
 
 types: venv
-	$(VENV)/bin/mypy --strict -p kvlife.fsm -p kvlife.offload
+	$(VENV)/bin/mypy --strict -p kvlife.fsm -p kvlife.offload -p kvlife.diagrams
 
 pytest: venv dot
 	$(PY) -m pytest -q
 
 test: lint types pytest
 
-demo: venv
-	$(PY) -m kvlife.fsm.demo --out out
+demo: venv dot
+	$(VENV)/bin/kvlife demo --out out
 
 bench: venv
-	$(PY) -m kvlife.fsm.bench
+	$(VENV)/bin/kvlife bench fsm
+	$(VENV)/bin/kvlife bench offload
+
+# Regenerate the committed lifecycle diagrams from the table.
+diagrams: venv dot
+	$(PY) -c "from kvlife.diagrams import write_lifecycle_diagrams as w; print(*w(), sep='\n')"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site

@@ -156,7 +156,7 @@ class LifecycleTable:
         return STATES[row[0] if inflight > 1 else row[1]]
 
 
-def _sorted_edges(edges: Iterable[Edge]) -> list[Edge]:
+def sorted_edges(edges: Iterable[Edge]) -> list[Edge]:
     """Edges in a stable order (state order, then trigger order, then guard)."""
     return sorted(
         edges,
@@ -173,7 +173,7 @@ def table_digest(edges: Iterable[Edge], initial: State, terminal: State) -> str:
     lines = [f"initial={initial.value}", f"terminal={terminal.value}"]
     lines += [
         f"{e.src.value} {e.trigger.value} {e.guard.value if e.guard else '-'} {e.dst.value}"
-        for e in _sorted_edges(edges)
+        for e in sorted_edges(edges)
     ]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
@@ -260,7 +260,7 @@ def build_machine(edges: EdgeTable, initial: State) -> Machine:
         auto_transitions=False,
         send_event=False,
     )
-    for edge in _sorted_edges(edges):
+    for edge in sorted_edges(edges):
         machine.add_transition(
             edge.trigger.value,
             edge.src.value,

@@ -1,0 +1,32 @@
+"""kvlife.diagrams: lifecycle diagrams rendered from the one table and from audit logs.
+
+* :func:`lifecycle_dot` / :func:`lifecycle_mermaid`: the table through ``transitions``'
+  GraphMachine (committed as ``lifecycle.dot``, ``.svg`` and ``.mmd`` beside this module).
+* :func:`log_graph`: the same diagram with each edge's count and the refusals of a log.
+* :func:`plot_timeline`: one row per lifecycle instance, coloured by state over time.
+"""
+
+from __future__ import annotations
+
+from kvlife.diagrams.dot import DotNotFoundError, dot_text, render
+from kvlife.diagrams.lifecycle import (
+    lifecycle_dot,
+    lifecycle_graph,
+    lifecycle_mermaid,
+    write_lifecycle_diagrams,
+)
+from kvlife.diagrams.log_graph import log_graph
+from kvlife.diagrams.timeline import plot_timeline, timeline_rows
+
+__all__ = [
+    "DotNotFoundError",
+    "dot_text",
+    "lifecycle_dot",
+    "lifecycle_graph",
+    "lifecycle_mermaid",
+    "log_graph",
+    "plot_timeline",
+    "render",
+    "timeline_rows",
+    "write_lifecycle_diagrams",
+]
