@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv dot lint types pytest test demo bench diagrams clean
+.PHONY: all venv dot lint types pytest docs test demo bench diagrams clean
 
 all: test
 
@@ -20,7 +20,7 @@ $(PY):
 # The directories are prerequisites: strict editable mode links files, so new modules need a reinstall.
 $(STAMP): $(PY) pyproject.toml fsm offload diagrams
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[test,plot]" --config-settings editable_mode=strict
+	$(PIP) install --quiet -e ".[test,plot,docs]" --config-settings editable_mode=strict
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -33,8 +33,8 @@ dot:
 	  else echo "Graphviz's dot is missing: install it (e.g. 'apt-get install graphviz')"; fi; }
 
 lint: venv
-	$(VENV)/bin/ruff check fsm offload diagrams tests
-	$(VENV)/bin/ruff format --check fsm offload diagrams tests
+	$(VENV)/bin/ruff check fsm offload diagrams tests docs
+	$(VENV)/bin/ruff format --check fsm offload diagrams tests docs
 
 types: venv
 	$(VENV)/bin/mypy --strict -p kvlife.fsm -p kvlife.offload -p kvlife.diagrams
@@ -42,7 +42,11 @@ types: venv
 pytest: venv dot
 	$(PY) -m pytest -q
 
-test: lint types pytest
+# The manual must build without a warning.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
+
+test: lint types pytest docs
 
 demo: venv dot
 	$(VENV)/bin/kvlife demo --out out

@@ -37,7 +37,10 @@ def visible(text: str) -> str:
 
 def dot_text(text: str) -> str:
     """Escape ``text`` for a DOT label or identifier: shown literally, whatever it holds."""
-    return str(graphviz.escape(visible(text)))
+    # graphviz.escape returns a str subclass that quote() never takes for an HTML label:
+    # keep its type (str() would drop the mark)
+    escaped: str = graphviz.escape(visible(text))
+    return escaped
 
 
 def render(source: str, fmt: Literal["svg", "png"]) -> bytes:

@@ -40,12 +40,18 @@ def log_graph(
             taken[(r.src, r.trigger, r.dst)] += 1
         else:
             refused[(r.src, r.trigger, r.reason)] += 1
-    graph = graphviz.Digraph(name="kvlife_audit", graph_attr={
-        "rankdir": "LR", "label": dot_text(f"{title}: {len(records)} records"),
-        "labelloc": "t", "fontname": "Helvetica",
-    })  # fmt: skip
-    graph.attr("node", shape="rectangle", style="rounded,filled", fillcolor="white",
-               fontname="Helvetica")  # fmt: skip
+    graph = graphviz.Digraph(
+        name="kvlife_audit",
+        graph_attr={
+            "rankdir": "LR",
+            "label": dot_text(f"{title}: {len(records)} records"),
+            "labelloc": "t",
+            "fontname": "Helvetica",
+        },
+    )
+    graph.attr(
+        "node", shape="rectangle", style="rounded,filled", fillcolor="white", fontname="Helvetica"
+    )
     graph.attr("edge", fontname="Helvetica", fontsize="10")
     graph.node("__start", label="", shape="point", width="0.15")
     for state in State:
@@ -56,17 +62,32 @@ def log_graph(
     for edge in sorted_edges(LIFECYCLE.edges):
         n = taken[(edge.src.value, edge.trigger.value, edge.dst.value)]
         guard = f" [{edge.guard.value}]" if edge.guard else ""
-        style = {"color": "black", "penwidth": "1.6"} if n else {"color": "gray70",
-                                                                 "fontcolor": "gray50"}  # fmt: skip
-        graph.edge(edge.src.value, edge.dst.value, label=f"{edge.trigger.value}{guard} ×{n}",
-                   **style)  # fmt: skip
+        style = (
+            {"color": "black", "penwidth": "1.6"}
+            if n
+            else {"color": "gray70", "fontcolor": "gray50"}
+        )
+        graph.edge(
+            edge.src.value, edge.dst.value, label=f"{edge.trigger.value}{guard} ×{n}", **style
+        )
     if any(src is None for src, _, _ in refused):
-        graph.node(NO_LIFECYCLE, label="no lifecycle\\n(unknown request)", style="dashed",
-                   color="red", fontcolor="red")  # fmt: skip
+        graph.node(
+            NO_LIFECYCLE,
+            label="no lifecycle\\n(unknown request)",
+            style="dashed",
+            color="red",
+            fontcolor="red",
+        )
     for (src, trigger, reason), n in sorted(refused.items(), key=lambda kv: tuple(map(str, kv[0]))):
         node = src if src is not None else NO_LIFECYCLE
-        graph.edge(node, node, label=f"{trigger} refused ×{n}\\n{reason}", color="red",
-                   fontcolor="red", style="dashed")  # fmt: skip
+        graph.edge(
+            node,
+            node,
+            label=f"{trigger} refused ×{n}\\n{reason}",
+            color="red",
+            fontcolor="red",
+            style="dashed",
+        )
     live = check_audit(records).live
     if live:
         lines = [f"live at end of log: {len(live)}"]

@@ -108,8 +108,12 @@ def plot_timeline(
     fig, ax = plt.subplots(figsize=(11, min(height, 40)), dpi=110)
     for y, row in enumerate(shown):
         for start, stop, state in row.spans:
-            ax.broken_barh([(start, max(stop - start, end * 0.002))], (y - 0.4, 0.8),
-                           facecolors=COLOURS.get(state, "gray"), edgecolor="none")  # fmt: skip
+            ax.broken_barh(
+                [(start, max(stop - start, end * 0.002))],
+                (y - 0.4, 0.8),
+                facecolors=COLOURS.get(state, "gray"),
+                edgecolor="none",
+            )
         if row.refusals:
             ax.plot(row.refusals, [y] * len(row.refusals), "x", color="red", markersize=5)
     for y in range(1, len(shown)):

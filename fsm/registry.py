@@ -403,9 +403,19 @@ class LifecycleRegistry:
         self._live[serial] = lc
         if self._write is not None:
             record = AuditRecord(
-                self._seq, _now(), rid, serial, REGISTER, None, "allocated", True, None, None,
-                0, {},
-            )  # fmt: skip
+                self._seq,
+                _now(),
+                rid,
+                serial,
+                REGISTER,
+                None,
+                "allocated",
+                True,
+                None,
+                None,
+                0,
+                {},
+            )
             self._seq += 1
             self._write(record)
         return lc
@@ -415,13 +425,14 @@ class LifecycleRegistry:
 
         ``target`` is the request object or its :class:`Lifecycle`. ``detail`` (small
         scalars: tokens, bytes, pages) goes into the audit record. Call this only after
-        the copy's completion event was recorded.
+        the copy's completion event was recorded. On any error no ticket exists and
+        nothing changed.
 
         Raises:
             UnknownRequestError: ``target`` is not registered here (or was released).
             StaleInstanceError: ``target`` is a released lifecycle.
             InvalidTransitionError: the state refuses it (``finished_pending``).
-            In every case no ticket exists and nothing changed.
+            TypeError: a ``detail`` value is not a scalar.
         """
         if detail:
             _check_detail(detail)
@@ -447,9 +458,19 @@ class LifecycleRegistry:
         ticket._bit = bit
         if self._write is not None:
             record = AuditRecord(
-                self._seq, _now(), lc._rid, lc._serial, "start_offload",
-                _NAMES[s], _NAMES[row[0]], True, None, op, inflight, detail,
-            )  # fmt: skip
+                self._seq,
+                _now(),
+                lc._rid,
+                lc._serial,
+                "start_offload",
+                _NAMES[s],
+                _NAMES[row[0]],
+                True,
+                None,
+                op,
+                inflight,
+                detail,
+            )
             self._seq += 1
             self._write(record)
         return ticket
@@ -460,14 +481,14 @@ class LifecycleRegistry:
         Completes exactly the copy the ticket names, on exactly the lifecycle instance
         that started it, whatever rids, ids or ``__eq__`` say. The last completion of a
         finished/aborted lifecycle releases it (and runs the ``on_release`` hooks).
-        Returns the ticket's lifecycle.
+        Returns the ticket's lifecycle. On any error nothing changed.
 
         Raises:
-            TypeError: ``ticket`` is not a Ticket. Nothing audited.
+            TypeError: ``ticket`` is not a Ticket, or a ``detail`` value is not a scalar
+                (not audited).
             UnknownRequestError: the ticket belongs to another registry.
             StaleInstanceError: the ticket's lifecycle was already released.
             DuplicateAckError: this ticket was already delivered.
-            In every case nothing changed.
         """
         if type(ticket) is not Ticket:
             raise TypeError(f"complete() needs a Ticket, got {type(ticket).__name__}")
@@ -489,9 +510,19 @@ class LifecycleRegistry:
         self._transitions += 1
         if self._write is not None:
             record = AuditRecord(
-                self._seq, _now(), lc._rid, lc._serial, "ack" if ok else "fail",
-                _NAMES[s], _NAMES[dst], True, None, ticket._op, inflight - 1, detail,
-            )  # fmt: skip
+                self._seq,
+                _now(),
+                lc._rid,
+                lc._serial,
+                "ack" if ok else "fail",
+                _NAMES[s],
+                _NAMES[dst],
+                True,
+                None,
+                ticket._op,
+                inflight - 1,
+                detail,
+            )
             self._seq += 1
             self._write(record)
         if dst == _RELEASED:
@@ -518,11 +549,13 @@ class LifecycleRegistry:
 
         From ``allocated`` it releases at once; from ``offloading`` it moves to
         ``finished_pending`` and releases when the last copy resolves. A final flush is
-        ``start_offload`` then ``finish``. Returns the lifecycle.
+        ``start_offload`` then ``finish``. Returns the lifecycle. On any error nothing
+        changed.
 
         Raises:
-            UnknownRequestError / StaleInstanceError / InvalidTransitionError (already
-            finished or aborted). Nothing changed.
+            UnknownRequestError: ``target`` is not registered here (or was released).
+            StaleInstanceError: ``target`` is a released lifecycle.
+            InvalidTransitionError: the lifecycle already finished or aborted.
         """
         return self._end(target, Trigger.FINISH, _FINISH, "finished", detail)
 
@@ -556,9 +589,19 @@ class LifecycleRegistry:
         self._transitions += 1
         if self._write is not None:
             record = AuditRecord(
-                self._seq, _now(), lc._rid, lc._serial, trigger.value,
-                _NAMES[s], _NAMES[dst], True, None, None, lc._inflight, detail,
-            )  # fmt: skip
+                self._seq,
+                _now(),
+                lc._rid,
+                lc._serial,
+                trigger.value,
+                _NAMES[s],
+                _NAMES[dst],
+                True,
+                None,
+                None,
+                lc._inflight,
+                detail,
+            )
             self._seq += 1
             self._write(record)
         if dst == _RELEASED:
@@ -663,8 +706,9 @@ class LifecycleRegistry:
             message = f"{ticket!r} was already delivered"
         if raise_:
             self._refuse(cls, lc, trigger, message, op=ticket._op)
-        self._count_refusal(cls.reason, lc._serial, lc._rid, trigger, _NAMES[lc._s], ticket._op,
-                            lc._inflight)  # fmt: skip
+        self._count_refusal(
+            cls.reason, lc._serial, lc._rid, trigger, _NAMES[lc._s], ticket._op, lc._inflight
+        )
         return cls.reason
 
     def _refuse(
@@ -695,9 +739,19 @@ class LifecycleRegistry:
         self._refusals[reason] += 1
         if self._write is not None:
             record = AuditRecord(
-                self._seq, _now(), rid, serial, trigger, state, None, False, reason, op,
-                inflight, {},
-            )  # fmt: skip
+                self._seq,
+                _now(),
+                rid,
+                serial,
+                trigger,
+                state,
+                None,
+                False,
+                reason,
+                op,
+                inflight,
+                {},
+            )
             self._seq += 1
             self._write(record)
 

@@ -54,8 +54,15 @@ class BenchSource:
 
 def reference_layout(slots: int, layers: int = 32) -> KVLayout:
     """The reference KV shape: ``layers`` layers, 8 heads, dim 128, bf16, 16-token pages."""
-    return KVLayout("per_layer", layers=layers, slots=slots, heads=8, head_dim=128,
-                    dtype=torch.bfloat16, page_size=16)  # fmt: skip
+    return KVLayout(
+        "per_layer",
+        layers=layers,
+        slots=slots,
+        heads=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        page_size=16,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -130,8 +137,9 @@ def _free(host: HostPagePool, result: OffloadResult) -> None:
 
 def measure_poll(device: torch.device, inflight: int = 10_000, polls: int = 200) -> float:
     """Median microseconds of one poll with ``inflight`` copies in flight, none done."""
-    layout = KVLayout("per_layer", layers=1, slots=inflight, heads=1, head_dim=8,
-                      dtype=torch.float32, page_size=1)  # fmt: skip
+    layout = KVLayout(
+        "per_layer", layers=1, slots=inflight, heads=1, head_dim=8, dtype=torch.float32, page_size=1
+    )
     host = HostPagePool(layout, inflight, pin_memory=device.type == "cuda")
     kv = layout.allocate(device)
     cuda = device.type == "cuda"
@@ -163,8 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="kvlife bench offload", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1k 4k 16k on "
-                        "CUDA, 1k 4k on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        help="token counts (default 1k 4k 16k on CUDA, 1k 4k on CPU)",
+    )
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (default 7)")
     parser.add_argument("--layers", type=int, default=32, help="layers (default 32: 128 KiB/token)")
     args = parser.parse_args(argv)
@@ -180,8 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'tokens':>7} {'MiB':>7} {'manager GB/s':>13} {baseline + ' GB/s':>27} {'ratio':>7}")
     for n in tokens:
         row = measure_throughput(n, device, reps=args.reps, layers=args.layers)
-        print(f"{row.tokens:>7} {row.bytes / 2**20:>7.0f} {row.manager_gbs:>13.2f} "
-              f"{row.baseline_gbs:>27.2f} {row.ratio:>6.1%}")  # fmt: skip
+        print(
+            f"{row.tokens:>7} {row.bytes / 2**20:>7.0f} {row.manager_gbs:>13.2f} "
+            f"{row.baseline_gbs:>27.2f} {row.ratio:>6.1%}"
+        )
     poll_us = measure_poll(device)
     print(f"one poll, 10,000 copies in flight, none done: {poll_us:.2f} us (median)")
     return 0

@@ -168,31 +168,38 @@ class DemoSummary:
         rows = [
             ("device", self.device),
             ("scheduler steps", f"{self.steps}"),
-            ("lifecycles (registered / released / live)",
-             f"{self.lifecycles} / {self.released} / {self.live_at_end}"),
+            (
+                "lifecycles (registered / released / live)",
+                f"{self.lifecycles} / {self.released} / {self.live_at_end}",
+            ),
             ("outcomes (finished / aborted)", f"{self.finished} / {self.aborted}"),
             ("rid reused while its old copy was in flight", f"{self.rid_reuses_in_flight}"),
             ("accepted transitions", f"{self.transitions}"),
-        ]  # fmt: skip
+        ]
         for reason, n in sorted(self.refusals.items()):
             rows.append((f"refused: {reason}", f"{n}"))
         rows += [
             ("copies (acked+failed / failed, injected)", f"{self.copies} / {self.copies_failed}"),
             ("offloads skipped: host memory exhausted", f"{self.skipped_no_host_memory}"),
             ("KV offloaded", f"{mib:.1f} MiB"),
-            ("throughput (whole run)", f"{rate:.1f} MiB/s, {self.transitions / self.wall_s:.0f} "
-             "transitions/s" if self.wall_s else "-"),
+            (
+                "throughput (whole run)",
+                f"{rate:.1f} MiB/s, {self.transitions / self.wall_s:.0f} transitions/s"
+                if self.wall_s
+                else "-",
+            ),
             ("audit records", f"{self.audit_records}"),
             ("wall time", f"{self.wall_s:.2f} s"),
-        ]  # fmt: skip
+        ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def demo_layout(device: torch.device) -> KVLayout:
     """4 layers, K+V, 4 heads, dim 64, bf16 (4 KiB per token), 16-token pages."""
-    return KVLayout("per_layer", layers=4, slots=8192, heads=4, head_dim=64,
-                    dtype=torch.bfloat16, page_size=16)  # fmt: skip
+    return KVLayout(
+        "per_layer", layers=4, slots=8192, heads=4, head_dim=64, dtype=torch.bfloat16, page_size=16
+    )
 
 
 def run_workload(
@@ -237,8 +244,9 @@ def run_workload(
         # admit: a finished request's rid is free again at once
         while admitted < config.requests and len(running) < config.max_running and pending_rids:
             rid = f"req-{pending_rids.pop(rng.randrange(len(pending_rids)))}"
-            req = DemoRequest(rid, rng.randint(*config.prompt), rng.randint(*config.output),
-                              seed=admitted)  # fmt: skip
+            req = DemoRequest(
+                rid, rng.randint(*config.prompt), rng.randint(*config.output), seed=admitted
+            )
             if rng.random() < config.abort_rate:
                 req.abort_at = rng.randint(0, req.output)
             holder = registry.live(rid)

@@ -137,12 +137,11 @@ class HostPagePool:
         return HostPages(self, tuple(taken))
 
     def free(self, pages: HostPages) -> None:
-        """Return pages to the pool.
+        """Return pages to the pool. All or nothing: on an error no page was freed.
 
         Raises:
             ForeignPageError: ``pages`` did not come from this pool.
             DoubleFreeError: a page is already free or listed twice.
-            In both cases no page was freed.
         """
         if not isinstance(pages, HostPages) or pages.pool is not self:
             raise ForeignPageError(f"{pages!r} was not allocated from this pool")

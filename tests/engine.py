@@ -32,9 +32,19 @@ class Admission:
 class FakeEngine:
     """Implements :class:`kvlife.offload.KVSource` over real CPU tensors."""
 
-    def __init__(self, layout: KVLayout, *, host_pages: int = 256, chunk_pages: int = 4,
-                 streams: int = 1, defer: bool = False, stride_pages: int = 2,
-                 group: Any = None, registry: Any = None, device: str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        host_pages: int = 256,
+        chunk_pages: int = 4,
+        streams: int = 1,
+        defer: bool = False,
+        stride_pages: int = 2,
+        group: Any = None,
+        registry: Any = None,
+        device: str = "cpu",
+    ) -> None:
         self.layout = layout
         self.kv = layout.allocate(device)
         self.views = layout.component_views(self.kv)
@@ -43,8 +53,9 @@ class FakeEngine:
         self.admissions: dict[int, Admission] = {}  # serial -> admission, kept for checks
         self.released_serials: list[int] = []
         self.host = HostPagePool(layout, host_pages, pin_memory=device != "cpu")
-        self.copier = CopyEngine(layout, self.kv, self.host, chunk_pages=chunk_pages,
-                                 streams=streams, defer=defer)  # fmt: skip
+        self.copier = CopyEngine(
+            layout, self.kv, self.host, chunk_pages=chunk_pages, streams=streams, defer=defer
+        )
         self.jobs: list[tuple[CopyJob, list[int]]] = []
         launch = self.copier.launch
 
@@ -54,8 +65,9 @@ class FakeEngine:
             return job
 
         self.copier.launch = recording_launch  # type: ignore[method-assign]
-        self.manager = OffloadManager(self, self.copier, stride_pages=stride_pages, group=group,
-                                      registry=registry)  # fmt: skip
+        self.manager = OffloadManager(
+            self, self.copier, stride_pages=stride_pages, group=group, registry=registry
+        )
         self.results: list[tuple[Any, Any]] = []
         self.manager.on_release(lambda req, result: self.results.append((req, result)))
         self._seeds = 0

@@ -49,8 +49,9 @@ def _write_log(path: Path, records: int) -> list[AuditRecord]:
 
 
 def test_encoding_is_json_with_the_schema_fields() -> None:
-    record = AuditRecord(3, 99, "a", 1, "ack", "offloading", "allocated", True, None, 7, 0,
-                         {"tokens": 16})  # fmt: skip
+    record = AuditRecord(
+        3, 99, "a", 1, "ack", "offloading", "allocated", True, None, 7, 0, {"tokens": 16}
+    )
     obj = json.loads(encode_record(record))
     assert list(obj) == list(RECORD_FIELDS)
     assert record_from_dict(obj) == record
@@ -224,8 +225,12 @@ def test_a_file_that_is_not_an_audit_log(tmp_path: Path) -> None:
     path.write_text('["not", "an", "object"]\n{"kvlife_audit": 2}\n')
     log = read_audit(path)
     assert len(log.problems) == 2 and log.records == []
-    path.write_text(encode_record(AuditRecord(0, 1, "a", 0, "register", None, "allocated",
-                                              True, None, None, 0, {})) + "\n")  # fmt: skip
+    path.write_text(
+        encode_record(
+            AuditRecord(0, 1, "a", 0, "register", None, "allocated", True, None, None, 0, {})
+        )
+        + "\n"
+    )
     log = read_audit(path)
     assert "before any header" in log.problems[0].message and len(log.records) == 1
     with pytest.raises(AuditFormatError):
@@ -247,8 +252,11 @@ def test_a_file_that_is_not_an_audit_log(tmp_path: Path) -> None:
     ],
 )
 def test_schema_violations_are_typed(change: dict[str, object]) -> None:
-    good = json.loads(encode_record(AuditRecord(0, 1, "a", 0, "ack", "offloading", "allocated",
-                                                True, None, 0, 0, {})))  # fmt: skip
+    good = json.loads(
+        encode_record(
+            AuditRecord(0, 1, "a", 0, "ack", "offloading", "allocated", True, None, 0, 0, {})
+        )
+    )
     with pytest.raises(AuditSchemaError):
         record_from_dict({**good, **change})
 

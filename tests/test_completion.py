@@ -7,8 +7,9 @@ import torch
 
 from kvlife.offload import CompletionQueue, CopyEngine, CopyJob, HostPagePool, KVLayout
 
-LAYOUT = KVLayout("per_layer", layers=1, slots=4096, heads=1, head_dim=2, dtype=torch.float32,
-                  page_size=1)  # fmt: skip
+LAYOUT = KVLayout(
+    "per_layer", layers=1, slots=4096, heads=1, head_dim=2, dtype=torch.float32, page_size=1
+)
 
 
 def _engine(streams: int = 1, pages: int = 4096) -> CopyEngine:

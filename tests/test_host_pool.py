@@ -13,8 +13,9 @@ from kvlife.offload import (
     KVLayout,
 )
 
-LAYOUT = KVLayout("per_layer", layers=2, slots=64, heads=2, head_dim=4, dtype=torch.float32,
-                  page_size=4)  # fmt: skip
+LAYOUT = KVLayout(
+    "per_layer", layers=2, slots=64, heads=2, head_dim=4, dtype=torch.float32, page_size=4
+)
 
 
 def test_alloc_is_all_or_nothing() -> None:

@@ -49,8 +49,9 @@ def test_bytes_per_token() -> None:
     ],
 )
 def test_bad_layouts_are_refused(kwargs: dict[str, object], message: str) -> None:
-    base: dict[str, object] = dict(kind="per_layer", layers=2, slots=8, heads=1, head_dim=4,
-                                   dtype=torch.float32)  # fmt: skip
+    base: dict[str, object] = dict(
+        kind="per_layer", layers=2, slots=8, heads=1, head_dim=4, dtype=torch.float32
+    )
     with pytest.raises(LayoutError, match=message):
         KVLayout(**{**base, **kwargs})  # type: ignore[arg-type]
 

@@ -23,8 +23,9 @@ from tests.strategies import EqByRid, Req
 from tests.test_layout import LAYOUTS
 
 A, O, F, R = State.ALLOCATED, State.OFFLOADING, State.FINISHED_PENDING, State.RELEASED
-SMALL = KVLayout("per_layer", layers=2, slots=512, heads=2, head_dim=4, dtype=torch.float32,
-                 page_size=4)  # fmt: skip
+SMALL = KVLayout(
+    "per_layer", layers=2, slots=512, heads=2, head_dim=4, dtype=torch.float32, page_size=4
+)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -85,8 +86,9 @@ def test_stride_waits_for_enough_full_pages() -> None:
 
 def test_rid_reuse_race_with_completions_held_back_and_released_out_of_order() -> None:
     sink = MemorySink()
-    engine = FakeEngine(SMALL, defer=True, streams=2, stride_pages=1,
-                        registry=LifecycleRegistry(sinks=[sink]))  # fmt: skip
+    engine = FakeEngine(
+        SMALL, defer=True, streams=2, stride_pages=1, registry=LifecycleRegistry(sinks=[sink])
+    )
     manager = engine.manager
     old, new = EqByRid("a"), EqByRid("a")
     old_lc = engine.admit(old)
@@ -148,8 +150,9 @@ def test_abort_with_copies_in_flight_frees_pages_after_they_complete() -> None:
 
 def test_host_memory_exhausted_skips_and_changes_nothing() -> None:
     sink = MemorySink()
-    engine = FakeEngine(SMALL, host_pages=2, stride_pages=1,
-                        registry=LifecycleRegistry(sinks=[sink]))  # fmt: skip
+    engine = FakeEngine(
+        SMALL, host_pages=2, stride_pages=1, registry=LifecycleRegistry(sinks=[sink])
+    )
     hog = engine.host.alloc(2)
     assert hog is not None
     req = Req("a")
@@ -261,6 +264,7 @@ def _tp_worker(rank: int, world: int, store: str, out: str) -> None:
             engine.manager.poll()
             seen.append([poll, lc.state.value, lc.inflight])
         Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
     finally:
         dist.destroy_process_group()
 
@@ -270,8 +274,12 @@ def test_tensor_parallel_lifecycles_move_only_when_every_rank_is_done(
     world: int, tmp_path: Path
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_tp_worker, args=(world, str(tmp_path / "store"), str(tmp_path)),
-                       nprocs=world, start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _tp_worker,
+        args=(world, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=world,
+        start_method="spawn",
+    )
     for rank in range(world):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for poll, state, inflight in seen:

@@ -767,6 +767,11 @@ def test_registry_model() -> None:
         COVERAGE[key] = 0
     run_state_machine_as_test(RegistryModel)
     # coverage guards: the run must have exercised the races it exists for
-    for key in ("rid_reuse_with_copy_in_flight", "stale_refusal", "finish_with_copy_in_flight",
-                "duplicate_refusal", "readmission"):  # fmt: skip
+    for key in (
+        "rid_reuse_with_copy_in_flight",
+        "stale_refusal",
+        "finish_with_copy_in_flight",
+        "duplicate_refusal",
+        "readmission",
+    ):
         assert COVERAGE[key] > 0, (key, COVERAGE)

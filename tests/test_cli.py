@@ -1,0 +1,178 @@
+"""The kvlife command: help everywhere, one-line usage errors, audit tools, diagrams."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlife.diagrams.cli import main
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+from tests.strategies import Req
+
+SUBCOMMANDS = [
+    [],
+    ["demo"],
+    ["diagram"],
+    ["audit"],
+    ["audit", "check"],
+    ["audit", "stats"],
+    ["bench"],
+]
+
+
+@pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w) or "kvlife")
+def test_help_on_every_subcommand(words: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*words, "--help"])
+    assert info.value.code == 0
+    assert "usage: kvlife" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nonsense"],
+        ["diagram", "--format", "gif"],
+        ["audit"],
+        ["audit", "check"],
+        ["demo", "--requests", "0"],
+        ["demo", "--seed", "x"],
+        ["bench", "gpu"],
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvlife"), err
+
+
+def _log(path: Path, *, bad: bool = False) -> Path:
+    with JsonLinesSink(path, fsync="never") as sink:
+        registry = LifecycleRegistry(sinks=[sink])
+        req = Req("a")
+        ticket = registry.start_offload(registry.register(req))
+        registry.finish(req)
+        registry.complete(ticket)
+        registry.deliver(ticket)
+    if bad:  # plant an illegal transition: finish straight to released from offloading
+        lines = path.read_text().splitlines()
+        lines[3] = lines[3].replace('"dst":"finished_pending"', '"dst":"released"')
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_audit_check_passes_a_clean_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "check", str(_log(tmp_path / "a.jsonl")), "--expect-released"]) == 0
+    out = capsys.readouterr().out
+    assert "1 lifecycles, 0 live" in out and out.rstrip().endswith("OK")
+
+
+def test_audit_check_exits_1_on_violations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _log(tmp_path / "a.jsonl", bad=True)
+    assert main(["audit", "check", str(path)]) == 1
+    assert "VIOLATION illegal_transition" in capsys.readouterr().out
+    assert main(["audit", "check", str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["violations"][0]["kind"] == "illegal_transition"
+
+
+def test_audit_check_on_missing_or_foreign_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", "check", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such audit log" in capsys.readouterr().err
+    junk = tmp_path / "junk.txt"
+    junk.write_text("hello\n")
+    assert main(["audit", "stats", str(junk)]) == 2
+    assert "not a kvlife audit log" in capsys.readouterr().err
+
+
+def test_audit_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "stats", str(_log(tmp_path / "a.jsonl")), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["refusals"] == {"stale_instance": 1} and stats["lifecycles"] == 1
+    assert main(["audit", "stats", str(_log(tmp_path / "b.jsonl"))]) == 0
+    assert "refusals stale_instance" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["dot", "mermaid", "svg", "png"])
+def test_diagram_formats(fmt: str, tmp_path: Path) -> None:
+    out = tmp_path / f"d.{fmt}"
+    assert main(["diagram", "--format", fmt, "-o", str(out)]) == 0
+    data = out.read_bytes()
+    assert {"dot": b"digraph", "mermaid": b"stateDiagram-v2", "svg": b"<svg", "png": b"\x89PNG"}[
+        fmt
+    ] in data[:400]
+
+
+def test_diagram_from_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = str(_log(tmp_path / "a.jsonl"))
+    assert main(["diagram", "--format", "dot", "--from-log", log]) == 0
+    assert "ack refused ×1" in capsys.readouterr().out
+    assert main(["diagram", "--format", "mermaid", "--from-log", log]) == 2
+
+
+def test_without_dot_dot_and_mermaid_work_and_svg_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("kvlife.diagrams.dot.shutil.which", lambda name: None)
+    assert main(["diagram", "--format", "dot"]) == 0
+    assert main(["diagram", "--format", "mermaid"]) == 0
+    capsys.readouterr()
+    assert main(["diagram", "--format", "svg"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "apt-get install graphviz" in err
+
+
+def test_demo_writes_a_checked_log_and_two_pictures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "demo",
+                "--requests",
+                "40",
+                "--seed",
+                "3",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "check passed" in out and "lifecycles (registered / released / live)" in out
+    assert main(["audit", "check", str(tmp_path / "audit.jsonl"), "--expect-released"]) == 0
+    for name in ("lifecycle-audit.svg", "lifecycle-audit.png", "timeline.png"):
+        assert (tmp_path / name).stat().st_size > 1000, name
+
+
+def test_bench_fsm_through_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "fsm", "--rounds", "1", "--batch", "10"]) == 0
+    assert "seed-style" in capsys.readouterr().out
+    assert main(["bench", "fsm", "--rounds", "0"]) == 2
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "kvlife"
+    result = subprocess.run(
+        [str(script), "diagram", "--format", "mermaid"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "stateDiagram-v2" in result.stdout
