@@ -18,7 +18,7 @@ $(PY):
 
 # torch first and pinned when absent: a loose spec would pull a multi-GB CUDA build.
 # The directories are prerequisites: strict editable mode links files, so new modules need a reinstall.
-$(STAMP): $(PY) pyproject.toml fsm offload diagrams
+$(STAMP): $(PY) pyproject.toml fsm/ offload/ diagrams/
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_PIN)"
 	$(PIP) install --quiet -e ".[test,plot,docs]" --config-settings editable_mode=strict
 	@touch $(STAMP)
