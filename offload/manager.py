@@ -175,8 +175,14 @@ class OffloadManager:
         Returns the copy's ticket, or ``None`` when nothing was offloaded (too few pages,
         or host memory exhausted: then nothing changed and the pages are tried again at
         the next step).
+
+        Raises:
+            UnknownRequestError: ``req`` has no live lifecycle here.
+            InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
         """
         lc = self.registry.lifecycle(req)
+        if lc.outcome is not None:  # finished or aborted: refused, audited, nothing changes
+            self._check_can(lc, Trigger.START_OFFLOAD)
         progress = self._progress[lc.serial]
         full_end = self.source.committed(req) // self.page_size * self.page_size
         if (full_end - progress.launched) // self.page_size < self.stride_pages:
