@@ -101,7 +101,8 @@ class FakeEngine:
 
     def inflight_slots(self) -> set[int]:
         """Slots read by copies that have not finished."""
-        return {s for job, slots in self.jobs if not job.query() for s in slots}
+        # a deferred copy has not read its slots yet, whatever query() says
+        return {s for job, slots in self.jobs if job.deferred or not job.query() for s in slots}
 
     # --- KVSource ----------------------------------------------------------------------
 
