@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv dot lint types pytest docs test demo bench diagrams clean
+.PHONY: all venv dot lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -47,6 +47,12 @@ docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
 test: lint types pytest docs
+
+# Long runs, not in CI: the soak, and the model-based tests with the slow profile.
+soak: venv
+	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -s -m slow tests/test_soak.py
+	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -s tests/test_registry.py::test_registry_model \
+	    tests/test_manager_model.py::test_manager_model
 
 demo: venv dot
 	$(VENV)/bin/kvlife demo --out out

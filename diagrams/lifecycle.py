@@ -16,7 +16,7 @@ from transitions.extensions import GraphMachine
 from transitions.extensions.diagrams_mermaid import Graph as MermaidGraph
 
 from kvlife.diagrams.dot import render
-from kvlife.fsm.table import LIFECYCLE, LifecycleTable, State, sorted_edges
+from kvlife.fsm.table import LIFECYCLE, LifecycleTable, State, add_edges
 
 TITLE: Final = "kvlife request lifecycle"
 #: Where the committed diagrams live.
@@ -34,14 +34,7 @@ def graph_machine(table: LifecycleTable = LIFECYCLE) -> GraphMachine:
         graph_engine="graphviz",
         title=TITLE,
     )
-    for edge in sorted_edges(table.edges):
-        machine.add_transition(
-            edge.trigger.value,
-            edge.src.value,
-            edge.dst.value,
-            conditions=[edge.guard.value] if edge.guard else None,
-        )
-    return machine
+    return add_edges(machine, table.edges)
 
 
 def lifecycle_graph(table: LifecycleTable = LIFECYCLE) -> graphviz.Digraph:

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypeVar
 
 from transitions import Machine
 
@@ -253,13 +253,24 @@ def build_machine(edges: EdgeTable, initial: State) -> Machine:
     Guards become ``conditions`` naming methods of the model (``more_in_flight``,
     ``last_in_flight``); see :func:`reference_model`.
     """
-    machine = Machine(
-        model=None,
-        states=[s.value for s in State],
-        initial=initial.value,
-        auto_transitions=False,
-        send_event=False,
+    return add_edges(
+        Machine(
+            model=None,
+            states=[s.value for s in State],
+            initial=initial.value,
+            auto_transitions=False,
+            send_event=False,
+        ),
+        edges,
     )
+
+
+MachineT = TypeVar("MachineT", bound=Machine)
+
+
+def add_edges(machine: MachineT, edges: Iterable[Edge]) -> MachineT:
+    """Add ``edges`` to a ``transitions`` machine (any subclass: GraphMachine for the
+    diagrams) in the stable order, guards as ``conditions``; return the machine."""
     for edge in sorted_edges(edges):
         machine.add_transition(
             edge.trigger.value,
