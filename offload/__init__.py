@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyError, CopyJob
+from kvlife.offload.host_callback import HostCallbackError, HostCallbacks
 from kvlife.offload.host_pool import (
     DoubleFreeError,
     ForeignPageError,
@@ -35,6 +36,8 @@ __all__ = [
     "CopyJob",
     "DoubleFreeError",
     "ForeignPageError",
+    "HostCallbackError",
+    "HostCallbacks",
     "HostCopy",
     "HostPageError",
     "HostPagePool",

@@ -22,10 +22,11 @@ return at once and only order *future* work on the stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from kvlife.offload.host_callback import HostCallbacks
 from kvlife.offload.host_pool import HostPagePool, HostPages
 from kvlife.offload.layout import KVLayout
 
@@ -41,7 +42,17 @@ class CopyJob:
     exception of a failed copy. A job's ticket is delivered only after ``query()``.
     """
 
-    __slots__ = ("_keep", "_run", "error", "event", "pages", "recorded", "stream", "tokens")
+    __slots__ = (
+        "_keep",
+        "_run",
+        "error",
+        "event",
+        "pages",
+        "recorded",
+        "signalled",
+        "stream",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -58,6 +69,8 @@ class CopyJob:
         self.event = event
         self.recorded = event is None and run is None  # CPU sync copies are done at launch
         self.error: BaseException | None = None
+        # host-callback mode: False until the host function ran; None when polled
+        self.signalled: bool | None = None
         self._run = run
         self._keep = keep  # device tensors the in-flight copy reads (kept alive until done)
 
@@ -65,6 +78,8 @@ class CopyJob:
         """Whether the copy is over. Never True for an event that was not recorded."""
         if not self.recorded:
             return False
+        if self.signalled is not None:
+            return self.signalled
         event = self.event
         return event is None or bool(event.query())
 
@@ -107,6 +122,8 @@ class CopyEngine:
         chunk_pages: pages per pipelined chunk (CUDA) and staging-buffer size.
         streams: side streams (CUDA) / completion streams (CPU); copies go round robin.
         defer: CPU only: a copy runs when :meth:`CopyJob.run` is called.
+        completion: ``"poll"`` (query each job's event) or ``"callback"`` (CUDA only: a
+            host function marks each job done, see :mod:`kvlife.offload.host_callback`).
     """
 
     def __init__(
@@ -118,6 +135,7 @@ class CopyEngine:
         chunk_pages: int = 64,
         streams: int = 1,
         defer: bool = False,
+        completion: Literal["poll", "callback"] = "poll",
     ) -> None:
         if host.layout != layout:
             raise ValueError("the host pool was made for another layout")
@@ -133,6 +151,12 @@ class CopyEngine:
         if defer and self.cuda:
             raise ValueError("defer is a CPU test facility; CUDA copies are asynchronous")
         self.defer = defer
+        if completion not in ("poll", "callback"):
+            raise ValueError(f"completion must be 'poll' or 'callback', got {completion!r}")
+        if completion == "callback" and not self.cuda:
+            raise ValueError("host callbacks need CUDA; on CPU completions are explicit")
+        self.completion = completion
+        self._callbacks = HostCallbacks() if completion == "callback" else None
         self._next_stream = 0
         shape_cm = (layout.components, chunk_pages * layout.page_size, layout.elems)
         shape_pm = (chunk_pages, layout.components, layout.page_size, layout.elems)
@@ -259,5 +283,7 @@ class CopyEngine:
         done = torch.cuda.Event()
         done.record(copy_stream)
         job = CopyJob(pages, len(index), stream, done, keep=(index,))
+        if self._callbacks is not None:
+            self._callbacks.after(copy_stream, job)
         job.recorded = True  # only now may the job be queried, and its ticket issued
         return job

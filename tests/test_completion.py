@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -116,3 +118,48 @@ def test_bad_streams() -> None:
     on_stream_1 = _launch(engine)
     with pytest.raises(ValueError, match="stream 1"):
         queue.push(on_stream_1, lambda job: None)
+
+
+# --- host-callback mode ------------------------------------------------------------------
+
+
+def test_a_signalled_job_is_done_only_once_its_host_function_ran() -> None:
+    job = _launch(_engine())
+    job.run()
+    job.signalled = False  # callback mode, host function not run yet
+    assert not job.query()
+    job.signalled = True
+    assert job.query()
+
+
+def test_host_callbacks_need_cuda() -> None:
+    host = HostPagePool(LAYOUT, 1, pin_memory=False)
+    with pytest.raises(ValueError, match="need CUDA"):
+        CopyEngine(LAYOUT, LAYOUT.allocate(), host, completion="callback")
+    with pytest.raises(ValueError, match="'poll' or 'callback'"):
+        CopyEngine(LAYOUT, LAYOUT.allocate(), host, completion="push")  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_host_callbacks_signal_each_copy_after_it_ran() -> None:
+    layout = KVLayout("per_layer", layers=1, slots=64, heads=1, head_dim=8, dtype=torch.float32,
+                      page_size=1)  # fmt: skip
+    host = HostPagePool(layout, 64, pin_memory=True)
+    engine = CopyEngine(layout, [t.cuda() for t in layout.allocate()], host,
+                        completion="callback")  # fmt: skip
+    with torch.cuda.stream(engine._copy_streams[0]):
+        torch.cuda._sleep(200_000_000)
+    queue = CompletionQueue()
+    delivered: list[int] = []
+    for i in range(32):
+        pages = host.alloc(1)
+        assert pages is not None
+        queue.push(engine.launch([i], pages), lambda job, i=i: delivered.append(i))
+    assert queue.poll() == 0  # held behind the sleep: no host function has run
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 10
+    while len(delivered) < 32 and time.monotonic() < deadline:
+        queue.poll()
+    assert delivered == list(range(32))
+    assert engine._callbacks is not None and engine._callbacks.fired == 32

@@ -1,0 +1,92 @@
+"""Push completion: a CUDA host function marks a copy done (``cudaLaunchHostFunc``).
+
+An option, not the default (contract §5): on an H200 a host function after each copy cut
+back-to-back copy bandwidth from 55 to 41 GB/s in a measurement, where polling the events
+did not. Use it when a scheduler would rather be told than ask.
+
+What the host function does is the least it can: set the job's ``signalled`` flag (one
+attribute store under the GIL). It never touches the registry, never calls CUDA (host
+functions must not), and never allocates; the scheduler thread still delivers the ticket
+in ``poll()``. The function runs on a CUDA driver thread and takes the GIL: PyTorch
+releases the GIL while it waits for the GPU (``synchronize``, blocking copies), so the
+stream is never stuck behind a Python thread that waits for that same stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kvlife.offload.copy_engine import CopyJob
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class HostCallbackError(RuntimeError):
+    """The CUDA runtime could not be found or refused a host function."""
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime library PyTorch has loaded into this process."""
+    torch.cuda.init()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if "libcudart" in Path(path).name:
+            return ctypes.CDLL(path)
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise HostCallbackError("libcudart is not loaded and could not be found")
+
+
+class HostCallbacks:
+    """Launch a host function after the work queued on a stream so far, per job."""
+
+    def __init__(self) -> None:
+        lib = _cudart()
+        self._launch = lib.cudaLaunchHostFunc
+        self._launch.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
+        self._launch.restype = ctypes.c_int
+        self._jobs: dict[int, CopyJob] = {}  # key -> job waiting for its host function
+        self._lock = threading.Lock()
+        self._next = 1
+        self._fn = _HOST_FN(self._fire)  # kept alive as long as CUDA may call it
+        self.fired = 0
+
+    def _fire(self, key: Any) -> None:
+        with self._lock:
+            job = self._jobs.pop(int(key or 0), None)
+        if job is not None:
+            job.signalled = True
+            self.fired += 1
+
+    def after(self, stream: torch.cuda.Stream, job: CopyJob) -> None:
+        """Mark ``job`` signalled once everything queued on ``stream`` so far is done.
+
+        Raises:
+            HostCallbackError: the runtime refused the host function (the job is then
+                left to its event: ``signalled`` stays ``None``).
+        """
+        with self._lock:
+            key = self._next
+            self._next += 1
+            self._jobs[key] = job
+        job.signalled = False
+        status = self._launch(ctypes.c_void_p(stream.cuda_stream), self._fn, ctypes.c_void_p(key))
+        if status != 0:
+            with self._lock:
+                self._jobs.pop(key, None)
+            job.signalled = None
+            raise HostCallbackError(f"cudaLaunchHostFunc failed with CUDA error {status}")
+
+    @property
+    def waiting(self) -> int:
+        """Host functions launched and not yet run."""
+        return len(self._jobs)
