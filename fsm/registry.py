@@ -401,6 +401,8 @@ class LifecycleRegistry:
         self._by_id[key] = lc
         self._by_rid[rid] = lc
         self._live[serial] = lc
+        # Each transition builds its record inline, not through a helper: a call per record
+        # is a tenth of a lifecycle's cost (see kvlife.fsm.bench). No sink, no record.
         if self._write is not None:
             record = AuditRecord(
                 self._seq,
