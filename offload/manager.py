@@ -197,8 +197,9 @@ class OffloadManager:
         lc = self.registry.lifecycle(req)
         self._check_can(lc, Trigger.FINISH)
         progress = self._progress[lc.serial]
-        if self.source.committed(req) > progress.launched:
-            self._offload(lc, progress, self.source.committed(req))
+        committed = self.source.committed(req)
+        if committed > progress.launched:
+            self._offload(lc, progress, committed)
         return self.registry.finish(lc)
 
     def abort(self, req: Any) -> Lifecycle:
