@@ -16,10 +16,12 @@ from kvlife.diagrams.lifecycle import (
     write_lifecycle_diagrams,
 )
 from kvlife.diagrams.log_graph import log_graph
-from kvlife.diagrams.timeline import plot_timeline, timeline_rows
+from kvlife.diagrams.timeline import Timeline, build_timeline, plot_timeline, timeline_rows
 
 __all__ = [
     "DotNotFoundError",
+    "Timeline",
+    "build_timeline",
     "dot_text",
     "lifecycle_dot",
     "lifecycle_graph",

@@ -4,11 +4,16 @@ Subcommands::
 
     kvlife demo [--seed N] [--requests N] [--device cpu|cuda] [--out DIR]
     kvlife diagram [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE]
-    kvlife audit check LOG [--json] [--expect-released]
+    kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
     kvlife audit stats LOG [--json]
     kvlife bench fsm [...] | kvlife bench offload [...]
 
-Usage errors print one line and exit 2; ``audit check`` exits 1 when it finds violations.
+Usage errors print one line and exit 2, and so does a file that is not a kvlife audit
+log (or was written with another transition table, unless accepted). ``audit check``
+exits 1 when the log has violations, unreadable lines or lost records (unless
+``--allow-lost``), and its ``--json`` verdict always agrees with its exit status.
+``audit stats`` and ``diagram --from-log`` exit 1 when they met unreadable lines.
+LOG is read with its rotated backups (``LOG.N ... LOG.1 LOG``), in one streaming pass.
 """
 
 from __future__ import annotations
@@ -16,14 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.lifecycle import lifecycle_dot, lifecycle_mermaid
 from kvlife.diagrams.log_graph import log_graph
-from kvlife.fsm.audit import AuditLog, check_audit, read_audit
+from kvlife.fsm.audit import (
+    AuditChecker,
+    AuditFormatError,
+    AuditReader,
+    AuditReport,
+    audit_files,
+)
 
 
 class UsageError(Exception):
@@ -60,6 +71,13 @@ def _parser() -> _Parser:
     diagram.add_argument("--format", choices=["dot", "svg", "png", "mermaid"], default="svg")
     diagram.add_argument("--from-log", metavar="LOG", help="annotate with this audit log")
     diagram.add_argument("-o", "--output", metavar="FILE", help="write here (default stdout)")
+    diagram.add_argument(
+        "--accept-table",
+        action="append",
+        default=[],
+        metavar="DIGEST",
+        help="draw a log written with this transition table digest too",
+    )
 
     audit = sub.add_parser(
         "audit",
@@ -78,6 +96,18 @@ def _parser() -> _Parser:
         "--expect-released",
         action="store_true",
         help="lifecycles still live at the end are violations (leaks)",
+    )
+    check.add_argument(
+        "--allow-lost",
+        action="store_true",
+        help="records a failing sink reported as lost do not fail the check",
+    )
+    check.add_argument(
+        "--accept-table",
+        action="append",
+        default=[],
+        metavar="DIGEST",
+        help="replay segments written with this transition table digest too",
     )
     stats = audit_sub.add_parser(
         "stats", help="counts per trigger, reason and instance", description="Summarize LOG."
@@ -110,23 +140,83 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _load(path: str) -> AuditLog:
+_PROGRESS_MIN_BYTES = 16 << 20
+
+
+def _progress_bar(label: str) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr (a terminal only)."""
+    shown = [-1]
+
+    def show(done: int, total: int) -> None:
+        percent = 100 * done // max(total, 1)
+        if percent != shown[0]:
+            shown[0] = percent
+            end = "\n" if done >= total else ""
+            print(f"\r{label}: {percent:3d}% of {total / 2**20:.0f} MiB", end=end, file=sys.stderr)
+
+    return show
+
+
+def _reader(path: str) -> AuditReader:
+    """A streaming reader of LOG and its rotated backups; usage errors for bad paths."""
+    if not path:
+        raise UsageError("kvlife: the audit log path is empty")
+    base = Path(path)
+    if base.is_dir():
+        raise UsageError(f"kvlife: {path} is a directory, not an audit log")
+    files = audit_files(base)
+    if not files[-1].exists():
+        raise UsageError(f"kvlife: no such audit log: {path}")
+    reader = AuditReader(files)
+    if sys.stderr.isatty() and reader.total_bytes() >= _PROGRESS_MIN_BYTES:
+        reader.progress = _progress_bar(f"reading {base.name}")
+    return reader
+
+
+_T = TypeVar("_T")
+
+
+def _reading(path: str, work: Callable[[], _T]) -> _T:
+    """Run ``work`` (which reads the log); unreadable input becomes a usage error (one
+    line, exit 2)."""
     try:
-        log = read_audit(path)
-    except FileNotFoundError:
-        raise UsageError(f"kvlife: no such audit log: {path}") from None
-    except IsADirectoryError:
-        raise UsageError(f"kvlife: {path} is a directory, not an audit log") from None
-    if not log.segments and log.problems:
-        raise UsageError(f"kvlife: {path} is not a kvlife audit log ({log.problems[0].message})")
-    return log
+        return work()
+    except AuditFormatError as exc:
+        raise UsageError(f"kvlife: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"kvlife: cannot read {exc.filename or path}: {exc.strerror}") from None
+
+
+def _check(path: str, reader: AuditReader, checker: AuditChecker) -> AuditReport:
+    def run() -> AuditReport:
+        feed = checker.feed
+        for event in reader:
+            feed(event)
+        return checker.finish()
+
+    return _reading(path, run)
+
+
+def _problems_line(path: str, reader: AuditReader) -> str:
+    first = reader.problems[0]
+    return (
+        f"kvlife: {reader.problem_count} unreadable line(s) in {path}; first: "
+        f"{Path(first.file).name}:{first.line}: {first.message}"
+    )
 
 
 def _diagram(args: argparse.Namespace) -> int:
+    reader: AuditReader | None = None
     if args.from_log:
         if args.format == "mermaid":
             raise UsageError("kvlife diagram: --from-log draws dot, svg or png, not mermaid")
-        dot = str(log_graph(_load(args.from_log), title=Path(args.from_log).name).source)
+        reader = _reader(args.from_log)
+        log = reader
+        graph = _reading(
+            args.from_log,
+            lambda: log_graph(log, title=Path(args.from_log).name, accept_tables=args.accept_table),
+        )
+        dot = str(graph.source)
     else:
         dot = lifecycle_dot()
     if args.format in ("dot", "mermaid"):
@@ -140,51 +230,35 @@ def _diagram(args: argparse.Namespace) -> int:
         raise UsageError("kvlife diagram: PNG needs -o FILE")
     else:
         sys.stdout.write(data.decode())
+    if reader is not None and reader.problem_count:
+        print(_problems_line(args.from_log, reader), file=sys.stderr)
+        return 1
     return 0
 
 
 def _audit(args: argparse.Namespace) -> int:
-    log = _load(args.log)
+    reader = _reader(args.log)
+    checker = AuditChecker(
+        expect_released=args.audit_command == "check" and args.expect_released,
+        accept_tables=getattr(args, "accept_table", ()),
+    )
+    report = _check(args.log, reader, checker)
     if args.audit_command == "check":
-        report = check_audit(log, expect_released=args.expect_released)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "ok": report.ok,
-                        "records": report.records,
-                        "segments": report.segments,
-                        "torn_tail_bytes": log.torn_tail,
-                        "problems": [vars(p) for p in log.problems],
-                        "violations": [vars(v) for v in report.violations],
-                        "live": [vars(i) for i in report.live],
-                    },
-                    indent=2,
-                )
-            )
-        else:
-            print(
-                f"{args.log}: {report.records} records in {report.segments} segment(s), "
-                f"{len(report.instances)} lifecycles, {len(report.live)} live at the end"
-            )
-            if log.torn_tail:
-                print(f"torn last line skipped ({log.torn_tail} bytes): a crash mid-write")
-            for problem in log.problems:
-                print(f"unreadable line {problem.line}: {problem.message}")
-            for v in report.violations[:50]:
-                print(f"VIOLATION {v.kind} seq={v.seq} serial={v.serial}: {v.message}")
-            if len(report.violations) > 50:
-                print(f"... {len(report.violations) - 50} more violations")
-            print("OK" if report.ok and not log.problems else "FAILED")
-        return 0 if report.ok and not log.problems else 1
-    report = check_audit(log)
+        return _print_check(args, reader, report)
     rows = {
         "records": report.records,
-        "lifecycles": len(report.instances),
+        "segments": report.segments,
+        "files": len(reader.files),
+        "lifecycles": report.lifecycles,
+        "released": report.released,
         "live_at_end": len(report.live),
+        "max_live": report.max_live,
+        "rid_reuses": report.rid_reuses,
         "transitions": dict(sorted(report.transitions.items())),
         "refusals": dict(sorted(report.refusals.items())),
-        "rids": len({i.rid for i in report.instances.values()}),
+        "lost_records": report.lost_records,
+        "unreadable_lines": reader.problem_count,
+        "torn_tail_bytes": reader.torn_tail,
     }
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -195,7 +269,67 @@ def _audit(args: argparse.Namespace) -> int:
                     print(f"{key + ' ' + k:<36} {v}")
             else:
                 print(f"{key:<36} {value}")
+    if reader.problem_count:
+        print(_problems_line(args.log, reader), file=sys.stderr)
+        return 1
     return 0
+
+
+def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditReport) -> int:
+    lost_ok = args.allow_lost or not report.lost_records
+    ok = report.ok and not reader.problem_count and lost_ok
+    verdict = "OK" if ok else "FAILED"
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "verdict": verdict,
+                    "records": report.records,
+                    "segments": report.segments,
+                    "files": [str(f) for f in reader.files],
+                    "lifecycles": report.lifecycles,
+                    "torn_tail_bytes": reader.torn_tail,
+                    "problem_count": reader.problem_count,
+                    "problems": [vars(p) for p in reader.problems],
+                    "lost_records": report.lost_records,
+                    "lost": [
+                        {"first_seq": m.first_seq, "last_seq": m.last_seq, "error": m.error}
+                        for m in report.lost
+                    ],
+                    "violation_count": report.violation_count,
+                    "violations": [vars(v) for v in report.violations],
+                    "live": [vars(i) for i in report.live[:1000]],
+                    "live_count": len(report.live),
+                },
+                indent=2,
+            )
+        )
+        return 0 if ok else 1
+    files = f" ({len(reader.files)} files)" if len(reader.files) > 1 else ""
+    print(
+        f"{args.log}{files}: {report.records} records in {report.segments} segment(s), "
+        f"{report.lifecycles} lifecycles, {len(report.live)} live at the end"
+    )
+    if reader.torn_tail:
+        print(f"torn last line skipped ({reader.torn_tail} bytes): a crash mid-write")
+    for marker in report.lost[:20]:
+        print(
+            f"records lost (sink error): seq {marker.first_seq}-{marker.last_seq} "
+            f"({marker.kvlife_lost} records): {marker.error}"
+        )
+    if len(report.lost) > 20:
+        print(f"... {len(report.lost) - 20} more lost ranges")
+    for problem in reader.problems:
+        print(f"unreadable line {Path(problem.file).name}:{problem.line}: {problem.message}")
+    if reader.problem_count > len(reader.problems):
+        print(f"... {reader.problem_count - len(reader.problems)} more unreadable lines")
+    for v in report.violations[:50]:
+        print(f"VIOLATION {v.kind} seq={v.seq} serial={v.serial}: {v.message}")
+    if report.violation_count > 50:
+        print(f"... {report.violation_count - 50} more violations")
+    print(verdict)
+    return 0 if ok else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -230,13 +364,12 @@ def _demo(args: argparse.Namespace) -> int:
             config, sinks=[sink], progress=None if args.no_progress else text_progress()
         )
     print(summary.table())
-    log = read_audit(audit_path)
-    report = check_audit(log, expect_released=True)
+    report = _check(str(audit_path), AuditReader(audit_path), AuditChecker(expect_released=True))
     print(
         f"\naudit log: {audit_path} ({report.records} records): "
         f"{'check passed' if report.ok else f'{len(report.violations)} VIOLATIONS'}"
     )
-    dot = str(log_graph(log, title=f"kvlife demo, seed {args.seed}").source)
+    dot = str(log_graph(AuditReader(audit_path), title=f"kvlife demo, seed {args.seed}").source)
     (out / "lifecycle-audit.dot").write_text(dot, encoding="utf-8")
     written = [out / "lifecycle-audit.dot"]
     try:
@@ -246,7 +379,9 @@ def _demo(args: argparse.Namespace) -> int:
     except DotNotFoundError as exc:
         print(f"kvlife: {exc}", file=sys.stderr)
     try:
-        rows = plot_timeline(log, out / "timeline.png", title=f"kvlife demo, seed {args.seed}")
+        rows = plot_timeline(
+            AuditReader(audit_path), out / "timeline.png", title=f"kvlife demo, seed {args.seed}"
+        )
         written.append(out / "timeline.png")
         print(f"timeline: {rows} lifecycle rows")
     except ModuleNotFoundError as exc:

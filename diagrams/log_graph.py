@@ -6,6 +6,9 @@ count; every refused (state, trigger, reason) is a red dashed edge with its coun
 that found no lifecycle (``unknown_request``) leave a separate "no lifecycle" node; the
 lifecycles still live at the end of the log are listed in a note. All user-controlled
 text goes through :func:`kvlife.diagrams.dot.dot_text`.
+
+The log is read in one streaming pass (counters and the checker's open lifecycles only),
+so a log of any size can be drawn; each segment is its own serial space.
 """
 
 from __future__ import annotations
@@ -17,34 +20,43 @@ from typing import Final
 import graphviz
 
 from kvlife.diagrams.dot import dot_text
-from kvlife.fsm.audit import REGISTER, AuditLog, AuditRecord, check_audit
+from kvlife.fsm.audit import REGISTER, AuditChecker, AuditLog, AuditReader, AuditRecord, Event
 from kvlife.fsm.table import LIFECYCLE, State, sorted_edges
 
 NO_LIFECYCLE: Final = "__no_lifecycle"
 MAX_LIVE_LISTED: Final = 12
 
 
-def _records(source: AuditLog | Iterable[AuditRecord]) -> list[AuditRecord]:
-    return source.records if isinstance(source, AuditLog) else list(source)
-
-
 def log_graph(
-    source: AuditLog | Iterable[AuditRecord], title: str = "audit log"
+    source: AuditReader | AuditLog | Iterable[Event],
+    title: str = "audit log",
+    *,
+    accept_tables: Iterable[str] = (),
 ) -> graphviz.Digraph:
-    """The lifecycle diagram annotated with the transitions and refusals of a log."""
-    records = _records(source)
+    """The lifecycle diagram annotated with the transitions and refusals of a log.
+
+    Raises:
+        AuditTableMismatchError: the log was written with another table (not accepted).
+    """
     taken: Counter[tuple[str | None, str, str | None]] = Counter()
     refused: Counter[tuple[str | None, str, str | None]] = Counter()
-    for r in records:
-        if r.ok:
-            taken[(r.src, r.trigger, r.dst)] += 1
-        else:
-            refused[(r.src, r.trigger, r.reason)] += 1
+    checker = AuditChecker(accept_tables=accept_tables)
+    feed = checker.feed
+    records = 0
+    for event in source.events() if isinstance(source, AuditLog) else source:
+        feed(event)
+        if type(event) is AuditRecord:
+            records += 1
+            if event.ok:
+                taken[(event.src, event.trigger, event.dst)] += 1
+            else:
+                refused[(event.src, event.trigger, event.reason)] += 1
+    report = checker.finish()
     graph = graphviz.Digraph(
         name="kvlife_audit",
         graph_attr={
             "rankdir": "LR",
-            "label": dot_text(f"{title}: {len(records)} records"),
+            "label": dot_text(f"{title}: {records} records"),
             "labelloc": "t",
             "fontname": "Helvetica",
         },
@@ -88,11 +100,13 @@ def log_graph(
             fontcolor="red",
             style="dashed",
         )
-    live = check_audit(records).live
+    live = report.live
     if live:
         lines = [f"live at end of log: {len(live)}"]
+        where = " (segment {})" if report.segments > 1 else ""
         lines += [
-            f"{dot_text(str(i.rid))} #{i.serial} {i.state} inflight={i.inflight}"
+            f"{dot_text(str(i.rid))} #{i.serial}{where.format(i.segment)}"
+            f" {i.state} inflight={i.inflight}"
             for i in live[:MAX_LIVE_LISTED]
         ]
         if len(live) > MAX_LIVE_LISTED:

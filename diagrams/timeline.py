@@ -6,13 +6,14 @@ Needs matplotlib (the ``plot`` extra: ``pip install 'kvlife[plot]'``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 from kvlife.diagrams.dot import visible
-from kvlife.fsm.audit import REGISTER, AuditLog, AuditRecord
+from kvlife.fsm.audit import REGISTER, AuditLog, AuditReader, AuditRecord, Event, Segment
 from kvlife.fsm.table import State
 
 #: Colour per state (released is not drawn: the row ends there).
@@ -21,6 +22,8 @@ COLOURS: Final = {
     State.OFFLOADING.value: "#3182bd",
     State.FINISHED_PENDING.value: "#fd8d3c",
 }
+#: Refusal marks kept per row (a flood of stale deliveries draws as one smear anyway).
+MAX_REFUSALS_PER_ROW: Final = 200
 
 
 @dataclass
@@ -32,46 +35,114 @@ class Row:
     spans: list[tuple[float, float, str]] = field(default_factory=list)
     refusals: list[float] = field(default_factory=list)
     released: bool = False
+    segment: int = 0
 
 
-def timeline_rows(source: AuditLog | Iterable[AuditRecord]) -> tuple[list[Row], float]:
-    """Replay a log into rows (times in ms from the first record); returns rows and the end."""
-    records = source.records if isinstance(source, AuditLog) else list(source)
-    if not records:
-        return [], 0.0
-    t0 = records[0].t_ns
-    end = (records[-1].t_ns - t0) / 1e6
-    rows: dict[int, Row] = {}
-    current: dict[int, tuple[float, str]] = {}  # serial -> (since, state) while unreleased
-    for r in records:
-        if r.serial is None:
+_DIGITS: Final = re.compile(r"(\d+)")
+
+
+def natural_key(rid: str) -> tuple[str | int, ...]:
+    """Sort key that puts ``req-2`` before ``req-10``."""
+    return tuple(int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(rid)))
+
+
+@dataclass
+class Timeline:
+    """Rows of the first ``max_rows`` lifecycle instances in natural (rid, segment,
+    serial) order; ``lifecycles`` counts the instances of the log."""
+
+    rows: list[Row]
+    end: float
+    lifecycles: int
+
+
+def build_timeline(
+    source: AuditReader | AuditLog | Iterable[Event], *, max_rows: int | None = None
+) -> Timeline:
+    """Replay a log into rows (times in ms from the first record), in one pass.
+
+    With ``max_rows``, only that many rows are kept while reading (the first in rid
+    order), so memory stays bounded for a log of any size. Each segment is its own
+    serial space: a row is one (segment, serial).
+    """
+    events = source.events() if isinstance(source, AuditLog) else source
+    kept: dict[tuple[int, int], Row] = {}
+    keys: dict[tuple[int, int], tuple[object, ...]] = {}  # kept rows only
+    cutoff: tuple[object, ...] | None = None  # instances at or past it are not drawn
+    current: dict[tuple[int, int], tuple[float, str]] = {}  # kept and unreleased
+    lifecycles = 0
+    segment = 0
+    first_registered: int | None = None  # serials below it began before the log did
+    t0: int | None = None
+    t = 0.0
+    for event in events:
+        if type(event) is Segment:
+            segment, first_registered = event.index, None
             continue
+        if type(event) is not AuditRecord:
+            continue
+        r = event
+        if t0 is None:
+            t0 = r.t_ns
         t = (r.t_ns - t0) / 1e6
-        row = rows.get(r.serial)
-        if row is None:
-            row = rows[r.serial] = Row(r.serial, r.rid or "")
-            if r.trigger != REGISTER and r.src is not None:  # the log began mid-lifecycle
-                current[r.serial] = (t, r.src)
-        if not r.ok:
-            row.refusals.append(t)
+        serial = r.serial
+        if serial is None:
             continue
-        since, state = current.get(r.serial, (t, ""))
+        ident = (segment, serial)
+        row = kept.get(ident)
+        if row is None:
+            if r.trigger == REGISTER:
+                lifecycles += 1
+                if first_registered is None:
+                    first_registered = serial
+            elif not r.ok or (first_registered is not None and serial >= first_registered):
+                continue  # an instance that is not drawn
+            elif r.src is None:
+                continue
+            else:
+                lifecycles += 1  # met mid-history: the log began after its registration
+            key = (natural_key(r.rid or ""), segment, serial)
+            if cutoff is not None and key >= cutoff:
+                continue
+            row = kept[ident] = Row(serial, r.rid or "", segment=segment)
+            keys[ident] = key
+            if r.trigger != REGISTER:
+                current[ident] = (t, r.src or "")
+            if max_rows is not None and len(kept) > max_rows:
+                drop = max(kept, key=keys.__getitem__)
+                cutoff = keys.pop(drop)
+                del kept[drop]
+                current.pop(drop, None)
+                if drop == ident:
+                    continue
+        if not r.ok:
+            if len(row.refusals) < MAX_REFUSALS_PER_ROW:
+                row.refusals.append(t)
+            continue
+        since, state = current.get(ident, (t, ""))
         if r.dst == state:
             continue  # offloading -> offloading: one span
         if state:
             row.spans.append((since, t, state))
         if r.dst == State.RELEASED.value:
             row.released = True
-            current.pop(r.serial, None)
+            current.pop(ident, None)
         elif r.dst is not None:
-            current[r.serial] = (t, r.dst)
-    for serial, (since, state) in current.items():
-        rows[serial].spans.append((since, end, state))
-    return sorted(rows.values(), key=lambda row: row.serial), end
+            current[ident] = (t, r.dst)
+    for ident, (since, state) in current.items():
+        kept[ident].spans.append((since, t, state))
+    rows = sorted(kept.values(), key=lambda row: keys[(row.segment, row.serial)])
+    return Timeline(rows, t, lifecycles)
+
+
+def timeline_rows(source: AuditReader | AuditLog | Iterable[Event]) -> tuple[list[Row], float]:
+    """Every row of a (small) log and the end time; see :func:`build_timeline`."""
+    timeline = build_timeline(source)
+    return sorted(timeline.rows, key=lambda row: (row.segment, row.serial)), timeline.end
 
 
 def plot_timeline(
-    source: AuditLog | Iterable[AuditRecord],
+    source: AuditReader | AuditLog | Iterable[Event],
     path: Path,
     *,
     title: str = "kvlife lifecycles",
@@ -79,10 +150,11 @@ def plot_timeline(
 ) -> int:
     """Draw the timeline to ``path`` (PNG or SVG by suffix); return the rows drawn.
 
-    Rows are grouped by rid (then serial), so the instances that reused a rid sit one
-    under the other and overlaps show. With more than ``max_rows`` instances, whole rid
-    groups are drawn until ``max_rows`` is reached (the title says so). Raises
-    ``ModuleNotFoundError`` with an install hint without matplotlib.
+    Rows are grouped by rid in natural order (``req-2`` before ``req-10``), then segment
+    and serial, so the instances that reused a rid sit one under the other and overlaps
+    show. At most ``max_rows`` rows are drawn (the title says how many of how many); the
+    log is read in one pass keeping only those rows. Raises ``ModuleNotFoundError`` with
+    an install hint without matplotlib.
     """
     try:
         import matplotlib
@@ -96,14 +168,8 @@ def plot_timeline(
         raise ModuleNotFoundError(
             "the timeline needs matplotlib: pip install 'kvlife[plot]'"
         ) from exc
-    rows, end = timeline_rows(source)
-    rows.sort(key=lambda row: (row.rid, row.serial))
-    shown: list[Row] = []
-    for rid in dict.fromkeys(row.rid for row in rows):
-        group = [row for row in rows if row.rid == rid]
-        if shown and len(shown) + len(group) > max_rows:
-            break
-        shown += group
+    timeline = build_timeline(source, max_rows=max_rows)
+    shown, end = timeline.rows, timeline.end
     height = 1.4 + 0.2 * max(len(shown), 1)
     fig, ax = plt.subplots(figsize=(11, min(height, 40)), dpi=110)
     for y, row in enumerate(shown):
@@ -120,13 +186,19 @@ def plot_timeline(
         if shown[y].rid != shown[y - 1].rid:
             ax.axhline(y - 0.5, color="gray", linewidth=0.5)
     ax.set_yticks(range(len(shown)))
-    ax.set_yticklabels([f"{visible(row.rid)[:24]} #{row.serial}" for row in shown], fontsize=7)
+    segments = len({row.segment for row in shown}) > 1
+    ax.set_yticklabels(
+        [
+            f"{visible(row.rid)[:24]} #{row.serial}" + (f" s{row.segment}" if segments else "")
+            for row in shown
+        ],
+        fontsize=7,
+    )
     ax.invert_yaxis()
     ax.set_xlabel("time since the first record (ms)")
     rids = len({row.rid for row in shown})
-    note = (
-        f" ({len(shown)} of {len(rows)} lifecycles, {rids} rids)" if len(rows) > len(shown) else ""
-    )
+    total = timeline.lifecycles
+    note = f" ({len(shown)} of {total} lifecycles, {rids} rids shown)" if total > len(shown) else ""
     ax.set_title(f"{visible(title)}{note}")
     handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
     handles.append(Line2D([], [], marker="x", color="red", linestyle="none", label="refused"))

@@ -133,3 +133,14 @@ class TableDefinitionError(ValueError):
     Raised by :func:`kvlife.fsm.table.build_lifecycle_table`; the message names the check
     and the offending states or edges. Nothing is built.
     """
+
+
+class WrongThreadError(RuntimeError):
+    """A registry was called from a thread other than the one that owns it.
+
+    A registry is not shared between threads: its owner (the thread that made it, or the
+    last to call ``adopt_thread``) drives it, and completions from other threads are
+    queued to the owner. The refused call changed nothing, not even a counter, and wrote
+    no audit record. Not a :class:`LifecycleError`: no transition was asked, the caller's
+    threading is wrong.
+    """

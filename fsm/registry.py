@@ -12,18 +12,24 @@ entry; ``==`` and ``hash`` of the request are never called. A completion is deli
 its ticket, which names the exact lifecycle instance and copy, so a late ack of an old
 request can only ever complete the old request's copy.
 
-Not thread-safe: call a registry from one thread (the scheduler's); completions produced
-on other threads are queued and delivered from that thread.
+Threads: a registry belongs to one thread, the one that made it (or the last that called
+:meth:`LifecycleRegistry.adopt_thread`). Every call that changes something checks this
+first and raises :class:`~kvlife.fsm.errors.WrongThreadError` from any other thread,
+having changed nothing. Completions produced on other threads (CUDA host callbacks,
+worker threads) are queued and delivered from the owner thread, as the completion pump
+does. Read-only calls (``statistics``, ``len``, ``live``) may come from any thread.
+
+Audit sinks never change what the registry does: see :mod:`kvlife.fsm.sink_guard`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NoReturn
+from typing import Any, Final, Literal, NoReturn, cast
 
-from kvlife.fsm.audit import REGISTER, AuditRecord, DetailValue
 from kvlife.fsm.errors import (
     REASONS,
     DuplicateAckError,
@@ -34,14 +40,17 @@ from kvlife.fsm.errors import (
     RidConflictError,
     StaleInstanceError,
     UnknownRequestError,
+    WrongThreadError,
 )
+from kvlife.fsm.records import REGISTER, AuditRecord, DetailValue, StateName, TriggerName
+from kvlife.fsm.sink_guard import SinkGuard, SinkStatistics
 from kvlife.fsm.table import LIFECYCLE, STATES, State, Trigger
 
 Outcome = Literal["finished", "aborted"]
 
 # The hot path keeps a lifecycle's state as an index into STATES and reads the compiled
 # rows of the one table by that index.
-_NAMES: Final = tuple(s.value for s in STATES)
+_NAMES: Final[tuple[StateName, ...]] = tuple(s.value for s in STATES)
 _ALLOCATED: Final = STATES.index(State.ALLOCATED)
 _OFFLOADING: Final = STATES.index(State.OFFLOADING)
 _RELEASED: Final = STATES.index(State.RELEASED)
@@ -55,6 +64,7 @@ _ABORT: Final = LIFECYCLE.rows[Trigger.ABORT]
 _UNFINISHED: Final = (_ALLOCATED, _OFFLOADING)
 
 _now = time.monotonic_ns
+_get_ident = threading.get_ident
 
 ReleaseHook = Callable[["Lifecycle", Any], None]
 
@@ -227,6 +237,8 @@ class RegistryStatistics:
     oldest_live_age_s: float | None
     #: rid and serial of the oldest unreleased lifecycle, or ``None``.
     oldest_live: tuple[str, int] | None
+    #: Each attached sink's failures, backlog and drops, in attach order.
+    sinks: tuple[SinkStatistics, ...] = ()
 
 
 class LifecycleRegistry:
@@ -235,14 +247,35 @@ class LifecycleRegistry:
     Args:
         sinks: audit sinks (objects with a ``write(record)`` method, see
             :mod:`kvlife.fsm.audit`). With none, no audit record is built.
+        sink_backlog: most records kept per failing sink for a retry; older ones are
+            dropped and marked as lost in the log.
+        sink_retry_s: least time between two retries of a failing sink on the write path
+            (``flush()`` always retries).
 
     Every method that changes something either applies one transition of the table whole
     (state, in-flight count, references, counters, audit record, release hooks) or raises
     a :class:`~kvlife.fsm.errors.LifecycleError` subclass and changes nothing except the
-    refusal counters and the audit log.
+    refusal counters and the audit log. A failing sink never raises out of a registry
+    call: see :mod:`kvlife.fsm.sink_guard`.
+
+    Called from a thread other than its owner, every changing method raises
+    :class:`~kvlife.fsm.errors.WrongThreadError` and changes nothing (not even a counter).
     """
 
-    def __init__(self, *, sinks: tuple[Any, ...] | list[Any] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        sinks: tuple[Any, ...] | list[Any] = (),
+        sink_backlog: int = 65536,
+        sink_retry_s: float = 0.1,
+    ) -> None:
+        if not isinstance(sink_backlog, int) or isinstance(sink_backlog, bool) or sink_backlog < 0:
+            raise ValueError(f"sink_backlog must be an int >= 0, got {sink_backlog!r}")
+        if not isinstance(sink_retry_s, (int, float)) or not sink_retry_s >= 0:
+            raise ValueError(f"sink_retry_s must be a number >= 0, got {sink_retry_s!r}")
+        self._owner = _get_ident()
+        self._sink_backlog = sink_backlog
+        self._sink_retry_s = float(sink_retry_s)
         self._by_id: dict[int, Lifecycle] = {}  # id(req) -> the request's current lifecycle
         self._by_rid: dict[str, Lifecycle] = {}  # rid -> newest unreleased lifecycle
         self._live: dict[int, Lifecycle] = {}  # serial -> lifecycle, oldest first
@@ -253,7 +286,7 @@ class LifecycleRegistry:
         self._released = 0
         self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._hooks: list[ReleaseHook] = []
-        self._sinks: list[Any] = []
+        self._guards: list[SinkGuard] = []
         # None when no sink is attached: then no record is ever built.
         self._write: Callable[[AuditRecord], object] | None = None
         for sink in sinks:
@@ -262,41 +295,94 @@ class LifecycleRegistry:
     # ------------------------------------------------------------------ configuration
 
     def attach(self, sink: Any) -> None:
-        """Attach an audit sink; it receives every record from now on."""
+        """Attach an audit sink; it receives every record from now on.
+
+        Raises:
+            TypeError: ``sink`` has no ``write(record)`` method. Nothing attached.
+            WrongThreadError: called from a thread other than the owner.
+        """
+        self._check_thread("attach")
         write = getattr(sink, "write", None)
         if not callable(write):
             raise TypeError(f"an audit sink needs a write(record) method, got {sink!r}")
-        self._sinks.append(sink)
+        self._guards.append(SinkGuard(sink, self._sink_backlog, self._sink_retry_s))
         self._rewire()
 
     def detach(self, sink: Any) -> None:
-        """Stop sending records to ``sink`` (found by identity). Raises ``ValueError`` if
-        it is not attached."""
-        for index, attached in enumerate(self._sinks):
-            if attached is sink:
-                del self._sinks[index]
+        """Stop sending records to ``sink`` (found by identity), after a last retry of
+        what it has not taken yet (what it still refuses is logged as lost).
+
+        Raises:
+            ValueError: ``sink`` is not attached. Nothing changed.
+            WrongThreadError: called from a thread other than the owner.
+        """
+        self._check_thread("detach")
+        for index, guard in enumerate(self._guards):
+            if guard.sink is sink:
+                if not guard.healthy:
+                    guard.flush()
+                    guard.abandon()
+                del self._guards[index]
                 self._rewire()
                 return
         raise ValueError(f"{sink!r} is not attached to {self!r}")
 
     def _rewire(self) -> None:
-        writers = tuple(sink.write for sink in self._sinks)
-        if not writers:
+        guards = self._guards
+        if not guards:
             self._write = None
-        elif len(writers) == 1:
-            self._write = writers[0]
+        elif len(guards) == 1 and guards[0].healthy:
+            self._write = guards[0].sink.write  # the fast path: no guard until it fails
         else:
+            self._write = self._fan_out
 
-            def fan_out(record: AuditRecord) -> None:
-                for write in writers:
-                    write(record)
+    def _fan_out(self, record: AuditRecord) -> None:
+        """Every sink gets the record; a failure is its guard's business, never ours."""
+        recovered = False
+        for guard in self._guards:
+            if guard.healthy:
+                try:
+                    guard.sink.write(record)
+                except Exception as exc:
+                    guard.failed(record, exc)
+            else:
+                guard.write(record)
+                recovered |= guard.healthy
+        if recovered and len(self._guards) == 1:
+            self._rewire()
 
-            self._write = fan_out
+    def _sink_failed(self, record: AuditRecord, exc: Exception) -> None:
+        # Only the single-sink fast path raises here (_fan_out never does).
+        self._guards[0].failed(record, exc)
+        self._rewire()
 
     @property
     def sinks(self) -> tuple[Any, ...]:
         """The attached audit sinks."""
-        return tuple(self._sinks)
+        return tuple(guard.sink for guard in self._guards)
+
+    def adopt_thread(self) -> None:
+        """Make the calling thread the registry's owner (for a registry built on one
+        thread and driven from another). The caller must make sure the old owner no
+        longer calls it."""
+        self._owner = _get_ident()
+
+    @property
+    def owner_thread(self) -> int:
+        """``threading.get_ident()`` of the thread allowed to change the registry."""
+        return self._owner
+
+    def _check_thread(self, call: str) -> None:
+        if _get_ident() != self._owner:
+            self._wrong_thread(call)
+
+    def _wrong_thread(self, call: str) -> NoReturn:
+        raise WrongThreadError(
+            f"{call}() called from thread {threading.current_thread().name!r} "
+            f"(ident {_get_ident()}), but {self!r} belongs to thread ident {self._owner}; "
+            "nothing changed. Queue the call to the owner thread, or call adopt_thread() "
+            "there if ownership really moved."
+        )
 
     def on_release(self, hook: ReleaseHook) -> ReleaseHook:
         """Call ``hook(lifecycle, req)`` exactly once per lifecycle, when it reaches
@@ -306,6 +392,7 @@ class LifecycleRegistry:
         Hooks run in the order added. If one raises, the others still run, the release
         stays applied and audited, and the first exception is re-raised afterwards.
         """
+        self._check_thread("on_release")
         if not callable(hook):
             raise TypeError(f"on_release needs a callable, got {hook!r}")
         self._hooks.append(hook)
@@ -324,15 +411,24 @@ class LifecycleRegistry:
             return req._registry is self and req._s != _RELEASED
         return id(req) in self._by_id
 
-    def lifecycle(self, req: object) -> Lifecycle:
+    def lifecycle(self, req: object, *, audit_as: Trigger | None = None) -> Lifecycle:
         """The current (newest) lifecycle of the request object ``req``.
+
+        ``audit_as``: the trigger the caller is about to ask for. A miss is then a refusal
+        of that trigger: counted in ``statistics().refusals`` and audited, exactly as the
+        registry's own calls do (the offload manager looks requests up this way).
 
         Raises:
             UnknownRequestError: ``req`` (by identity) has no unreleased lifecycle here.
+                Its ``trigger`` is ``audit_as`` (or ``"lookup"``). Nothing changed but
+                the refusal counter and the audit log when ``audit_as`` is given.
+            WrongThreadError: ``audit_as`` is given and the caller is not the owner.
         """
         lc = self._by_id.get(id(req))
         if lc is None:
-            raise self._unknown(req, None, audit=False)
+            if audit_as is not None and _get_ident() != self._owner:
+                self._wrong_thread(audit_as.value)
+            raise self._unknown(req, audit_as, audit=audit_as is not None)
         return lc
 
     def live(self, rid: str) -> Lifecycle | None:
@@ -358,7 +454,10 @@ class LifecycleRegistry:
                 ``offloading``. Nothing registered.
             RidConflictError: a lifecycle that has not finished holds ``rid``. Nothing
                 registered.
+            WrongThreadError: called from a thread other than the owner. Nothing changed.
         """
+        if _get_ident() != self._owner:
+            self._wrong_thread("register")
         if rid is None:
             rid = getattr(req, "rid", None)
         if not isinstance(rid, str):
@@ -419,7 +518,10 @@ class LifecycleRegistry:
                 {},
             )
             self._seq += 1
-            self._write(record)
+            try:
+                self._write(record)
+            except Exception as exc:  # a sink never changes what the registry does
+                self._sink_failed(record, exc)
         return lc
 
     def start_offload(self, target: object, **detail: DetailValue) -> Ticket:
@@ -435,7 +537,10 @@ class LifecycleRegistry:
             StaleInstanceError: ``target`` is a released lifecycle.
             InvalidTransitionError: the state refuses it (``finished_pending``).
             TypeError: a ``detail`` value is not a scalar.
+            WrongThreadError: called from a thread other than the owner.
         """
+        if _get_ident() != self._owner:
+            self._wrong_thread("start_offload")
         if detail:
             _check_detail(detail)
         lc = self._by_id.get(id(target))
@@ -474,7 +579,10 @@ class LifecycleRegistry:
                 detail,
             )
             self._seq += 1
-            self._write(record)
+            try:
+                self._write(record)
+            except Exception as exc:  # a sink never changes what the registry does
+                self._sink_failed(record, exc)
         return ticket
 
     def complete(self, ticket: Ticket, ok: bool = True, **detail: DetailValue) -> Lifecycle:
@@ -491,7 +599,10 @@ class LifecycleRegistry:
             UnknownRequestError: the ticket belongs to another registry.
             StaleInstanceError: the ticket's lifecycle was already released.
             DuplicateAckError: this ticket was already delivered.
+            WrongThreadError: called from a thread other than the owner.
         """
+        if _get_ident() != self._owner:
+            self._wrong_thread("complete")
         if type(ticket) is not Ticket:
             raise TypeError(f"complete() needs a Ticket, got {type(ticket).__name__}")
         if detail:
@@ -526,7 +637,10 @@ class LifecycleRegistry:
                 detail,
             )
             self._seq += 1
-            self._write(record)
+            try:
+                self._write(record)
+            except Exception as exc:  # a sink never changes what the registry does
+                self._sink_failed(record, exc)
         if dst == _RELEASED:
             self._release(lc)
         return lc
@@ -537,7 +651,10 @@ class LifecycleRegistry:
 
         Raises:
             TypeError: ``ticket`` is not a Ticket (a bug in the caller, never a race).
+            WrongThreadError: called from a thread other than the owner.
         """
+        if _get_ident() != self._owner:
+            self._wrong_thread("deliver")
         if type(ticket) is not Ticket:
             raise TypeError(f"deliver() needs a Ticket, got {type(ticket).__name__}")
         lc = ticket._lc
@@ -558,6 +675,7 @@ class LifecycleRegistry:
             UnknownRequestError: ``target`` is not registered here (or was released).
             StaleInstanceError: ``target`` is a released lifecycle.
             InvalidTransitionError: the lifecycle already finished or aborted.
+            WrongThreadError: called from a thread other than the owner.
         """
         return self._end(target, Trigger.FINISH, _FINISH, "finished", detail)
 
@@ -576,6 +694,8 @@ class LifecycleRegistry:
         outcome: Outcome,
         detail: dict[str, DetailValue],
     ) -> Lifecycle:
+        if _get_ident() != self._owner:
+            self._wrong_thread(trigger.value)
         if detail:
             _check_detail(detail)
         lc = self._by_id.get(id(target))
@@ -605,7 +725,10 @@ class LifecycleRegistry:
                 detail,
             )
             self._seq += 1
-            self._write(record)
+            try:
+                self._write(record)
+            except Exception as exc:  # a sink never changes what the registry does
+                self._sink_failed(record, exc)
         if dst == _RELEASED:
             self._release(lc)
         return lc
@@ -745,8 +868,8 @@ class LifecycleRegistry:
                 _now(),
                 rid,
                 serial,
-                trigger,
-                state,
+                cast(TriggerName, trigger),
+                cast(StateName | None, state),
                 None,
                 False,
                 reason,
@@ -755,7 +878,10 @@ class LifecycleRegistry:
                 {},
             )
             self._seq += 1
-            self._write(record)
+            try:
+                self._write(record)
+            except Exception as exc:  # a sink never changes what the registry does
+                self._sink_failed(record, exc)
 
     # ------------------------------------------------------------------ introspection
 
@@ -763,10 +889,11 @@ class LifecycleRegistry:
         """A snapshot: live per state, totals, refusals per reason, oldest live age."""
         live = dict.fromkeys(State, 0)
         inflight = 0
-        for lc in self._live.values():
+        lifecycles = list(self._live.values())  # one C-level copy: safe from any thread
+        for lc in lifecycles:
             live[STATES[lc._s]] += 1
             inflight += lc._inflight
-        oldest = next(iter(self._live.values()), None)
+        oldest = lifecycles[0] if lifecycles else None
         return RegistryStatistics(
             live=live,
             registered=self._next_serial,
@@ -776,14 +903,20 @@ class LifecycleRegistry:
             inflight=inflight,
             oldest_live_age_s=None if oldest is None else (_now() - oldest._born_ns) / 1e9,
             oldest_live=None if oldest is None else (oldest._rid, oldest._serial),
+            sinks=tuple(guard.statistics() for guard in list(self._guards)),
         )
 
     def flush(self) -> None:
-        """Flush every attached sink that can be flushed."""
-        for sink in self._sinks:
-            flush = getattr(sink, "flush", None)
-            if callable(flush):
-                flush()
+        """Offer every failing sink its backlog again, then flush every sink that can be
+        flushed. Never raises for a sink: failures are counted in ``statistics().sinks``.
+
+        Raises:
+            WrongThreadError: called from a thread other than the owner.
+        """
+        self._check_thread("flush")
+        for guard in self._guards:
+            guard.flush()
+        self._rewire()
 
     def __repr__(self) -> str:
         return f"<LifecycleRegistry live={len(self._live)} registered={self._next_serial}>"

@@ -57,7 +57,12 @@ class CompletionQueue:
         return sum(len(fifo) for fifo in self._fifos)
 
     def poll(self) -> int:
-        """Deliver every copy that is over (on every rank); return how many."""
+        """Deliver every copy that is over (on every rank); return how many.
+
+        If a callback raises (a release hook's error, through the registry), the other
+        completed copies are still delivered in this poll; then the first exception is
+        raised. The failed callback's copy counts as delivered: it is not offered again.
+        """
         self.polls += 1
         fifos, finished = self._fifos, self._finished
         for s, fifo in enumerate(fifos):
@@ -74,14 +79,21 @@ class CompletionQueue:
         else:
             agreed = finished
         delivered = 0
+        first: Exception | None = None
         for s, fifo in enumerate(fifos):
             for _ in range(agreed[s]):
                 job, callback = fifo.popleft()
                 finished[s] -= 1
                 job.release_resources()
-                callback(job)
                 delivered += 1
+                try:
+                    callback(job)
+                except Exception as exc:  # deliver the others first: they are done too
+                    if first is None:
+                        first = exc
         self.delivered += delivered
+        if first is not None:
+            raise first
         return delivered
 
     def drain(self, *, timeout_s: float = 60.0) -> int:

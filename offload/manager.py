@@ -157,7 +157,16 @@ class OffloadManager:
 
     def on_release(self, hook: ReleaseHook) -> ReleaseHook:
         """Call ``hook(req, result)`` when a request's lifecycle is released (after kvlife
-        handed its device slots back). Usable as a decorator."""
+        handed its device slots back). Usable as a decorator.
+
+        Every hook runs even when an earlier one (or ``release_slots``) raised: a hook
+        that frees host pages must never be skipped. After all ran, the first exception
+        is raised from the call that released the lifecycle (``poll``, ``finish``,
+        ``abort``); ``poll`` delivers every other completed copy first. The release
+        itself stays applied and audited.
+        """
+        if not callable(hook):
+            raise TypeError(f"on_release needs a callable, got {hook!r}")
         self._hooks.append(hook)
         return hook
 
@@ -177,10 +186,11 @@ class OffloadManager:
         the next step).
 
         Raises:
-            UnknownRequestError: ``req`` has no live lifecycle here.
+            UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
+                as a refused ``start_offload``).
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
         """
-        lc = self.registry.lifecycle(req)
+        lc = self.registry.lifecycle(req, audit_as=Trigger.START_OFFLOAD)
         if lc.outcome is not None:  # finished or aborted: refused, audited, nothing changes
             self._check_can(lc, Trigger.START_OFFLOAD)
         progress = self._progress[lc.serial]
@@ -193,8 +203,14 @@ class OffloadManager:
         """Flush the rest of ``req``'s committed tokens (a partial last page included),
         then finish. The lifecycle releases when every copy resolved; then kvlife calls
         ``release_slots`` and the hooks. If host memory is exhausted the flush is skipped
-        (counted) and the request finishes with what was offloaded."""
-        lc = self.registry.lifecycle(req)
+        (counted) and the request finishes with what was offloaded.
+
+        Raises:
+            UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
+                as a refused ``finish``).
+            InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
+        """
+        lc = self.registry.lifecycle(req, audit_as=Trigger.FINISH)
         self._check_can(lc, Trigger.FINISH)
         progress = self._progress[lc.serial]
         committed = self.source.committed(req)
@@ -203,8 +219,14 @@ class OffloadManager:
         return self.registry.finish(lc)
 
     def abort(self, req: Any) -> Lifecycle:
-        """Abort ``req``: no flush; its host pages are freed on release."""
-        return self.registry.abort(self.registry.lifecycle(req))
+        """Abort ``req``: no flush; its host pages are freed on release.
+
+        Raises:
+            UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
+                as a refused ``abort``).
+            InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
+        """
+        return self.registry.abort(self.registry.lifecycle(req, audit_as=Trigger.ABORT))
 
     def poll(self) -> int:
         """Deliver every finished copy (agreed by all ranks under TP); return how many.
@@ -315,8 +337,6 @@ class OffloadManager:
                 expected += copy.tokens
         for copy in acked[len(kept) :]:
             self.host.free(copy.pages)
-        # no copy of this lifecycle is in flight any more: the device slots may go back
-        self.source.release_slots(req, lc)
         result = OffloadResult(
             lc.rid,
             lc.serial,
@@ -324,8 +344,20 @@ class OffloadManager:
             sum(c.tokens for c in kept),
             tuple(kept),
         )
+        first: Exception | None = None
+        try:
+            # no copy of this lifecycle is in flight any more: the device slots may go back
+            self.source.release_slots(req, lc)
+        except Exception as exc:
+            first = exc
         for hook in list(self._hooks):
-            hook(req, result)
+            try:
+                hook(req, result)
+            except Exception as exc:  # the next hook may be the one that frees pages
+                if first is None:
+                    first = exc
+        if first is not None:
+            raise first
 
     def lifecycle_state(self, req: Any) -> State:
         """The state of ``req``'s current lifecycle."""

@@ -165,6 +165,10 @@ def test_truncation_at_every_byte_reads_back_exactly_the_complete_records(
     cut = tmp_path / "cut.jsonl"
     for size in range(len(data) + 1):
         cut.write_bytes(data[:size])
+        if size < ends[0]:  # not even the header is complete: not an audit log
+            with pytest.raises(AuditFormatError, match="no complete line"):
+                read_audit(cut)
+            continue
         log = read_audit(cut)
         complete = sum(1 for end in ends if end <= size)
         assert log.records == records[: max(0, complete - 1)], size
@@ -220,21 +224,28 @@ def test_corruption_in_the_middle_is_reported_not_joined(tmp_path: Path) -> None
         read_audit(path, strict=True)
 
 
-def test_a_file_that_is_not_an_audit_log(tmp_path: Path) -> None:
+def test_a_file_that_is_not_an_audit_log_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl"
-    path.write_text('["not", "an", "object"]\n{"kvlife_audit": 2}\n')
-    log = read_audit(path)
-    assert len(log.problems) == 2 and log.records == []
-    path.write_text(
-        encode_record(
-            AuditRecord(0, 1, "a", 0, "register", None, "allocated", True, None, None, 0, {})
-        )
-        + "\n"
-    )
-    log = read_audit(path)
-    assert "before any header" in log.problems[0].message and len(log.records) == 1
+    record = AuditRecord(0, 1, "a", 0, "register", None, "allocated", True, None, None, 0, {})
+    for text in ["hello\n", "", '["not", "an", "object"]\n', '{"kvlife_audit": 2}\n',
+                 encode_record(record) + "\n", '{"a": 1}\n']:  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(AuditFormatError):
+            read_audit(path)
     with pytest.raises(AuditFormatError):
-        read_audit(path, strict=True)
+        read_audit("/dev/null")
+
+
+def test_lines_that_are_not_records_after_the_header_are_problems(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    records = _write_log(path, 3)
+    with path.open("a") as f:
+        f.write('["not", "an", "object"]\n{"kvlife_audit": 2}\n')
+    log = read_audit(path)
+    after = len(records) + 1  # the header, then the records
+    assert [p.line for p in log.problems] == [after + 1, after + 2] and log.problem_count == 2
+    assert log.records == records
+    assert "unsupported audit schema version 2" in log.problems[1].message
 
 
 @pytest.mark.parametrize(
@@ -283,7 +294,7 @@ def _renumber(records: list[AuditRecord]) -> list[AuditRecord]:
 
 
 def test_checker_passes_a_clean_log_and_replays_final_states() -> None:
-    report = check_audit(_clean_records(), expect_released=True)
+    report = check_audit(_clean_records(), expect_released=True, keep_instances=True)
     assert report.ok, report.violations
     assert {s.serial: s.state for s in report.instances.values()} == {0: "released", 1: "released"}
     assert report.refusals == {"stale_instance": 1}

@@ -1,0 +1,531 @@
+"""Replaying an audit log against the transition table, in one streaming pass.
+
+:class:`AuditChecker` takes the reader's events one at a time (:meth:`AuditChecker.feed`)
+and keeps only what is open at that point of the log: the unreleased lifecycles, the
+copies in flight, and one byte per serial and per copy number seen (to tell "released"
+and "completed" from "never seen"). A log of any length is checked in memory bounded by
+its busiest moment.
+
+Rules, per segment (each segment is its own serial and ``seq`` space): ``seq`` is
+gap-free, except where a :class:`~kvlife.fsm.records.LostRecords` marker says a failing
+sink lost records (reported as lost, not as tampering); every accepted transition is
+legal from the instance's previous state with its in-flight count; a refusal leaves its
+instance as it was; every ``ack``/``fail`` completes a copy that the same instance
+started and that was not completed before; serials are never reused; nothing happens to
+a released instance. A log that starts mid-way (a ring, rotated-out backups) or lost
+records takes each instance it first meets mid-history as it finds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from kvlife.fsm.reader import AuditFormatError, AuditLog, AuditReader, Event, Segment
+from kvlife.fsm.records import REGISTER, AuditRecord, LostRecords
+from kvlife.fsm.table import LIFECYCLE, State, Trigger
+
+#: Violations kept in detail (all are counted in ``violation_count``).
+MAX_VIOLATIONS: Final = 1000
+
+ViolationKind = Literal[
+    "seq_gap",
+    "illegal_transition",
+    "state_mismatch",
+    "inflight_mismatch",
+    "wrong_instance",
+    "unknown_op",
+    "duplicate_completion",
+    "serial_reused",
+    "unknown_instance",
+    "after_release",
+    "leaked",
+]
+
+
+class AuditTableMismatchError(AuditFormatError):
+    """A segment was written with another transition table than this kvlife's.
+
+    Replaying it against this table would report false violations (or hide real ones).
+    Pass the segment's digest in ``accept_tables`` (``--accept-table``) to replay anyway.
+    """
+
+    def __init__(self, message: str, *, digest: str) -> None:
+        super().__init__(message)
+        self.digest = digest
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One thing in a log that the table or the contract does not allow."""
+
+    kind: ViolationKind
+    seq: int | None
+    serial: int | None
+    message: str
+    segment: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceSummary:
+    """A lifecycle instance as replayed from the log.
+
+    ``uncertain``: records of this instance may be missing (lost by a failing sink, or
+    written before the log starts), so its replayed state is the best the log can say.
+    """
+
+    serial: int
+    rid: str | None
+    state: str
+    inflight: int
+    transitions: int
+    refusals: int
+    segment: int = 0
+    uncertain: bool = False
+
+
+@dataclass
+class AuditReport:
+    """The result of a check.
+
+    ``live`` lists the instances not released at the end of the log. ``instances`` holds
+    every instance's final state, keyed by (segment, serial), only when the check was
+    asked to keep them (``keep_instances``): a big log has millions.
+    """
+
+    records: int = 0
+    segments: int = 0
+    lifecycles: int = 0
+    released: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    violation_count: int = 0
+    lost: list[LostRecords] = field(default_factory=list)
+    lost_records: int = 0
+    live: list[InstanceSummary] = field(default_factory=list)
+    instances: dict[tuple[int, int], InstanceSummary] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+    transitions: dict[str, int] = field(default_factory=dict)
+    #: Most lifecycles unreleased at once.
+    max_live: int = 0
+    #: Registrations whose rid was held by another unreleased lifecycle (rid reuse).
+    rid_reuses: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """No violations (lost records are reported in ``lost``, not as violations)."""
+        return self.violation_count == 0
+
+
+class _Replay:
+    __slots__ = ("inflight", "refusals", "resync", "rid", "state", "transitions", "uncertain")
+
+    def __init__(self, rid: str | None, state: str, inflight: int = 0) -> None:
+        self.rid = rid
+        self.state = state
+        self.inflight = inflight
+        self.transitions = 0
+        self.refusals = 0
+        self.resync = False  # records may be missing: take the next record's src as truth
+        self.uncertain = False
+
+
+class _Marks:
+    """One byte per non-negative integer seen (serials, copy numbers), growing as they
+    do; huge outliers go to a dict so a hostile number cannot allocate gigabytes."""
+
+    __slots__ = ("_bytes", "_far")
+    _DENSE: Final = 1 << 26
+
+    def __init__(self) -> None:
+        self._bytes = bytearray()
+        self._far: dict[int, int] = {}
+
+    def get(self, n: int) -> int:
+        b = self._bytes
+        if n < len(b):
+            return b[n]
+        return self._far.get(n, 0) if n >= self._DENSE else 0
+
+    def set(self, n: int, value: int) -> None:
+        b = self._bytes
+        if n >= len(b):
+            if n >= self._DENSE:
+                self._far[n] = value
+                return
+            b.extend(bytes(max(n + 1 - len(b), len(b) // 2, 1024)))
+        b[n] = value
+
+
+_SEEN: Final = 1
+_DONE: Final = 2  # a released serial, a completed copy
+
+
+class _SegmentState:
+    __slots__ = ("index", "live", "lost", "op_owner", "ops", "partial", "previous_seq", "serials")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.live: dict[int, _Replay] = {}
+        self.serials = _Marks()
+        self.ops = _Marks()
+        self.op_owner: dict[int, int] = {}  # copies in flight: op -> serial
+        self.lost: list[tuple[int, int]] = []
+        self.previous_seq: int | None = None
+        self.partial = False  # the segment's history before some record is unknown
+
+
+_BEFORE: Final[dict[str, int]] = {"start_offload": -1, "ack": 1, "fail": 1, "finish": 0, "abort": 0}
+_STATES: Final = frozenset(s.value for s in State)
+_RELEASED: Final = State.RELEASED.value
+_ALLOCATED: Final = State.ALLOCATED.value
+
+
+def _legal_next(src: str | None, trigger: str, inflight_before: int) -> str | None:
+    if src is None or src not in _STATES:
+        return None
+    try:
+        dst = LIFECYCLE.next_state(State(src), Trigger(trigger), inflight_before)
+    except ValueError:
+        return None
+    return None if dst is None else dst.value
+
+
+class AuditChecker:
+    """Check a log event by event: ``feed`` each event, then ``finish()``.
+
+    Args:
+        expect_released: instances not released at the end are violations (``leaked``),
+            except uncertain ones (their release may be among lost records).
+        accept_tables: table digests to replay as if they were this kvlife's table.
+        keep_instances: keep every instance's final state in ``report.instances``.
+    """
+
+    def __init__(
+        self,
+        *,
+        expect_released: bool = False,
+        accept_tables: Iterable[str] = (),
+        keep_instances: bool = False,
+    ) -> None:
+        self.expect_released = expect_released
+        self.accept_tables = frozenset(accept_tables) | {LIFECYCLE.digest}
+        self.keep_instances = keep_instances
+        self.report = AuditReport()
+        self._segment: _SegmentState | None = None
+        self._rid_live: dict[str | None, int] = {}
+        self._live_total = 0
+
+    # ------------------------------------------------------------------ events
+
+    def feed(self, event: Event) -> None:
+        """Take one event of the reader's stream (or a bare record)."""
+        if type(event) is AuditRecord:
+            self._record(event)
+        elif type(event) is Segment:
+            self._new_segment(event)
+        elif type(event) is LostRecords:
+            self._lost(event)
+        else:
+            raise TypeError(f"not an audit event: {type(event).__name__}")
+
+    def _new_segment(self, event: Segment) -> None:
+        digest = event.header.table
+        if digest not in self.accept_tables:
+            raise AuditTableMismatchError(
+                f"segment {event.index}{f' of {event.file}' if event.file else ''} was "
+                f"written with transition table {digest}, but this kvlife's table is "
+                f"{LIFECYCLE.digest}; replaying it would be wrong. Accept it explicitly "
+                f"to replay anyway (--accept-table {digest})",
+                digest=digest,
+            )
+        self._close_segment()
+        self._segment = _SegmentState(self.report.segments)
+        self.report.segments += 1
+
+    def _seg(self) -> _SegmentState:
+        if self._segment is None:  # bare records: one segment without a header
+            self._segment = _SegmentState(self.report.segments)
+            self.report.segments += 1
+        return self._segment
+
+    def _lost(self, marker: LostRecords) -> None:
+        seg = self._seg()
+        seg.lost.append((marker.first_seq, marker.last_seq))
+        self.report.lost.append(marker)
+        self.report.lost_records += marker.kvlife_lost
+
+    def _bad(self, kind: ViolationKind, seq: int | None, serial: int | None, message: str) -> None:
+        report = self.report
+        report.violation_count += 1
+        if len(report.violations) < MAX_VIOLATIONS:
+            index = self._segment.index if self._segment is not None else 0
+            report.violations.append(Violation(kind, seq, serial, message, index))
+
+    def _covered(self, seg: _SegmentState, first: int, last: int) -> bool:
+        """Whether lost-record markers of this segment cover ``first..last``."""
+        for lo, hi in sorted(seg.lost):
+            if lo <= first <= hi:
+                first = hi + 1
+                if first > last:
+                    return True
+        return False
+
+    def _gap(self, seg: _SegmentState, previous: int, r: AuditRecord) -> None:
+        if r.seq > previous + 1 and self._covered(seg, previous + 1, r.seq - 1):
+            # lost by a failing sink, and marked as such: not tampering, but from here on
+            # every open instance may have missed records
+            seg.partial = True
+            for inst in seg.live.values():
+                inst.resync = inst.uncertain = True
+            return
+        self._bad("seq_gap", r.seq, r.serial, f"seq {previous} is followed by {r.seq}")
+
+    def _record(self, r: AuditRecord) -> None:
+        report = self.report
+        report.records += 1
+        seg = self._segment if self._segment is not None else self._seg()
+        previous = seg.previous_seq
+        if previous is None:
+            if r.seq != 0:
+                seg.partial = True  # the log starts mid-way (a ring, rotated-out files)
+        elif r.seq != previous + 1:
+            self._gap(seg, previous, r)
+        seg.previous_seq = r.seq
+        serial = r.serial
+        live = seg.live
+        if not r.ok:
+            reason = r.reason or "?"
+            report.refusals[reason] = report.refusals.get(reason, 0) + 1
+            if serial is None:
+                return
+            inst = live.get(serial)
+            if inst is not None:
+                inst.refusals += 1
+                state = None if inst.resync else inst.state
+            else:
+                state = _RELEASED if seg.serials.get(serial) == _DONE else None
+            if r.src is not None and state is not None and r.src != state:
+                self._bad(
+                    "state_mismatch",
+                    r.seq,
+                    serial,
+                    f"refusal reports state {r.src} but the instance is {state}",
+                )
+            return
+        trigger = r.trigger
+        report.transitions[trigger] = report.transitions.get(trigger, 0) + 1
+        if serial is None:
+            self._bad("unknown_instance", r.seq, None, "accepted record without a serial")
+            return
+        if trigger == REGISTER:
+            self._register(seg, r, serial)
+            return
+        inst = live.get(serial)
+        if inst is None:
+            inst = self._first_seen(seg, r, serial)
+            if inst is None:
+                return
+        elif inst.resync:
+            inst.state = r.src or inst.state
+            inst.inflight = r.inflight + _BEFORE[trigger]
+            inst.resync = False
+        if r.src != inst.state:
+            self._bad(
+                "state_mismatch",
+                r.seq,
+                serial,
+                f"{trigger} from {r.src} but the instance was {inst.state}",
+            )
+        before = r.inflight + _BEFORE[trigger]
+        if before != inst.inflight:
+            self._bad(
+                "inflight_mismatch",
+                r.seq,
+                serial,
+                f"{trigger} implies {before} in flight before, replay has {inst.inflight}",
+            )
+        expected = _legal_next(r.src, trigger, before)
+        if expected is None or expected != r.dst:
+            self._bad(
+                "illegal_transition",
+                r.seq,
+                serial,
+                f"{r.src} --{trigger} (inflight {before})--> {r.dst} is not in the "
+                f"table (table says {expected})",
+            )
+        op = r.op
+        if trigger == "start_offload":
+            if op is not None:
+                seg.op_owner[op] = serial
+                seg.ops.set(op, _SEEN)
+        elif trigger == "ack" or trigger == "fail":  # noqa: PLR1714 - two literals, hot loop
+            self._completion(seg, inst, r, serial)
+        inst.state = r.dst or inst.state
+        inst.inflight = r.inflight
+        inst.transitions += 1
+        if inst.state == _RELEASED:
+            self._release(seg, inst, serial)
+
+    def _register(self, seg: _SegmentState, r: AuditRecord, serial: int) -> None:
+        report = self.report
+        if serial in seg.live or seg.serials.get(serial):
+            self._bad("serial_reused", r.seq, serial, f"serial {serial} registered twice")
+        seg.live[serial] = _Replay(r.rid, r.dst or "?")
+        seg.serials.set(serial, _SEEN)
+        report.lifecycles += 1
+        held = self._rid_live.get(r.rid, 0)
+        if held:
+            report.rid_reuses += 1
+        self._rid_live[r.rid] = held + 1
+        self._live_total += 1
+        report.max_live = max(report.max_live, self._live_total)
+        if r.dst != _ALLOCATED or r.inflight != 0:
+            self._bad(
+                "illegal_transition",
+                r.seq,
+                serial,
+                f"registration to {r.dst} with {r.inflight} in flight",
+            )
+
+    def _first_seen(self, seg: _SegmentState, r: AuditRecord, serial: int) -> _Replay | None:
+        """An accepted transition of an instance that is not live in the replay."""
+        if seg.serials.get(serial) == _DONE:
+            self._bad(
+                "after_release",
+                r.seq,
+                serial,
+                f"{r.trigger} accepted on lifecycle {serial} after it was released",
+            )
+            return None
+        if not seg.partial:
+            self._bad(
+                "unknown_instance",
+                r.seq,
+                serial,
+                f"{r.trigger} accepted on lifecycle {serial}, which was never registered",
+            )
+            return None
+        # The log does not hold this instance's beginning: take the record's source state.
+        inst = seg.live[serial] = _Replay(r.rid, r.src or "?", r.inflight + _BEFORE[r.trigger])
+        inst.uncertain = True
+        seg.serials.set(serial, _SEEN)
+        self.report.lifecycles += 1
+        self._rid_live[r.rid] = self._rid_live.get(r.rid, 0) + 1
+        self._live_total += 1
+        return inst
+
+    def _completion(self, seg: _SegmentState, inst: _Replay, r: AuditRecord, serial: int) -> None:
+        op = r.op
+        if op is None:
+            self._bad("unknown_op", r.seq, serial, f"{r.trigger} without a copy number")
+            return
+        owner = seg.op_owner.pop(op, None)
+        if owner is None:
+            if seg.ops.get(op) == _DONE:
+                self._bad("duplicate_completion", r.seq, serial, f"copy {op} completed twice")
+            elif not inst.uncertain:
+                self._bad("unknown_op", r.seq, serial, f"{r.trigger} of copy {op} never started")
+        elif owner != serial:
+            self._bad(
+                "wrong_instance",
+                r.seq,
+                serial,
+                f"copy {op} was started by lifecycle {owner}, completed on lifecycle {serial}",
+            )
+        seg.ops.set(op, _DONE)
+
+    def _summary(self, seg: _SegmentState, serial: int, inst: _Replay) -> InstanceSummary:
+        return InstanceSummary(
+            serial,
+            inst.rid,
+            inst.state,
+            inst.inflight,
+            inst.transitions,
+            inst.refusals,
+            seg.index,
+            inst.uncertain,
+        )
+
+    def _release(self, seg: _SegmentState, inst: _Replay, serial: int) -> None:
+        del seg.live[serial]
+        seg.serials.set(serial, _DONE)
+        self.report.released += 1
+        self._live_total -= 1
+        held = self._rid_live.get(inst.rid, 1) - 1
+        if held:
+            self._rid_live[inst.rid] = held
+        else:
+            self._rid_live.pop(inst.rid, None)
+        if self.keep_instances:
+            self.report.instances[(seg.index, serial)] = self._summary(seg, serial, inst)
+
+    def _close_segment(self) -> None:
+        seg = self._segment
+        if seg is None:
+            return
+        for serial, inst in seg.live.items():
+            summary = self._summary(seg, serial, inst)
+            self.report.live.append(summary)
+            if self.keep_instances:
+                self.report.instances[(seg.index, serial)] = summary
+            held = self._rid_live.get(inst.rid, 1) - 1
+            if held:
+                self._rid_live[inst.rid] = held
+            else:
+                self._rid_live.pop(inst.rid, None)
+        self._live_total -= len(seg.live)
+        self._segment = None
+
+    def finish(self) -> AuditReport:
+        """Close the last segment and return the report."""
+        self._close_segment()
+        if self.expect_released:
+            for inst in self.report.live:
+                if not inst.uncertain:
+                    self._bad(
+                        "leaked",
+                        None,
+                        inst.serial,
+                        f"lifecycle {inst.serial} ({inst.rid!r}) of segment {inst.segment} "
+                        f"ended {inst.state} with {inst.inflight} in flight",
+                    )
+        return self.report
+
+
+def check_audit(
+    source: AuditReader | AuditLog | Iterable[Event],
+    *,
+    expect_released: bool = False,
+    accept_tables: Iterable[str] = (),
+    keep_instances: bool = False,
+) -> AuditReport:
+    """Replay an audit log (a reader, a log read into memory, or records) against the
+    transition table. See :class:`AuditChecker` for the arguments.
+
+    Raises:
+        AuditTableMismatchError: a segment was written with another table, not accepted.
+        AuditFormatError: the reader found the input is not an audit log.
+    """
+    checker = AuditChecker(
+        expect_released=expect_released,
+        accept_tables=accept_tables,
+        keep_instances=keep_instances,
+    )
+    events = source.events() if isinstance(source, AuditLog) else source
+    feed = checker.feed
+    for event in events:
+        feed(event)
+    return checker.finish()
+
+
+__all__ = [
+    "MAX_VIOLATIONS",
+    "AuditChecker",
+    "AuditReport",
+    "AuditTableMismatchError",
+    "InstanceSummary",
+    "Violation",
+    "ViolationKind",
+    "check_audit",
+]

@@ -1,0 +1,351 @@
+"""Reading audit logs: one streaming reader under everything that reads a log.
+
+:class:`AuditReader` walks a log (a file, or a rotated set ``PATH.N ... PATH.1 PATH``)
+line by line and yields what each line is -- a :class:`Segment` when a writer's segment
+begins, an :class:`~kvlife.fsm.records.AuditRecord`, or a
+:class:`~kvlife.fsm.records.LostRecords` marker -- decoding records with msgspec's typed
+decoder. Memory does not grow with the log: only the current line is held, plus at most
+:data:`MAX_PROBLEMS` problem reports.
+
+Crash tolerance: a torn last line (a crash mid-write) is skipped and its size reported in
+``torn_tail``; a complete line in the middle that is not a valid record is reported in
+``problems`` (never joined with a neighbour) and skipped. A file whose first line is not
+a kvlife header is refused with :class:`AuditFormatError`: it is not an audit log.
+
+:func:`read_audit` reads a whole log into an :class:`AuditLog` in memory, for small logs
+and tests; tools that may meet big logs iterate an :class:`AuditReader` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from kvlife.fsm.records import (
+    SCHEMA_VERSION,
+    AuditHeader,
+    AuditRecord,
+    AuditSchemaError,
+    LostRecords,
+)
+from kvlife.fsm.sinks import rotated_name
+
+#: Problems kept in detail per reader (all are counted in ``problem_count``).
+MAX_PROBLEMS: Final = 100
+
+_RECORD: Final = msgspec.json.Decoder(AuditRecord)
+_LOST: Final = msgspec.json.Decoder(LostRecords)
+_HEADER: Final = msgspec.json.Decoder(AuditHeader)
+_ANY: Final = msgspec.json.Decoder()
+
+
+class AuditFormatError(ValueError):
+    """The input is not a kvlife audit log (no header first), or it is unreadable.
+
+    Also raised by :func:`read_audit` in strict mode for the first problem found.
+    """
+
+
+@dataclass(frozen=True)
+class AuditProblem:
+    """Something the reader could not take as a record: where, and why."""
+
+    line: int  # 1-based line number in its file
+    offset: int  # byte offset of the line's start in its file
+    message: str
+    file: str = ""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A writer's segment begins: its index in the log (0, 1, ...) and its header.
+
+    Each segment is its own serial and ``seq`` space. A size-rotated segment continues
+    across files without a new :class:`Segment`.
+    """
+
+    index: int
+    header: AuditHeader
+    file: str
+
+
+Event = Segment | AuditRecord | LostRecords
+Progress = Callable[[int, int], None]
+
+
+def audit_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The files of a possibly rotated log, oldest first: ``PATH.N ... PATH.1 PATH``.
+
+    Backups are the existing ``PATH.<number>`` siblings; ``PATH`` itself is last (and
+    left out when it does not exist, e.g. after a crash during rotation).
+    """
+    base = Path(path)
+    pattern = re.compile(re.escape(base.name) + r"\.([1-9][0-9]*)")
+    numbers: list[int] = []
+    if base.parent.is_dir():
+        for entry in os.scandir(base.parent):
+            match = pattern.fullmatch(entry.name)
+            if match and entry.is_file():
+                numbers.append(int(match.group(1)))
+    files = [rotated_name(base, n) for n in sorted(numbers, reverse=True)]
+    if base.exists() or not files:
+        files.append(base)
+    return files
+
+
+class AuditReader:
+    """Stream the events of an audit log. Iterate it once.
+
+    Args:
+        source: a path (with ``rotated=True``, its rotated set, see :func:`audit_files`)
+            or a sequence of paths read in the given order.
+        rotated: take ``PATH``'s rotated backups too (only for a single path).
+        strict: raise :class:`AuditFormatError` at the first problem instead of
+            reporting it (torn tails are not problems).
+        progress: called as ``progress(bytes_read, total_bytes)`` about every 4 MiB.
+
+    After (or during) iteration: ``torn_tail`` (bytes skipped after the last newline of
+    each file, summed), ``problems`` (the first :data:`MAX_PROBLEMS`), ``problem_count``,
+    ``records``, ``segments``, ``files``.
+
+    Raises (while iterating):
+        FileNotFoundError, IsADirectoryError, PermissionError: a file cannot be opened.
+        AuditFormatError: a file does not start with a kvlife header, a header has an
+            unsupported schema version, or ``strict`` and a problem was found.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        rotated: bool = True,
+        strict: bool = False,
+        progress: Progress | None = None,
+    ) -> None:
+        if isinstance(source, (str, os.PathLike)):
+            self.files = audit_files(source) if rotated else [Path(source)]
+        else:
+            self.files = [Path(p) for p in source]
+            if not self.files:
+                raise ValueError("no audit log files given")
+        self.strict = strict
+        self.progress = progress
+        self.torn_tail = 0
+        self.problems: list[AuditProblem] = []
+        self.problem_count = 0
+        self.records = 0
+        self.lost_markers = 0
+        self.segments = 0
+        self._started = False
+
+    def total_bytes(self) -> int:
+        """The size of every file of the log together."""
+        return sum(p.stat().st_size for p in self.files)
+
+    def _problem(self, file: Path, line: int, offset: int, message: str) -> None:
+        if self.strict:
+            raise AuditFormatError(f"{file}:{line}: {message}")
+        self.problem_count += 1
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(AuditProblem(line, offset, message, str(file)))
+
+    def __iter__(self) -> Iterator[Event]:
+        if self._started:
+            raise RuntimeError("an AuditReader can be iterated once")
+        self._started = True
+        total = self.total_bytes() if self.progress is not None else 0
+        done = 0
+        header: AuditHeader | None = None
+        decode_record = _RECORD.decode
+        for position, file in enumerate(self.files):
+            name = str(file)
+            offset = complete = 0
+            with open(file, "rb", buffering=1 << 20) as f:
+                for number, line in enumerate(f, start=1):
+                    start = offset
+                    offset += len(line)
+                    if line[-1:] != b"\n":
+                        self.torn_tail += len(line)  # only the last line can lack it
+                        break
+                    complete = number
+                    try:
+                        record = decode_record(line)
+                    except msgspec.DecodeError:
+                        event = self._other_line(file, number, start, line)
+                        if type(event) is AuditHeader:
+                            continued = event.continues(header)
+                            header = event
+                            if not continued:
+                                self.segments += 1
+                                yield Segment(self.segments - 1, event, name)
+                        elif type(event) is LostRecords:
+                            self.lost_markers += 1
+                            yield event
+                        continue
+                    if number == 1:
+                        raise self._not_a_log(file)
+                    if record.ok is not (record.reason is None) or record.ok is not (
+                        record.dst is not None
+                    ):
+                        self._problem(
+                            file, number, start, f"ok/reason/dst disagree in seq={record.seq}"
+                        )
+                        continue
+                    self.records += 1
+                    yield record
+                    if self.progress is not None and not number & 0x7FFF:
+                        self.progress(done + offset, total)
+            # A later file of a rotated set may be empty or hold a torn header: the writer
+            # was killed while rotating. The first file must hold at least a header.
+            if complete == 0 and position == 0:
+                raise AuditFormatError(
+                    f"{file} has no complete line: not a kvlife audit log (no header)"
+                )
+            done += offset
+            if self.progress is not None:
+                self.progress(done, total)
+
+    @staticmethod
+    def _not_a_log(file: Path) -> AuditFormatError:
+        return AuditFormatError(
+            f"{file} is not a kvlife audit log: its first line is not a kvlife header"
+        )
+
+    def _other_line(
+        self, file: Path, number: int, start: int, line: bytes
+    ) -> AuditHeader | LostRecords | None:
+        """A line that is not a record: a header, a lost marker, or a problem. A file's
+        first line must be a header of this schema version."""
+        try:
+            obj = _ANY.decode(line)
+        except msgspec.DecodeError as exc:
+            if number == 1:
+                raise self._not_a_log(file) from None
+            self._problem(file, number, start, f"not JSON: {exc}")
+            return None
+        if isinstance(obj, dict) and "kvlife_audit" in obj:
+            try:
+                header = _HEADER.decode(line)
+            except msgspec.DecodeError as exc:
+                if number == 1:
+                    raise AuditFormatError(f"{file}: bad kvlife header: {exc}") from None
+                self._problem(file, number, start, f"bad header: {exc}")
+                return None
+            if header.kvlife_audit != SCHEMA_VERSION:
+                message = (
+                    f"unsupported audit schema version {header.kvlife_audit!r} "
+                    f"(this kvlife reads version {SCHEMA_VERSION})"
+                )
+                if number == 1:
+                    raise AuditFormatError(f"{file}: {message}")
+                self._problem(file, number, start, message)
+                return None
+            return header
+        if number == 1:
+            raise self._not_a_log(file)
+        if isinstance(obj, dict) and "kvlife_lost" in obj:
+            try:
+                marker = _LOST.decode(line)
+            except msgspec.DecodeError as exc:
+                self._problem(file, number, start, f"bad lost-records marker: {exc}")
+                return None
+            return marker
+        try:
+            _RECORD.decode(line)
+        except msgspec.DecodeError as exc:
+            self._problem(file, number, start, f"not a schema-1 record: {exc}")
+        return None
+
+
+@dataclass
+class AuditSegment:
+    """The records written after one header (one registry's sink), in memory."""
+
+    header: AuditHeader | None
+    records: list[AuditRecord] = field(default_factory=list)
+    lost: list[LostRecords] = field(default_factory=list)
+
+
+@dataclass
+class AuditLog:
+    """What :func:`read_audit` read: segments of records plus the problems found.
+
+    ``torn_tail`` is the number of bytes after the last newline (a crash mid-write); they
+    were skipped. ``problems`` lists lines in the middle that were not valid records;
+    they were skipped too, never joined with a neighbour.
+    """
+
+    segments: list[AuditSegment]
+    torn_tail: int = 0
+    problems: list[AuditProblem] = field(default_factory=list)
+    problem_count: int = 0
+
+    @property
+    def records(self) -> list[AuditRecord]:
+        """Every record of every segment, in file order."""
+        return [r for segment in self.segments for r in segment.records]
+
+    def events(self) -> Iterator[Event]:
+        """The log as the reader's event stream (segments, records, lost markers)."""
+        for index, segment in enumerate(self.segments):
+            if segment.header is not None:
+                yield Segment(index, segment.header, "")
+            lost = iter(sorted(segment.lost, key=lambda m: m.first_seq))
+            marker = next(lost, None)
+            for record in segment.records:
+                while marker is not None and marker.last_seq < record.seq:
+                    yield marker  # where the writer put it: just before the records after it
+                    marker = next(lost, None)
+                yield record
+            if marker is not None:
+                yield marker
+                yield from lost
+
+
+def read_audit(
+    source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    strict: bool = False,
+    rotated: bool = True,
+) -> AuditLog:
+    """Read a whole audit log (and its rotated backups) into memory.
+
+    Raises:
+        FileNotFoundError: no such file.
+        AuditFormatError: not a kvlife audit log; or ``strict`` and a problem was found
+            (torn tails are not problems).
+    """
+    reader = AuditReader(source, strict=strict, rotated=rotated)
+    log = AuditLog(segments=[])
+    for event in reader:
+        if type(event) is AuditRecord:
+            log.segments[-1].records.append(event)
+        elif type(event) is Segment:
+            log.segments.append(AuditSegment(header=event.header))
+        elif type(event) is LostRecords:
+            log.segments[-1].lost.append(event)
+    log.torn_tail = reader.torn_tail
+    log.problems = reader.problems
+    log.problem_count = reader.problem_count
+    return log
+
+
+__all__ = [
+    "MAX_PROBLEMS",
+    "AuditFormatError",
+    "AuditLog",
+    "AuditProblem",
+    "AuditReader",
+    "AuditSchemaError",
+    "AuditSegment",
+    "Event",
+    "Segment",
+    "audit_files",
+    "read_audit",
+]

@@ -1,0 +1,423 @@
+"""Audit sinks: where a registry's records go.
+
+A sink is any object with ``write(record)``; it may also have ``write_lost(marker)``,
+``flush()`` and ``close()``. A sink's ``write`` either takes the record (it will be in the
+log, or the sink reports otherwise when it is closed) or raises, and then the record was
+not taken: the registry keeps it in a bounded backlog and offers it again (see
+:mod:`kvlife.fsm.sink_guard`). A sink never takes a record half.
+
+* :class:`MemorySink` -- an in-memory ring of the newest records.
+* :class:`JsonLinesSink` -- a JSON-lines file: header per segment, fsync policy, owner-only
+  permissions, size-based rotation, flushed at interpreter exit and when collected, never
+  a partial line in the middle of the file.
+* :class:`LoggingSink` -- one stdlib ``logging`` call per record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final, Literal
+
+from kvlife.fsm.records import (
+    AuditHeader,
+    AuditRecord,
+    LostRecords,
+    encode_lines,
+    encode_record,
+    make_header,
+)
+
+_log: Final = logging.getLogger("kvlife.fsm.sinks")
+
+
+class AuditSinkError(OSError):
+    """A sink could not take a record. The record was not written, and nothing half."""
+
+
+class AuditSinkClosedError(AuditSinkError, ValueError):
+    """A record was given to a sink after :meth:`JsonLinesSink.close` (a ``ValueError``
+    too, like writing to a closed file)."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class MemorySink:
+    """An in-memory ring of the newest ``capacity`` records.
+
+    Appending is O(1); when the ring is full the oldest record is dropped (the ``seq`` of
+    the oldest record held says how many went before it). Markers of records the
+    registry had to drop for this sink are kept in :meth:`lost`.
+    """
+
+    __slots__ = ("_lost", "_ring", "write")
+
+    def __init__(self, capacity: int = 65536) -> None:
+        if not _is_int(capacity) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self._ring: deque[AuditRecord] = deque(maxlen=capacity)
+        self._lost: list[LostRecords] = []
+        self.write = self._ring.append  # the hot path calls the deque directly
+
+    @property
+    def capacity(self) -> int:
+        """Most records the ring keeps."""
+        return self._ring.maxlen or 0
+
+    def records(self) -> list[AuditRecord]:
+        """The records held, oldest first."""
+        return list(self._ring)
+
+    def write_lost(self, marker: LostRecords) -> None:
+        """Remember that the registry dropped a range of records for this sink."""
+        self._lost.append(marker)
+
+    def lost(self) -> list[LostRecords]:
+        """Ranges of records the registry had to drop for this sink, oldest first."""
+        return list(self._lost)
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __iter__(self) -> Iterator[AuditRecord]:
+        return iter(list(self._ring))
+
+    def clear(self) -> None:
+        """Forget every record held."""
+        self._ring.clear()
+
+    def flush(self) -> None:
+        """Nothing to flush; present so every sink can be flushed alike."""
+
+    def close(self) -> None:
+        """Nothing to close; present so every sink can be closed alike."""
+
+
+FsyncPolicy = Literal["never", "batch", "record"]
+
+
+def trim_torn_tail(path: str | os.PathLike[str]) -> int:
+    """Cut a torn last line (bytes after the last newline) off ``path``.
+
+    Returns the number of bytes removed (0 when the file ends with a newline, is empty or
+    does not exist). Complete lines are never touched.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return 0
+    try:
+        size = os.fstat(fd).st_size
+        end = size
+        chunk = 65536
+        while end > 0:
+            start = max(0, end - chunk)
+            os.lseek(fd, start, os.SEEK_SET)
+            block = os.read(fd, end - start)
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            end = start
+        else:
+            keep = 0
+        if keep < size:
+            os.ftruncate(fd, keep)
+            os.fsync(fd)
+        return size - keep
+    finally:
+        os.close(fd)
+
+
+def rotated_name(path: Path, index: int) -> Path:
+    """The name of the ``index``-th backup of ``path`` (``audit.jsonl.1`` is the newest)."""
+    return path if index == 0 else path.with_name(f"{path.name}.{index}")
+
+
+_Item = AuditRecord | LostRecords
+
+
+class _JsonFile:
+    """The open file of a :class:`JsonLinesSink`: everything its exit-time flush needs,
+    and no reference to the sink, so the sink can be collected."""
+
+    def __init__(self, path: Path, fsync: FsyncPolicy, max_bytes: int | None, backups: int) -> None:
+        self.path = path
+        self.sync = fsync != "never"
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.buffer: list[_Item] = []
+        self.records_written = 0
+        self.rotations = 0
+        self.header = make_header()
+        self.fd: int | None = None
+        self.size = 0
+        self.fd, self.size = self._open(self.header)
+
+    def _open(self, header: AuditHeader) -> tuple[int, int]:
+        # Owner-only: rids can identify users. An existing file keeps its mode.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            size = os.fstat(fd).st_size
+            size += self._write_all(fd, size, encode_lines((header,)))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, size
+
+    def _write_all(self, fd: int, size: int, data: bytes) -> int:
+        """Append ``data`` whole (and fsync per policy), or leave the file at ``size``
+        and raise."""
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.sync:
+                os.fsync(fd)
+        except OSError:
+            # a partial line would glue itself to the next record: cut it off again
+            with contextlib.suppress(OSError):  # the file is gone or read-only now
+                os.ftruncate(fd, size)
+            raise
+        return len(data)
+
+    def write(self, data: bytes) -> None:
+        fd = self.fd
+        if fd is None:
+            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+        limit = self.max_bytes
+        if limit is not None and self.size + len(data) > limit and self.records_written:
+            fd = self._rotate(fd)
+        self.size += self._write_all(fd, self.size, data)
+
+    def _rotate(self, fd: int) -> int:
+        """Move the full file to ``.1`` (older ones one up; the oldest is dropped) and
+        continue the segment in a new file. A crash at any point leaves every complete
+        line in exactly one file of the set."""
+        if self.sync:
+            os.fsync(fd)
+        if self.backups == 0:
+            os.unlink(self.path)
+        else:
+            for index in range(self.backups, 0, -1):
+                older = rotated_name(self.path, index - 1)
+                if older.exists():
+                    os.replace(older, rotated_name(self.path, index))
+        header = make_header(self.header.segment, self.header.part + 1)
+        new_fd, size = self._open(header)
+        os.close(fd)
+        self.fd, self.size, self.header = new_fd, size, header
+        self.rotations += 1
+        self.records_written = 0
+        return new_fd
+
+    def flush(self) -> None:
+        buffer = self.buffer
+        if not buffer:
+            return
+        self.write(encode_lines(buffer))  # raises before the buffer is touched
+        self.records_written += len(buffer)
+        buffer.clear()
+
+    def close(self) -> None:
+        if self.fd is None:
+            return
+        self.flush()
+        os.close(self.fd)
+        self.fd = None
+
+    def close_at_exit(self) -> None:
+        """Interpreter exit or the sink was collected: write what is buffered. A failure
+        cannot be raised to anyone now, so it is logged with what was lost."""
+        if self.fd is None:
+            return
+        try:
+            self.close()
+        except Exception as exc:
+            seqs = [item.seq for item in self.buffer if isinstance(item, AuditRecord)]
+            _log.error(
+                "audit log %s: %d buffered records (seq %s-%s) could not be written at exit: %s",
+                self.path,
+                len(seqs),
+                seqs[0] if seqs else "?",
+                seqs[-1] if seqs else "?",
+                exc,
+            )
+            fd, self.fd = self.fd, None
+            if fd is not None:
+                os.close(fd)
+
+
+class JsonLinesSink:
+    """Append records to a JSON-lines file, one record per line.
+
+    On open, a torn tail left by a crash is trimmed first (``trimmed_bytes`` says how
+    much), then a header is appended: a file may hold several segments, each starting
+    with its header. A new file is created owner-only (mode 0600).
+
+    fsync policy:
+        ``"never"``: records are buffered and written in batches; the OS decides when they
+            reach the disk.
+        ``"batch"``: records are buffered and written every ``batch_records`` records and
+            on :meth:`flush`, each write followed by ``fsync``.
+        ``"record"``: every record is written and fsynced before :meth:`write` returns.
+
+    Rotation: with ``max_bytes``, a write that would take the file past it first renames
+    the file to ``PATH.1`` (``PATH.1`` to ``PATH.2`` ..., keeping ``backups`` old files)
+    and continues the segment in a new ``PATH`` (its header has the same ``segment`` and
+    the next ``part``). The reader takes ``PATH.N ... PATH.1 PATH`` in that order.
+
+    Buffered records are written by :meth:`flush`, :meth:`close` (or the ``with`` block),
+    at interpreter exit, and when the sink is garbage collected.
+
+    Errors: a write that fails (disk full, file size limit, I/O error) raises
+    :class:`AuditSinkError` or ``OSError`` and leaves the file ending at a complete line;
+    the record given to that :meth:`write` was not taken (the registry keeps it and offers
+    it again) and records buffered before it stay buffered. :meth:`write` after
+    :meth:`close` raises :class:`AuditSinkClosedError`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: FsyncPolicy = "batch",
+        batch_records: int = 4096,
+        max_bytes: int | None = None,
+        backups: int = 5,
+    ) -> None:
+        if fsync not in ("never", "batch", "record"):
+            raise ValueError(f"fsync must be 'never', 'batch' or 'record', got {fsync!r}")
+        if not _is_int(batch_records) or batch_records <= 0:
+            raise ValueError(f"batch_records must be a positive int, got {batch_records!r}")
+        if max_bytes is not None and (not _is_int(max_bytes) or max_bytes <= 0):
+            raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        if not _is_int(backups) or backups < 0:
+            raise ValueError(f"backups must be an int >= 0, got {backups!r}")
+        self.path = Path(path)
+        self.fsync: FsyncPolicy = fsync
+        self.batch_records = batch_records
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.trimmed_bytes = trim_torn_tail(self.path)
+        self._file = _JsonFile(self.path, fsync, max_bytes, backups)
+        self._finalizer = weakref.finalize(self, self._file.close_at_exit)
+        self.write = self._write_record if fsync == "record" else self._buffer_record
+
+    @property
+    def records_written(self) -> int:
+        """Records (and lost markers) written to the current file."""
+        return self._file.records_written
+
+    @property
+    def rotations(self) -> int:
+        """How many times the file was rotated."""
+        return self._file.rotations
+
+    @property
+    def segment(self) -> str:
+        """This writer's segment id (in every header it writes)."""
+        return self._file.header.segment
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` completed."""
+        return self._file.fd is None
+
+    def _write_record(self, item: _Item) -> None:
+        file = self._file
+        file.write(encode_lines((item,)))
+        file.records_written += 1
+
+    def _buffer_record(self, item: _Item) -> None:
+        file = self._file
+        if file.fd is None:
+            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+        buffer = file.buffer
+        buffer.append(item)  # encoded in batches: one msgspec call per flush
+        if len(buffer) >= self.batch_records:
+            try:
+                file.flush()
+            except BaseException:
+                buffer.pop()  # this record was not taken; the ones before stay buffered
+                raise
+
+    def write_lost(self, marker: LostRecords) -> None:
+        """Write a marker of records the registry had to drop (same rules as write)."""
+        self.write(marker)
+
+    def flush(self) -> None:
+        """Write buffered records (and fsync unless the policy is ``"never"``).
+
+        Raises ``OSError`` when the write fails; the records stay buffered.
+        """
+        self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close the file. Closing twice is harmless.
+
+        Raises ``OSError`` when the final write fails; the sink then stays open with its
+        records buffered, so a later :meth:`close` can still write them.
+        """
+        self._file.close()
+        self._finalizer.detach()
+
+    def __enter__(self) -> JsonLinesSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<JsonLinesSink {str(self.path)!r} fsync={self.fsync}>"
+
+
+class LoggingSink:
+    """Send each record to a stdlib logger as one JSON line (built only when enabled)."""
+
+    def __init__(self, logger: logging.Logger | str = "kvlife.audit", level: int = logging.INFO):
+        self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
+        self.level = level
+
+    def write(self, record: AuditRecord) -> None:
+        """Log the record if the logger is enabled for the sink's level."""
+        if self.logger.isEnabledFor(self.level):
+            self.logger.log(self.level, "%s", encode_record(record))
+
+    def write_lost(self, marker: LostRecords) -> None:
+        """Log a range of records the registry had to drop, as a warning."""
+        self.logger.warning(
+            "kvlife audit: %d records lost (sink error), seq %d-%d: %s",
+            marker.kvlife_lost,
+            marker.first_seq,
+            marker.last_seq,
+            marker.error,
+        )
+
+    def flush(self) -> None:
+        """Flush the logger's handlers."""
+        for handler in self.logger.handlers:
+            handler.flush()
+
+    def close(self) -> None:
+        """Flush; the logger itself belongs to the application."""
+        self.flush()
+
+
+__all__ = [
+    "AuditSinkClosedError",
+    "AuditSinkError",
+    "FsyncPolicy",
+    "JsonLinesSink",
+    "LoggingSink",
+    "MemorySink",
+    "rotated_name",
+    "trim_torn_tail",
+]
