@@ -230,21 +230,22 @@ class AuditReader:
             self._problem(file, number, start, f"not JSON: {exc}")
             return None
         if isinstance(obj, dict) and "kvlife_audit" in obj:
+            version = obj["kvlife_audit"]
+            if version != SCHEMA_VERSION or isinstance(version, bool):
+                message = (
+                    f"unsupported audit schema version {version!r} "
+                    f"(this kvlife reads version {SCHEMA_VERSION})"
+                )
+                if number == 1:
+                    raise AuditFormatError(f"{file}: {message}")
+                self._problem(file, number, start, message)
+                return None
             try:
                 header = _HEADER.decode(line)
             except msgspec.DecodeError as exc:
                 if number == 1:
                     raise AuditFormatError(f"{file}: bad kvlife header: {exc}") from None
                 self._problem(file, number, start, f"bad header: {exc}")
-                return None
-            if header.kvlife_audit != SCHEMA_VERSION:
-                message = (
-                    f"unsupported audit schema version {header.kvlife_audit!r} "
-                    f"(this kvlife reads version {SCHEMA_VERSION})"
-                )
-                if number == 1:
-                    raise AuditFormatError(f"{file}: {message}")
-                self._problem(file, number, start, message)
                 return None
             return header
         if number == 1:
