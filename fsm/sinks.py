@@ -333,6 +333,8 @@ class JsonLinesSink:
 
     def _write_record(self, item: _Item) -> None:
         file = self._file
+        if file.fd is None:
+            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
         file.write(encode_lines((item,)))
         file.records_written += 1
 

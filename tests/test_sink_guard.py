@@ -1,0 +1,177 @@
+"""A failing audit sink never changes what the registry does: transitions are applied
+whole, hooks run, other sinks get every record, and what the sink could not take is
+counted, logged once, retried, and marked as lost when it had to be dropped."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+
+from kvlife.fsm import LifecycleRegistry, MemorySink, State
+from kvlife.fsm.audit import AuditRecord, LostRecords, check_audit
+from tests.strategies import Req
+
+
+class Flaky:
+    """A sink that raises on chosen calls and keeps what it took."""
+
+    def __init__(self, fail: Any = lambda n: True) -> None:
+        self.fail = fail
+        self.calls = 0
+        self.took: list[AuditRecord] = []
+        self.lost: list[LostRecords] = []
+        self.flushes = 0
+
+    def write(self, record: AuditRecord) -> None:
+        self.calls += 1
+        if self.fail(self.calls):
+            raise OSError(28, "No space left on device")
+        self.took.append(record)
+
+    def write_lost(self, marker: LostRecords) -> None:
+        self.calls += 1
+        if self.fail(self.calls):
+            raise OSError(28, "No space left on device")
+        self.lost.append(marker)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def __repr__(self) -> str:
+        return "<Flaky>"
+
+
+def test_start_offload_with_a_raising_sink_still_returns_its_ticket() -> None:
+    registry = LifecycleRegistry(sinks=[Flaky()])
+    req = Req("a")
+    registry.register(req)
+    ticket = registry.start_offload(req)  # used to raise with the lifecycle half-changed
+    lc = registry.lifecycle(req)
+    assert lc.state is State.OFFLOADING and lc.inflight == 1
+    registry.finish(req)
+    assert registry.complete(ticket).released and len(registry) == 0
+
+
+def test_a_failing_last_complete_still_releases_runs_hooks_and_feeds_later_sinks() -> None:
+    memory = MemorySink()
+    registry = LifecycleRegistry(sinks=[Flaky(), memory])
+    released: list[str] = []
+    registry.on_release(lambda lc, req: released.append(req.rid))
+    req = Req("a")
+    ticket = registry.start_offload(registry.register(req))
+    registry.finish(req)
+    lc = registry.complete(ticket)
+    assert lc.released and req not in registry and len(registry) == 0
+    assert released == ["a"]
+    assert [r.trigger for r in memory.records()] == ["register", "start_offload", "finish", "ack"]
+    stats = registry.statistics().sinks
+    # one failed call: later records queue behind it until the next retry (sink_retry_s)
+    assert [s.errors for s in stats] == [1, 0] and stats[0].pending == 4
+
+
+def test_the_first_failure_is_logged_once_then_the_recovery(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failing = [True]
+    sink = Flaky(lambda n: failing[0])
+    registry = LifecycleRegistry(sinks=[sink], sink_retry_s=0)
+    with caplog.at_level(logging.WARNING, logger="kvlife.fsm.sinks"):
+        for i in range(20):
+            registry.register(Req(f"r{i}"))
+        failing[0] = False
+        registry.register(Req("after"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "failed (write)" in messages[0] and "No space left" in messages[0]
+    assert "recovered" in messages[1]
+    assert [r.seq for r in sink.took] == list(range(21))  # the backlog first, in order
+    assert registry.statistics().sinks[0].pending == 0
+
+
+def test_backlog_overflow_is_marked_as_lost_and_checked_as_such() -> None:
+    failing = [True]
+    sink = Flaky(lambda n: failing[0])
+    registry = LifecycleRegistry(sinks=[sink], sink_backlog=5, sink_retry_s=0)
+    for i in range(12):
+        registry.register(Req(f"r{i}"))
+    stats = registry.statistics().sinks[0]
+    assert stats.pending == 5 and stats.dropped == 7
+    failing[0] = False
+    registry.flush()
+    assert sink.lost == [LostRecords(7, 0, 6, "OSError: [Errno 28] No space left on device")]
+    assert [r.seq for r in sink.took] == list(range(7, 12))
+    report = check_audit([*sink.lost, *sink.took])  # type: ignore[list-item]
+    assert report.ok and report.lost_records == 7 and report.lifecycles == 5
+
+
+def test_a_gap_without_a_marker_is_still_tampering() -> None:
+    memory = MemorySink()
+    registry = LifecycleRegistry(sinks=[memory])
+    for i in range(5):
+        registry.register(Req(f"r{i}"))
+    records = memory.records()
+    del records[2]
+    assert [v.kind for v in check_audit(records).violations] == ["seq_gap"]
+
+
+def test_detaching_a_failing_sink_logs_what_it_never_took(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sink = Flaky()
+    registry = LifecycleRegistry(sinks=[sink])
+    registry.register(Req("a"))
+    with caplog.at_level(logging.ERROR, logger="kvlife.fsm.sinks"):
+        registry.detach(sink)
+    assert "never written" in caplog.records[-1].getMessage()
+    assert registry.sinks == () and registry.statistics().sinks == ()
+
+
+@pytest.mark.parametrize("k", [2, 3, 7])
+def test_a_sink_raising_on_every_kth_write_loses_nothing_unreported(k: int) -> None:
+    """Random workload; the flaky sink's records plus its lost ranges are exactly the
+    memory sink's records; the registry ends consistent (nothing half-applied)."""
+    rng = random.Random(k)
+    flaky = Flaky(lambda n: n % k == 0)
+    memory = MemorySink(capacity=1 << 20)
+    registry = LifecycleRegistry(sinks=[flaky, memory], sink_backlog=50, sink_retry_s=0)
+    hooks: list[int] = []
+    registry.on_release(lambda lc, req: hooks.append(lc.serial))
+    live: list[Any] = []
+    tickets: list[Any] = []
+    for step in range(3000):
+        action = rng.random()
+        if action < 0.25 or not live:
+            req = Req(f"r{step % 17}")
+            if registry.live(req.rid) is None or registry.live(req.rid).outcome is not None:
+                registry.register(req)
+                live.append(req)
+        elif action < 0.55:
+            req = rng.choice(live)
+            if registry.lifecycle(req).outcome is None:
+                tickets.append(registry.start_offload(req))
+        elif action < 0.8 and tickets:
+            registry.deliver(tickets.pop(rng.randrange(len(tickets))), ok=rng.random() < 0.9)
+        else:
+            req = live.pop(rng.randrange(len(live)))
+            registry.finish(req) if rng.random() < 0.5 else registry.abort(req)
+    for ticket in tickets:
+        registry.deliver(ticket)
+    for req in live:
+        registry.finish(req)
+    registry.flush()
+    assert len(registry) == 0
+    assert sorted(hooks) == list(range(registry.statistics().registered))
+    expected = [r.seq for r in memory.records()]
+    lost = {s for m in flaky.lost for s in range(m.first_seq, m.last_seq + 1)}
+    assert sorted([r.seq for r in flaky.took] + sorted(lost)) == expected
+    assert [r for r in flaky.took] == [r for r in memory.records() if r.seq not in lost]
+    report = check_audit(sorted([*flaky.lost, *flaky.took], key=_order), expect_released=True)
+    assert report.ok, report.violations[:3]
+    assert check_audit(memory.records(), expect_released=True).ok
+
+
+def _order(item: AuditRecord | LostRecords) -> tuple[int, int]:
+    return (item.first_seq, 0) if isinstance(item, LostRecords) else (item.seq, 1)

@@ -1,0 +1,200 @@
+"""Audit sinks: JSON lines written whole or not at all, flushed at exit and on collection,
+owner-only files, rotation, writes after close; a full disk in a subprocess."""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvlife.fsm import LifecycleRegistry, MemorySink
+from kvlife.fsm.audit import (
+    AuditSinkClosedError,
+    JsonLinesSink,
+    LostRecords,
+    audit_files,
+    check_audit,
+    read_audit,
+)
+from tests.strategies import Req
+
+
+def _lifecycles(registry: LifecycleRegistry, n: int) -> None:
+    """n lifecycles of four records each: register, start_offload, finish, ack."""
+    for i in range(n):
+        req = Req(f"r{i}")
+        ticket = registry.start_offload(registry.register(req))
+        registry.finish(req)
+        registry.complete(ticket)
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_sink_never_closed_is_flushed_at_interpreter_exit(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    done = _run(
+        """
+        import sys
+        from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+        class Req:
+            def __init__(self, rid): self.rid = rid
+        registry = LifecycleRegistry(sinks=[JsonLinesSink(sys.argv[1])])  # as the docs show
+        for i in range(1000):
+            req = Req(f"r{i}")
+            t = registry.start_offload(registry.register(req))
+            registry.finish(req)
+            registry.complete(t)
+        """,
+        str(path),
+    )
+    assert done.returncode == 0, done.stderr
+    log = read_audit(path)
+    assert len(log.records) == 4000 and not log.problems
+    assert check_audit(log, expect_released=True).ok
+
+
+def test_a_collected_sink_writes_its_buffer(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    registry = LifecycleRegistry(sinks=[JsonLinesSink(path, fsync="never")])
+    _lifecycles(registry, 10)
+    del registry
+    gc.collect()
+    assert len(read_audit(path).records) == 40
+
+
+def test_writing_after_close_is_an_error_and_counted_by_the_registry(tmp_path: Path) -> None:
+    sink = JsonLinesSink(tmp_path / "a.jsonl", fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 1)
+    sink.close()
+    record = read_audit(sink.path).records[0]
+    with pytest.raises(AuditSinkClosedError, match="closed"):
+        sink.write(record)
+    _lifecycles(registry, 1)  # the registry carries on; the sink's errors are counted
+    stats = registry.statistics().sinks[0]
+    assert stats.errors >= 1 and stats.pending == 4 and "closed" in (stats.last_error or "")
+    assert registry.statistics().released == 2
+    for policy in ("record", "batch"):
+        closed = JsonLinesSink(tmp_path / f"{policy}.jsonl", fsync=policy)  # type: ignore[arg-type]
+        closed.close()
+        with pytest.raises(AuditSinkClosedError):
+            closed.write(record)
+
+
+def test_new_files_are_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    old = os.umask(0)
+    try:
+        JsonLinesSink(path).close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_rotation_keeps_a_segment_across_files_and_drops_the_oldest(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    memory = MemorySink()
+    sink = JsonLinesSink(path, fsync="never", batch_records=8, max_bytes=4000, backups=3)
+    registry = LifecycleRegistry(sinks=[memory, sink])
+    _lifecycles(registry, 60)
+    sink.close()
+    files = audit_files(path)
+    assert [f.name for f in files] == ["a.jsonl.3", "a.jsonl.2", "a.jsonl.1", "a.jsonl"]
+    assert sink.rotations > 3  # so the oldest files were dropped
+    assert all(f.stat().st_size <= 4000 for f in files[:-1])
+    log = read_audit(path)
+    assert len(log.segments) == 1  # one writer: one segment, continued through the files
+    records = log.records
+    assert records == memory.records()[-len(records) :]  # the newest, in order
+    report = check_audit(log)
+    assert report.ok, report.violations[:3]  # starts mid-way: taken as it is found
+    # every file alone is a readable log too (each starts with a continuation header)
+    assert sum(len(read_audit(f, rotated=False).records) for f in files) == len(records)
+
+
+def test_rotation_with_no_backups_starts_over(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    sink = JsonLinesSink(path, fsync="never", batch_records=4, max_bytes=2000, backups=0)
+    _lifecycles(LifecycleRegistry(sinks=[sink]), 40)
+    sink.close()
+    assert audit_files(path) == [path] and path.stat().st_size <= 2000
+    assert check_audit(read_audit(path)).ok
+
+
+def test_sink_arguments_for_rotation_are_checked(tmp_path: Path) -> None:
+    for bad in ({"max_bytes": 0}, {"max_bytes": 1.5}, {"backups": -1}, {"backups": True}):
+        with pytest.raises(ValueError):
+            JsonLinesSink(tmp_path / "x.jsonl", **bad)  # type: ignore[arg-type]
+
+
+def test_memory_sink_keeps_lost_markers() -> None:
+    sink = MemorySink()
+    sink.write_lost(LostRecords(3, 10, 12, "OSError: boom"))
+    assert sink.lost() == [LostRecords(3, 10, 12, "OSError: boom")] and len(sink) == 0
+
+
+_FULL_DISK = """
+import os, resource, sys
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+class Req:
+    def __init__(self, rid): self.rid = rid
+path, policy, backlog = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sink = JsonLinesSink(path, fsync=policy, batch_records=16)
+registry = LifecycleRegistry(sinks=[sink], sink_backlog=backlog, sink_retry_s=0)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 20_000, hard))
+def work(n, start):
+    for i in range(start, start + n):
+        req = Req(f"r{i}")
+        t = registry.start_offload(registry.register(req), tokens=i)
+        registry.finish(req)
+        registry.complete(t)
+work(500, 0)                                   # the disk fills up during this
+stats = registry.statistics()
+assert stats.released == 500 and len(registry) == 0, stats
+assert stats.sinks[0].errors > 0, stats.sinks
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))   # space again
+work(50, 500)
+registry.flush()
+sink.close()
+print(registry.statistics().sinks[0])
+"""
+
+
+@pytest.mark.parametrize(
+    ("policy", "backlog"), [("batch", 100_000), ("record", 100_000), ("batch", 100)]
+)
+def test_a_full_disk_loses_nothing_that_is_not_reported_as_lost(
+    tmp_path: Path, policy: str, backlog: int
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    done = _run(_FULL_DISK, str(path), policy, str(backlog))
+    assert done.returncode == 0, done.stderr
+    assert "failed" in done.stderr  # logged once through logging ...
+    assert done.stderr.count("failed (write)") == 1  # ... not once per record
+    log = read_audit(path)
+    assert not log.problems and log.torn_tail == 0  # no partial line anywhere
+    seqs = [r.seq for r in log.records]
+    lost = [(m.first_seq, m.last_seq) for s in log.segments for m in s.lost]
+    covered = sorted(seqs + [s for lo, hi in lost for s in range(lo, hi + 1)])
+    assert covered == list(range(550 * 4))  # every record written or reported lost, once
+    report = check_audit(log, expect_released=True)
+    assert report.ok, report.violations[:3]
+    if backlog >= 2200:
+        assert not lost and report.lost_records == 0
+    else:
+        assert lost and report.lost_records == sum(hi - lo + 1 for lo, hi in lost)
