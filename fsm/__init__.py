@@ -19,12 +19,16 @@ from __future__ import annotations
 
 from kvlife.fsm._version import __version__
 from kvlife.fsm.audit import (
+    AuditChecker,
     AuditLog,
+    AuditReader,
     AuditRecord,
     AuditReport,
     JsonLinesSink,
     LoggingSink,
+    LostRecords,
     MemorySink,
+    SinkStatistics,
     check_audit,
     read_audit,
 )
@@ -38,6 +42,7 @@ from kvlife.fsm.errors import (
     StaleInstanceError,
     TableDefinitionError,
     UnknownRequestError,
+    WrongThreadError,
 )
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, RegistryStatistics, Ticket
 from kvlife.fsm.table import LIFECYCLE, LIFECYCLE_EDGES, Edge, Guard, State, Trigger
@@ -45,7 +50,9 @@ from kvlife.fsm.table import LIFECYCLE, LIFECYCLE_EDGES, Edge, Guard, State, Tri
 __all__ = [
     "LIFECYCLE",
     "LIFECYCLE_EDGES",
+    "AuditChecker",
     "AuditLog",
+    "AuditReader",
     "AuditRecord",
     "AuditReport",
     "DuplicateAckError",
@@ -58,16 +65,19 @@ __all__ = [
     "LifecycleError",
     "LifecycleRegistry",
     "LoggingSink",
+    "LostRecords",
     "MemorySink",
     "Reason",
     "RegistryStatistics",
     "RidConflictError",
+    "SinkStatistics",
     "StaleInstanceError",
     "State",
     "TableDefinitionError",
     "Ticket",
     "Trigger",
     "UnknownRequestError",
+    "WrongThreadError",
     "__version__",
     "check_audit",
     "read_audit",

@@ -176,3 +176,123 @@ def test_console_script_is_installed() -> None:
         timeout=120,
     )
     assert result.returncode == 0 and "stateDiagram-v2" in result.stdout
+
+
+# --- audit tools that say what they met ---------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ["hello\n", "", '["a", "json", "array"]\n', "{}\n"])
+def test_audit_check_refuses_what_is_not_an_audit_log(
+    content: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text(content)
+    for words in (["audit", "check"], ["audit", "check", "--json"], ["audit", "stats"]):
+        assert main([*words, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not a kvlife audit log" in err, err
+
+
+def test_audit_check_refuses_dev_null(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "check", "/dev/null"]) == 2
+    assert "not a kvlife audit log" in capsys.readouterr().err
+
+
+def _with_junk_line(path: Path) -> Path:
+    _log(path)
+    with path.open("a") as f:
+        f.write("not json\n")
+    return path
+
+
+def test_check_json_verdict_always_agrees_with_the_exit_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = {
+        "clean": _log(tmp_path / "clean.jsonl"),
+        "violation": _log(tmp_path / "bad.jsonl", bad=True),
+        "unreadable": _with_junk_line(tmp_path / "junk.jsonl"),
+    }
+    for name, path in cases.items():
+        status = main(["audit", "check", "--json", str(path)])
+        verdict = json.loads(capsys.readouterr().out)
+        assert verdict["ok"] is (status == 0), name
+        assert status == (0 if name == "clean" else 1), name
+
+
+def test_stats_and_diagram_report_unreadable_lines_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _with_junk_line(tmp_path / "junk.jsonl")
+    assert main(["audit", "stats", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "records                              5" in captured.out
+    assert "1 unreadable line(s)" in captured.err and "junk.jsonl:7" in captured.err
+    assert main(["diagram", "--format", "dot", "--from-log", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "digraph" in captured.out and "1 unreadable line(s)" in captured.err
+
+
+def test_a_log_of_another_table_is_refused_unless_accepted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _log(tmp_path / "a.jsonl")
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["table"] = "0123456789abcdef"
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    assert main(["audit", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--accept-table 0123456789abcdef" in err
+    assert main(["audit", "check", str(path), "--accept-table", "0123456789abcdef"]) == 0
+    capsys.readouterr()
+    assert main(["diagram", "--format", "dot", "--from-log", str(path)]) == 2
+    capsys.readouterr()
+
+
+def test_lost_records_fail_the_check_unless_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _log(tmp_path / "a.jsonl")
+    lines = path.read_text().splitlines()
+    marker = {"kvlife_lost": 1, "first_seq": 1, "last_seq": 1, "error": "OSError: full"}
+    path.write_text("\n".join([lines[0], lines[1], json.dumps(marker), *lines[3:]]) + "\n")
+    assert main(["audit", "check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "records lost (sink error): seq 1-1 (1 records): OSError: full" in out
+    assert "VIOLATION" not in out
+    assert main(["audit", "check", str(path), "--allow-lost", "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["ok"] is True and verdict["lost_records"] == 1
+
+
+def test_a_restarted_writer_is_its_own_segment_in_check_and_diagram(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "a.jsonl"
+    for rid in ("first", "second"):  # each run: serial 0, seq 0 again
+        sink = JsonLinesSink(path, fsync="never")
+        LifecycleRegistry(sinks=[sink]).register(Req(rid))
+        sink.close()
+    assert main(["audit", "check", str(path)]) == 0
+    assert "2 records in 2 segment(s), 2 lifecycles, 2 live" in capsys.readouterr().out
+    assert main(["diagram", "--format", "dot", "--from-log", str(path)]) == 0
+    dot = capsys.readouterr().out
+    assert "first #0 (segment 0)" in dot and "second #0 (segment 1)" in dot
+
+
+def test_a_rotated_log_is_checked_as_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "a.jsonl"
+    sink = JsonLinesSink(path, fsync="never", batch_records=4, max_bytes=3000, backups=50)
+    registry = LifecycleRegistry(sinks=[sink])
+    for i in range(40):
+        req = Req(f"r{i}")
+        ticket = registry.start_offload(registry.register(req))
+        registry.finish(req)
+        registry.complete(ticket)
+    sink.close()
+    assert main(["audit", "check", str(path), "--expect-released"]) == 0
+    out = capsys.readouterr().out
+    assert f"({sink.rotations + 1} files): 160 records in 1 segment(s), 40 lifecycles" in out

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvlife.fsm import InvalidTransitionError, LifecycleRegistry, MemorySink, State, check_audit
+from kvlife.fsm import (
+    InvalidTransitionError,
+    LifecycleRegistry,
+    MemorySink,
+    State,
+    UnknownRequestError,
+    check_audit,
+)
 from kvlife.offload import KVLayout, OffloadResult
 from tests.engine import FakeEngine, host_matches
 from tests.strategies import EqByRid, Req
@@ -311,3 +318,76 @@ def test_cuda_slots_wait_for_a_delayed_copy() -> None:
     assert lc.state is R and engine.released_serials == [lc.serial]
     [(_, result)] = engine.results
     assert host_matches(engine, result, engine.admissions[lc.serial])
+
+
+# --- refusals and hooks: audited like the registry's own, every hook runs ---------------
+
+
+@pytest.mark.parametrize("call", ["step", "finish", "abort"])
+def test_calls_on_unknown_or_released_requests_are_counted_and_audited(call: str) -> None:
+    sink = MemorySink()
+    engine = FakeEngine(SMALL, registry=LifecycleRegistry(sinks=[sink]))
+    done = Req("done")
+    engine.admit(done)
+    engine.manager.finish(done)  # released at once: nothing was offloaded
+    trigger = {"step": "start_offload", "finish": "finish", "abort": "abort"}[call]
+    for req in (Req("never"), done):
+        with pytest.raises(UnknownRequestError) as info:
+            getattr(engine.manager, call)(req)
+        assert info.value.trigger == trigger
+    assert engine.manager.registry.statistics().refusals["unknown_request"] == 2
+    refused = [r for r in sink.records() if not r.ok]
+    assert [(r.trigger, r.reason, r.rid) for r in refused] == [
+        (trigger, "unknown_request", "never"),
+        (trigger, "unknown_request", "done"),
+    ]
+    assert check_audit(sink.records()).ok
+
+
+def test_a_raising_release_hook_does_not_stop_the_others_or_the_poll() -> None:
+    engine = FakeEngine(SMALL, defer=True, stride_pages=1)
+    freed: list[str] = []
+
+    @engine.manager.on_release
+    def broken(req: Any, result: OffloadResult) -> None:
+        raise RuntimeError(f"hook bug for {req.rid}")
+
+    @engine.manager.on_release
+    def frees_pages(req: Any, result: OffloadResult) -> None:
+        for pages in result.pages:
+            engine.host.free(pages)
+        freed.append(req.rid)
+
+    reqs = [Req("a"), Req("b")]
+    for req in reqs:
+        engine.admit(req)
+        engine.decode(req, 8)
+        engine.manager.step(req)
+        engine.manager.finish(req)
+    engine.run_all()
+    with pytest.raises(RuntimeError, match="hook bug for a"):
+        engine.manager.poll()  # both copies are delivered before the first error is raised
+    assert freed == ["a", "b"] and [r.rid for r, _ in engine.results] == ["a", "b"]
+    assert engine.host.available == engine.host.capacity  # no page leaked
+    assert engine.manager.inflight == 0 and len(engine.manager.registry) == 0
+    assert sorted(engine.released_serials) == [0, 1]
+
+
+def test_a_raising_release_slots_still_runs_the_hooks() -> None:
+    engine = FakeEngine(SMALL, stride_pages=1)
+    req = Req("a")
+    engine.admit(req)
+
+    def broken(req: Any, lifecycle: Any) -> None:
+        raise OSError("engine refused the slots")
+
+    engine.release_slots = broken  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="engine refused"):
+        engine.manager.finish(req)
+    assert [r.rid for r, _ in engine.results] == ["a"]
+    assert len(engine.manager.registry) == 0
+
+
+def test_on_release_needs_a_callable() -> None:
+    with pytest.raises(TypeError, match="callable"):
+        FakeEngine(SMALL).manager.on_release("not a hook")  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,9 @@ from kvlife.fsm import (
     StaleInstanceError,
     State,
     Ticket,
+    Trigger,
     UnknownRequestError,
+    WrongThreadError,
     check_audit,
 )
 from kvlife.fsm.errors import REASONS
@@ -769,3 +772,97 @@ def test_registry_model() -> None:
         "readmission",
     ):
         assert COVERAGE[key] > 0, (key, COVERAGE)
+
+
+# --- threads: one owner, a typed refusal for everyone else ------------------------------
+
+
+def _fingerprint(registry: LifecycleRegistry, sink: MemorySink) -> tuple[object, ...]:
+    stats = registry.statistics()
+    states = [(lc.serial, lc.state, lc.inflight, lc.outcome) for lc in registry.lifecycles()]
+    return (stats.registered, stats.transitions, stats.refusals, len(sink), states)
+
+
+def test_calls_from_another_thread_are_refused_and_change_nothing() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    ticket = registry.start_offload(registry.register(req))
+    before = _fingerprint(registry, sink)
+    calls: list[Callable[[], object]] = [
+        lambda: registry.register(Req("b")),
+        lambda: registry.start_offload(req),
+        lambda: registry.complete(ticket),
+        lambda: registry.deliver(ticket),
+        lambda: registry.finish(req),
+        lambda: registry.abort(req),
+        registry.flush,
+        lambda: registry.attach(MemorySink()),
+        lambda: registry.detach(sink),
+        lambda: registry.on_release(lambda lc, r: None),
+        lambda: registry.lifecycle(Req("x"), audit_as=Trigger.FINISH),
+    ]
+    refused: list[BaseException] = []
+    seen: list[object] = []
+
+    def other_thread() -> None:
+        for call in calls:
+            try:
+                call()
+            except WrongThreadError as exc:
+                refused.append(exc)
+        seen.append(registry.statistics().registered)  # reading is fine from anywhere
+        seen.append(len(registry))
+
+    thread = threading.Thread(target=other_thread, name="intruder")
+    thread.start()
+    thread.join()
+    assert len(refused) == len(calls)
+    assert "'intruder'" in str(refused[0]) and "nothing changed" in str(refused[0])
+    assert _fingerprint(registry, sink) == before and seen == [1, 1]
+    registry.complete(ticket)  # the owner carries on
+    assert registry.lifecycle(req).state is State.ALLOCATED
+
+
+def test_adopt_thread_moves_ownership() -> None:
+    registry = LifecycleRegistry()
+    results: list[object] = []
+
+    def scheduler() -> None:
+        registry.adopt_thread()
+        results.append(registry.register(Req("a")).serial)
+
+    thread = threading.Thread(target=scheduler)
+    thread.start()
+    thread.join()
+    assert results == [0] and registry.owner_thread == thread.ident
+    with pytest.raises(WrongThreadError):
+        registry.register(Req("b"))
+
+
+def test_two_threads_hammering_one_registry_never_corrupt_it() -> None:
+    """Before the owner check this gave duplicate seqs and AttributeErrors inside."""
+    sink = MemorySink(capacity=1 << 20)
+    registry = LifecycleRegistry(sinks=[sink])
+    errors: list[BaseException] = []
+
+    def work(prefix: str) -> None:
+        for i in range(2000):
+            req = Req(f"{prefix}{i % 7}")
+            try:
+                lc = registry.register(req)
+                registry.complete(registry.start_offload(req))
+                registry.finish(lc)
+            except WrongThreadError as exc:
+                errors.append(exc)
+            except RidConflictError:
+                pass
+
+    thread = threading.Thread(target=work, args=("t",))
+    thread.start()
+    work("m")
+    thread.join()
+    assert len(errors) == 2000 and all(type(e) is WrongThreadError for e in errors)
+    records = sink.records()
+    assert [r.seq for r in records] == list(range(len(records)))
+    assert check_audit(records, expect_released=True).ok and len(registry) == 0

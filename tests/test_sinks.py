@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import gc
 import os
+import random
+import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -137,7 +141,7 @@ def test_rotation_with_no_backups_starts_over(tmp_path: Path) -> None:
 
 def test_sink_arguments_for_rotation_are_checked(tmp_path: Path) -> None:
     for bad in ({"max_bytes": 0}, {"max_bytes": 1.5}, {"backups": -1}, {"backups": True}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"max_bytes|backups"):
             JsonLinesSink(tmp_path / "x.jsonl", **bad)  # type: ignore[arg-type]
 
 
@@ -198,3 +202,53 @@ def test_a_full_disk_loses_nothing_that_is_not_reported_as_lost(
         assert not lost and report.lost_records == 0
     else:
         assert lost and report.lost_records == sum(hi - lo + 1 for lo, hi in lost)
+
+
+def _rotating_writer(path: Path, run: int, report_fd: int) -> None:  # pragma: no cover - child
+    sink = JsonLinesSink(path, fsync="record", max_bytes=1200, backups=10_000)
+    registry = LifecycleRegistry(sinks=[sink])
+    i = 0
+    while True:
+        rid = f"run{run}-{i}"
+        req = Req(rid)
+        registry.register(req)
+        os.write(report_fd, f"{rid}\n".encode())  # its record is on disk now
+        registry.finish(req)
+        i += 1
+
+
+def test_sigkill_during_rotation_loses_no_returned_record(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    path = tmp_path / "audit.jsonl"
+    returned: list[str] = []
+    for run in range(25):
+        read_fd, write_fd = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.close(read_fd)
+            try:
+                _rotating_writer(path, run, write_fd)
+            finally:
+                os._exit(1)
+        os.close(write_fd)
+        wanted, got = rng.randint(1, 30), b""
+        while got.count(b"\n") < wanted and (chunk := os.read(read_fd, 4096)):
+            got += chunk
+        time.sleep(rng.random() * 0.003)  # mid-write and mid-rotation included
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        while chunk := os.read(read_fd, 65536):
+            got += chunk
+        os.close(read_fd)
+        returned += got.decode().split("\n")[:-1]
+    files = audit_files(path)
+    assert len(files) > 10  # it did rotate, many times
+    log = read_audit(path)
+    assert not log.problems, log.problems[:3]
+    registered = [r.rid for r in log.records if r.trigger == "register"]
+    assert len(registered) == len(set(registered))  # no record in two files
+    assert set(returned) <= set(registered)  # every returned record is in the set
+    assert len(log.segments) == 25  # one per writer, whatever the files
+    assert check_audit(log).ok

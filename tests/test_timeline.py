@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlife.diagrams import plot_timeline, timeline_rows
-from kvlife.fsm import AuditRecord, LifecycleRegistry, MemorySink
+from kvlife.diagrams import build_timeline, plot_timeline, timeline_rows
+from kvlife.fsm import AuditRecord, JsonLinesSink, LifecycleRegistry, MemorySink, read_audit
 from tests.strategies import Req
 
 
@@ -40,3 +40,32 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 def test_empty_log() -> None:
     assert timeline_rows([]) == ([], 0.0)
+
+
+def test_a_restarted_writer_gets_rows_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    for rid in ("a", "a"):  # two runs of a writer: serial 0 twice, one rid
+        sink = JsonLinesSink(path, fsync="never")
+        registry = LifecycleRegistry(sinks=[sink])
+        req = Req(rid)
+        registry.register(req)
+        registry.finish(req)
+        sink.close()
+    rows, _ = timeline_rows(read_audit(path))
+    assert [(r.segment, r.serial, r.released) for r in rows] == [(0, 0, True), (1, 0, True)]
+
+
+def test_rows_sort_rids_naturally_and_stop_at_max_rows() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    for i in (10, 2, 1, 33, 3):
+        registry.register(Req(f"req-{i}"))
+    for _ in range(3):  # one rid, many lifecycles: the cap holds within a rid too
+        req = Req("req-0")
+        registry.register(req)
+        registry.finish(req)
+    timeline = build_timeline(sink.records(), max_rows=5)
+    assert [(r.rid, r.serial) for r in timeline.rows] == [
+        ("req-0", 5), ("req-0", 6), ("req-0", 7), ("req-1", 2), ("req-2", 1)
+    ]  # fmt: skip
+    assert timeline.lifecycles == 8

@@ -1,0 +1,130 @@
+"""The streaming checker: released instances forgotten but still guarded, partial logs,
+lost ranges versus gaps, segments, table digests, bounded violation lists."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink
+from kvlife.fsm.audit import (
+    MAX_VIOLATIONS,
+    AuditChecker,
+    AuditRecord,
+    AuditTableMismatchError,
+    LostRecords,
+    Segment,
+    check_audit,
+    make_header,
+)
+from tests.strategies import Req
+
+
+def _records(n: int = 3) -> list[AuditRecord]:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    for i in range(n):
+        req = Req(f"r{i}")
+        ticket = registry.start_offload(registry.register(req))
+        registry.finish(req)
+        registry.complete(ticket)
+    return sink.records()
+
+
+def _renumber(records: list[AuditRecord]) -> list[AuditRecord]:
+    return [r.replace(seq=i) for i, r in enumerate(records)]
+
+
+def test_a_transition_accepted_after_release_is_a_violation() -> None:
+    records = _records(1)
+    ack = records[-1]
+    records.append(ack.replace(seq=ack.seq + 1, op=99, src="released", dst="released"))
+    kinds = [v.kind for v in check_audit(records).violations]
+    assert kinds == ["after_release"]
+
+
+def test_a_refusal_on_a_released_instance_must_say_released() -> None:
+    records = _records(1)
+    last = records[-1]
+    stale = AuditRecord(
+        last.seq + 1, 0, "r0", 0, "ack", "offloading", None, False, "stale_instance", 0, 0, {}
+    )
+    assert [v.kind for v in check_audit([*records, stale]).violations] == ["state_mismatch"]
+    fine = stale.replace(src="released")
+    assert check_audit([*records, fine]).ok
+
+
+def test_an_instance_never_registered_in_a_complete_log_is_a_violation() -> None:
+    records = _records(1)
+    forged = records[1].replace(seq=len(records), serial=7, op=7)
+    assert [v.kind for v in check_audit([*records, forged]).violations] == ["unknown_instance"]
+
+
+def test_a_log_that_starts_mid_way_takes_instances_as_it_finds_them() -> None:
+    ring = MemorySink(capacity=5)
+    registry = LifecycleRegistry(sinks=[ring])
+    reqs = [Req(f"r{i}") for i in range(3)]
+    tickets = [registry.start_offload(registry.register(r)) for r in reqs]
+    for req, ticket in zip(reqs, tickets, strict=True):
+        registry.finish(req)
+        registry.complete(ticket)
+    report = check_audit(ring.records(), expect_released=True)
+    assert report.ok, report.violations
+    assert report.records == 5 and report.released == 3
+
+
+def test_lost_records_are_not_a_gap_and_excuse_what_they_may_hold() -> None:
+    records = _records(3)  # 12 records: r0 0-3, r1 4-7, r2 8-11
+    lost = LostRecords(3, 5, 7, "OSError: full")  # r1's start, finish and ack are gone
+    kept = [*records[:5], lost, *records[8:]]
+    report = check_audit(kept, expect_released=True)
+    assert report.ok, report.violations
+    assert report.lost_records == 3 and report.lost == [lost]
+    assert [(i.rid, i.uncertain) for i in report.live] == [("r1", True)]
+
+
+def test_each_segment_is_its_own_serial_space() -> None:
+    first, second = _records(2), _records(1)
+    header = make_header()
+    events = [Segment(0, header, ""), *first, Segment(1, header, ""), *second]
+    report = check_audit(events, expect_released=True, keep_instances=True)
+    assert report.ok and report.segments == 2 and report.lifecycles == 3
+    assert sorted(report.instances) == [(0, 0), (0, 1), (1, 0)]
+    # the same records as one segment: serial 0 registered twice
+    assert "serial_reused" in {v.kind for v in check_audit([*first, *second]).violations}
+
+
+def test_another_table_is_refused_unless_accepted() -> None:
+    header = make_header().__class__(**{**_fields(make_header()), "table": "feedfacefeedface"})
+    events = [Segment(0, header, "x.jsonl"), *_records(1)]
+    with pytest.raises(AuditTableMismatchError, match="--accept-table feedfacefeedface") as info:
+        check_audit(events)
+    assert info.value.digest == "feedfacefeedface" and LIFECYCLE.digest in str(info.value)
+    assert check_audit(events, accept_tables=["feedfacefeedface"]).ok
+
+
+def _fields(header: object) -> dict[str, object]:
+    return {name: getattr(header, name) for name in header.__struct_fields__}  # type: ignore[attr-defined]
+
+
+def test_violations_are_counted_all_but_kept_up_to_a_bound() -> None:
+    records = _records(1)
+    flood = [records[0].replace(seq=i * 2) for i in range(MAX_VIOLATIONS + 50)]
+    report = check_audit(flood)
+    assert report.violation_count > MAX_VIOLATIONS == len(report.violations)
+
+
+def test_feeding_something_else_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="not an audit event"):
+        AuditChecker().feed("register")  # type: ignore[arg-type]
+
+
+def test_stats_fields_count_rid_reuse_and_the_busiest_moment() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    old, new = Req("a"), Req("a")
+    ticket = registry.start_offload(registry.register(old))
+    registry.finish(old)
+    registry.register(new)  # rid reused while the old copy is in flight
+    registry.complete(ticket)
+    report = check_audit(sink.records())
+    assert report.rid_reuses == 1 and report.max_live == 2 and len(report.live) == 1
