@@ -53,6 +53,7 @@ soak: venv
 	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -s -m slow tests/test_soak.py
 	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -s tests/test_registry.py::test_registry_model \
 	    tests/test_manager_model.py::test_manager_model
+	KVLIFE_EXHAUSTIVE_DEPTH=10 $(PY) -m pytest -q -s tests/test_manager_exhaustive.py
 
 demo: venv dot
 	$(VENV)/bin/kvlife demo --out out
@@ -60,6 +61,7 @@ demo: venv dot
 bench: venv
 	$(VENV)/bin/kvlife bench fsm
 	$(VENV)/bin/kvlife bench offload
+	$(VENV)/bin/kvlife bench audit
 
 # Regenerate the committed lifecycle diagrams from the table.
 diagrams: venv dot

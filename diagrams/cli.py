@@ -6,7 +6,7 @@ Subcommands::
     kvlife diagram [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE]
     kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
     kvlife audit stats LOG [--json]
-    kvlife bench fsm [...] | kvlife bench offload [...]
+    kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
 
 Usage errors print one line and exit 2, and so does a file that is not a kvlife audit
 log (or was written with another transition table, unless accepted). ``audit check``
@@ -116,7 +116,7 @@ def _parser() -> _Parser:
     stats.add_argument("--json", action="store_true", help="machine-readable output")
 
     bench = sub.add_parser("bench", help="benchmarks", description="Run a benchmark.")
-    bench.add_argument("which", choices=["fsm", "offload"])
+    bench.add_argument("which", choices=["fsm", "offload", "audit"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     return parser
 
@@ -335,6 +335,8 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
 def _bench(args: argparse.Namespace) -> int:
     if args.which == "fsm":
         from kvlife.fsm.bench import main as bench_main
+    elif args.which == "audit":
+        from kvlife.diagrams.audit_bench import main as bench_main
     else:
         from kvlife.offload.bench import main as bench_main
     try:

@@ -5,6 +5,8 @@ Run: ``python -m kvlife.fsm.bench`` (or ``kvlife bench fsm``). One lifecycle is:
 interleaved rounds, and the table reports the median time per lifecycle and its ratio to
 the seed-style bookkeeping measured in the same rounds. The memory line is tracemalloc's
 count of bytes retained per live lifecycle (10k live, request objects and rids excluded).
+The owner-thread line times the exact check every changing registry call makes, against
+an empty loop, and gives its share of one lifecycle.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import gc
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -246,6 +249,36 @@ def measure(
     return rows, measure_memory()
 
 
+#: Registry calls per benchmark lifecycle, each making the owner-thread check once.
+CHECKED_CALLS = 1 + 2 * COPIES + 1
+
+
+def measure_owner_check(rounds: int = 15, n: int = 200_000) -> float:
+    """Median ns of one owner-thread check (``_get_ident() != self._owner``), net of the
+    loop around it."""
+    registry = LifecycleRegistry()
+    get_ident = threading.get_ident
+
+    def checked() -> None:
+        for _ in range(n):
+            if get_ident() != registry._owner:
+                raise AssertionError
+
+    def empty() -> None:
+        for _ in range(n):
+            pass
+
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        checked()
+        t1 = time.perf_counter_ns()
+        empty()
+        t2 = time.perf_counter_ns()
+        samples.append(((t1 - t0) - (t2 - t1)) / n)
+    return max(statistics.median(samples), 0.0)
+
+
 def measure_memory(live: int = 10_000) -> dict[str, float]:
     """Bytes retained per live lifecycle (request objects and rids excluded)."""
     reqs = _requests(live)
@@ -268,7 +301,9 @@ def measure_memory(live: int = 10_000) -> dict[str, float]:
     return figures
 
 
-def format_table(rows: Sequence[Row], memory: dict[str, float]) -> str:
+def format_table(
+    rows: Sequence[Row], memory: dict[str, float], owner_check_ns: float | None = None
+) -> str:
     """The benchmark's printed table."""
     width = max(len(r.name) for r in rows)
     lines = [
@@ -280,6 +315,13 @@ def format_table(rows: Sequence[Row], memory: dict[str, float]) -> str:
     for r in rows:
         if r.name.startswith("transitions"):
             lines.append(f"kvlife is {r.median_us / kv.median_us:.0f}x faster than {r.name}")
+    if owner_check_ns is not None:
+        per_lifecycle = owner_check_ns * CHECKED_CALLS / 1000
+        lines.append(
+            f"owner-thread check: {owner_check_ns:.0f} ns per call x {CHECKED_CALLS} calls = "
+            f"{per_lifecycle:.2f} us per lifecycle ({100 * per_lifecycle / kv.median_us:.0f}% "
+            f"of kvlife, no audit; included in every kvlife row above)"
+        )
     lines.append("bytes per live lifecycle (tracemalloc, 10k live, requests excluded):")
     lines += [f"  {name}: {value:.0f} B" for name, value in memory.items()]
     return "\n".join(lines)
@@ -295,8 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch < 1:
         parser.error("--rounds and --batch must be positive")
+    print(f"measuring {args.rounds} rounds of {args.batch} lifecycles ...", file=sys.stderr)
     rows, memory = measure(rounds=args.rounds, batch=args.batch, slow_batch=min(100, args.batch))
-    print(format_table(rows, memory))
+    print(format_table(rows, memory, measure_owner_check(rounds=args.rounds)))
     return 0
 
 

@@ -19,6 +19,7 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         "transitions static machine",
         "transitions Machine per request",
         "bytes per live lifecycle",
+        "owner-thread check",
     ):
         assert name in out
 

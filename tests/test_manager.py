@@ -391,3 +391,23 @@ def test_a_raising_release_slots_still_runs_the_hooks() -> None:
 def test_on_release_needs_a_callable() -> None:
     with pytest.raises(TypeError, match="callable"):
         FakeEngine(SMALL).manager.on_release("not a hook")  # type: ignore[arg-type]
+
+
+def test_a_failing_audit_sink_never_keeps_slots_or_pages_from_going_back() -> None:
+    class Full:
+        def write(self, record: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+    engine = FakeEngine(
+        SMALL, defer=True, stride_pages=1, registry=LifecycleRegistry(sinks=[Full()])
+    )
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 8)
+    assert engine.manager.step(req) is not None  # the ticket is issued although the sink failed
+    engine.manager.finish(req)
+    engine.run_all()
+    assert engine.manager.poll() == 1
+    assert lc.state is R and engine.released_serials == [lc.serial]  # release_slots ran
+    assert [r.rid for r, _ in engine.results] == ["a"]  # and the hooks
+    assert engine.manager.registry.statistics().sinks[0].errors >= 1
