@@ -338,17 +338,10 @@ class LifecycleRegistry:
 
     def _fan_out(self, record: AuditRecord) -> None:
         """Every sink gets the record; a failure is its guard's business, never ours."""
-        recovered = False
-        for guard in self._guards:
-            if guard.healthy:
-                try:
-                    guard.sink.write(record)
-                except Exception as exc:
-                    guard.failed(record, exc)
-            else:
-                guard.write(record)
-                recovered |= guard.healthy
-        if recovered and len(self._guards) == 1:
+        guards = self._guards
+        for guard in guards:
+            guard.write(record)
+        if len(guards) == 1 and guards[0].healthy:  # recovered: back to the fast path
             self._rewire()
 
     def _sink_failed(self, record: AuditRecord, exc: Exception) -> None:

@@ -108,8 +108,9 @@ class SinkGuard:
             self._lost = (first, seq)
 
     def write(self, record: AuditRecord) -> None:
-        """The degraded path: keep order behind the backlog; never raises."""
-        if time.monotonic() - self._last_try >= self.retry_s:
+        """Give the sink ``record``, behind any backlog (retried at most every
+        ``retry_s``); never raises."""
+        if not self.healthy and time.monotonic() - self._last_try >= self.retry_s:
             self.retry()
         if self.healthy:
             try:

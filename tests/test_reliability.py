@@ -7,11 +7,9 @@ import gc
 import json
 import os
 import random
-import signal
 import threading
 import time
 import tracemalloc
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +40,7 @@ from kvlife.offload import (
     KVLayout,
     LayoutError,
 )
+from tests.crash import kill_midway
 from tests.engine import FakeEngine
 from tests.strategies import Req
 
@@ -287,30 +286,9 @@ def test_sigkill_at_200_points_loses_no_returned_record(tmp_path: Path) -> None:
     for point in range(200):
         path = tmp_path / f"crash-{point % 4}.jsonl"  # reopened for append after a crash
         before = len(read_audit(path).records) if path.exists() else 0
-        read_fd, write_fd = os.pipe()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
-            pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            os.close(read_fd)
-            try:
-                _writer(path, write_fd)
-            finally:
-                os._exit(1)
-        os.close(write_fd)
-        wanted = rng.randint(1, 40)
-        got = b""
-        while got.count(b"\n") < wanted:
-            chunk = os.read(read_fd, 4096)
-            if not chunk:
-                break
-            got += chunk
-        time.sleep(rng.random() * 0.002)  # land anywhere, mid-write included
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        got += _drain(read_fd)
-        os.close(read_fd)
-        returned = got.decode().split("\n")[:-1]  # lines the child finished reporting
+        returned = kill_midway(
+            lambda fd, path=path: _writer(path, fd), rng.randint(1, 40), rng.random() * 0.002
+        )  # lines the child finished reporting
         log = read_audit(path)
         assert not log.problems, log.problems
         torn_seen += log.torn_tail > 0
@@ -331,13 +309,6 @@ def test_sigkill_at_200_points_loses_no_returned_record(tmp_path: Path) -> None:
         JsonLinesSink(path).close()
         log = read_audit(path)
         assert log.torn_tail == 0 and not log.problems
-
-
-def _drain(fd: int) -> bytes:
-    data = b""
-    while chunk := os.read(fd, 65536):
-        data += chunk
-    return data
 
 
 # --- a flood of stale and duplicate deliveries ---------------------------------------------

@@ -6,13 +6,10 @@ from __future__ import annotations
 import gc
 import os
 import random
-import signal
 import stat
 import subprocess
 import sys
 import textwrap
-import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ from kvlife.fsm.audit import (
     check_audit,
     read_audit,
 )
+from tests.crash import kill_midway
 from tests.strategies import Req
 
 
@@ -222,27 +220,11 @@ def test_sigkill_during_rotation_loses_no_returned_record(tmp_path: Path) -> Non
     path = tmp_path / "audit.jsonl"
     returned: list[str] = []
     for run in range(25):
-        read_fd, write_fd = os.pipe()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
-            pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            os.close(read_fd)
-            try:
-                _rotating_writer(path, run, write_fd)
-            finally:
-                os._exit(1)
-        os.close(write_fd)
-        wanted, got = rng.randint(1, 30), b""
-        while got.count(b"\n") < wanted and (chunk := os.read(read_fd, 4096)):
-            got += chunk
-        time.sleep(rng.random() * 0.003)  # mid-write and mid-rotation included
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        while chunk := os.read(read_fd, 65536):
-            got += chunk
-        os.close(read_fd)
-        returned += got.decode().split("\n")[:-1]
+        returned += kill_midway(
+            lambda fd, run=run: _rotating_writer(path, run, fd),
+            rng.randint(1, 30),
+            rng.random() * 0.003,  # mid-write and mid-rotation included
+        )
     files = audit_files(path)
     assert len(files) > 10  # it did rotate, many times
     log = read_audit(path)
