@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pytest
 import torch
 
 from kvlife.fsm import (
@@ -31,7 +32,7 @@ from kvlife.fsm import (
     UnknownRequestError,
     check_audit,
 )
-from kvlife.offload import KVLayout
+from kvlife.offload import KVLayout, OffloadManager
 from tests.engine import FakeEngine
 from tests.strategies import Req
 
@@ -333,7 +334,10 @@ def explore(depth: int) -> tuple[int, int, float]:
                 for earlier in path:
                     system.apply(earlier)
                 error, after = expect(model)
-                got = system.apply(op)
+                try:
+                    got = system.apply(op)
+                except AssertionError as exc:
+                    raise AssertionError(f"{[*path, op]}: {exc}") from exc
                 steps += 1
                 assert got is error, ([*path, op], got, error)
                 _compare(system, after, [*path, op])
@@ -352,3 +356,13 @@ def test_every_interleaving_up_to_the_depth_matches_the_model() -> None:
     states, steps, seconds = explore(DEPTH)
     print(f"\nexhaustive: depth {DEPTH}, {states} distinct states, {steps} steps, {seconds:.1f} s")
     assert states > 1000 if DEPTH >= 8 else states > 10
+
+
+def test_a_planted_bug_is_caught_within_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its refusal pre-check the manager launches a copy for a finished request
+    before the registry refuses it: the copy's host page leaks. The search finds it."""
+    monkeypatch.setattr(OffloadManager, "_check_can", lambda self, lc, trigger: None)
+    with pytest.raises(AssertionError) as info:
+        explore(4)
+    message = str(info.value)
+    assert "'step'" in message and ("'finish'" in message or "'abort'" in message), message
