@@ -83,7 +83,6 @@ class Lifecycle:
         "_inflight",
         "_older",
         "_outcome",
-        "_pending",
         "_registry",
         "_req",
         "_rid",
@@ -98,9 +97,8 @@ class Lifecycle:
     _rid: str
     _req: Any
     _s: int  # index into STATES
-    _inflight: int  # Invariant: == popcount(_pending); 0 in allocated, >= 1 in offloading
-    _pending: int  # bit k set <=> the copy with local index k is in flight
-    _started: int  # copies started so far; the next copy's local index
+    _inflight: int  # Invariant: == its open tickets; 0 in allocated, >= 1 in offloading
+    _started: int  # copies started so far
     _outcome: Outcome | None
     _born_ns: int
     _older: Lifecycle | None  # the next older unreleased lifecycle holding the same rid
@@ -168,11 +166,11 @@ class Ticket:
     (``ok=False``). Tickets are immutable and made only by the registry.
     """
 
-    __slots__ = ("_bit", "_lc", "_op")
+    __slots__ = ("_lc", "_op", "_open")
 
     _lc: Lifecycle
     _op: int
-    _bit: int
+    _open: bool  # Invariant: True until its completion was applied; a ticket is used once
 
     def __init__(self) -> None:
         raise TypeError("Ticket objects are made only by LifecycleRegistry.start_offload()")
@@ -199,6 +197,17 @@ class Ticket:
 
     def __repr__(self) -> str:
         return f"<Ticket op={self._op} serial={self._lc._serial} rid={self._lc._rid!r}>"
+
+    # A copy of a ticket would be a second key to the same copy: copying gives the ticket
+    # itself, and tickets cannot be pickled.
+    def __copy__(self) -> Ticket:
+        return self
+
+    def __deepcopy__(self, memo: object) -> Ticket:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a Ticket cannot be pickled: it names a copy in this process only")
 
 
 _DETAIL_TYPES: Final = (int, float, str, bool, type(None))
@@ -282,7 +291,6 @@ class LifecycleRegistry:
         self._next_serial = 0
         self._next_op = 0
         self._seq = 0
-        self._transitions = 0
         self._released = 0
         self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._hooks: list[ReleaseHook] = []
@@ -485,7 +493,6 @@ class LifecycleRegistry:
         lc._req = req
         lc._s = _ALLOCATED
         lc._inflight = 0
-        lc._pending = 0
         lc._started = 0
         lc._outcome = None
         lc._born_ns = _now()
@@ -543,19 +550,15 @@ class LifecycleRegistry:
         row = _START[s]
         if row is None:
             self._refuse_table(lc, Trigger.START_OFFLOAD, None)
-        k = lc._started
-        lc._started = k + 1
-        bit = 1 << k
-        lc._pending |= bit
+        lc._started += 1
         inflight = lc._inflight = lc._inflight + 1
         lc._s = row[0]
         op = self._next_op
         self._next_op = op + 1
-        self._transitions += 1
         ticket: Ticket = _new_ticket(Ticket)
         ticket._lc = lc
         ticket._op = op
-        ticket._bit = bit
+        ticket._open = True
         if self._write is not None:
             record = AuditRecord(
                 self._seq,
@@ -602,18 +605,16 @@ class LifecycleRegistry:
             _check_detail(detail)
         lc = ticket._lc
         s = lc._s
-        bit = ticket._bit
-        if lc._registry is not self or s == _RELEASED or not lc._pending & bit:
+        if lc._registry is not self or not ticket._open:
             self._refuse_ticket(ticket, ok, True)
         row = (_ACK if ok else _FAIL)[s]
-        if row is None:  # pragma: no cover - a pending bit implies offloading/finished_pending
+        if row is None:  # pragma: no cover - an open ticket implies offloading/finished_pending
             self._refuse_table(lc, Trigger.ACK if ok else Trigger.FAIL, ticket._op)
         inflight = lc._inflight
         dst = row[0] if inflight > 1 else row[1]
-        lc._pending ^= bit
+        ticket._open = False
         lc._inflight = inflight - 1
         lc._s = dst
-        self._transitions += 1
         if self._write is not None:
             record = AuditRecord(
                 self._seq,
@@ -651,7 +652,7 @@ class LifecycleRegistry:
         if type(ticket) is not Ticket:
             raise TypeError(f"deliver() needs a Ticket, got {type(ticket).__name__}")
         lc = ticket._lc
-        if lc._registry is not self or lc._s == _RELEASED or not lc._pending & ticket._bit:
+        if lc._registry is not self or not ticket._open:
             return self._refuse_ticket(ticket, ok, False)
         self.complete(ticket, ok, **detail)
         return None
@@ -701,7 +702,6 @@ class LifecycleRegistry:
         dst = row[0]
         lc._s = dst
         lc._outcome = outcome
-        self._transitions += 1
         if self._write is not None:
             record = AuditRecord(
                 self._seq,
@@ -881,17 +881,23 @@ class LifecycleRegistry:
     def statistics(self) -> RegistryStatistics:
         """A snapshot: live per state, totals, refusals per reason, oldest live age."""
         live = dict.fromkeys(State, 0)
-        inflight = 0
+        inflight = ended = 0
         lifecycles = list(self._live.values())  # one C-level copy: safe from any thread
         for lc in lifecycles:
             live[STATES[lc._s]] += 1
             inflight += lc._inflight
+            ended += lc._outcome is not None
         oldest = lifecycles[0] if lifecycles else None
+        # Counted from what the hot path keeps anyway, not by a counter per transition:
+        # every copy number was an accepted start_offload; every copy not in flight was
+        # acked or failed (a lifecycle releases only when none is); every released or
+        # ended lifecycle took one finish/abort.
+        started = self._next_op
         return RegistryStatistics(
             live=live,
             registered=self._next_serial,
             released=self._released,
-            transitions=self._transitions,
+            transitions=2 * started - inflight + self._released + ended,
             refusals=dict(self._refusals),
             inflight=inflight,
             oldest_live_age_s=None if oldest is None else (_now() - oldest._born_ns) / 1e9,

@@ -381,10 +381,9 @@ def _ack_by_rid(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def deliver(self: LifecycleRegistry, ticket: Ticket, ok: bool = True, **detail: Any) -> Any:
         newest = self._by_rid.get(ticket.rid)
-        if newest is not None and newest is not ticket._lc and newest._pending:
+        if newest is not None and newest is not ticket._lc and newest.inflight:
             forged: Ticket = object.__new__(Ticket)
-            forged._lc, forged._op = newest, ticket._op
-            forged._bit = newest._pending & -newest._pending
+            forged._lc, forged._op, forged._open = newest, ticket._op, True
             ticket = forged
         return real_deliver(self, ticket, ok, **detail)
 

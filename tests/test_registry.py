@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
+import pickle
 import threading
 import weakref
 from collections.abc import Callable
@@ -55,10 +57,7 @@ def snapshot(registry: LifecycleRegistry, *lcs: Lifecycle) -> tuple[Any, ...]:
         stats.released,
         stats.transitions,
         stats.inflight,
-        tuple(
-            (lc.state, lc.inflight, lc.outcome, lc.req, lc.copies_started, lc._pending)
-            for lc in lcs
-        ),
+        tuple((lc.state, lc.inflight, lc.outcome, lc.req, lc.copies_started) for lc in lcs),
         tuple((rid, registry.live(rid)) for rid in ("a", "b", "r0", "r1", "r2")),
     )
 
@@ -230,7 +229,7 @@ def test_id_recycling_with_late_tickets_never_touches_a_live_lifecycle() -> None
     anchors = [Req(f"anchor-{i}") for i in range(3)]
     anchor_tickets = [registry.start_offload(registry.register(a)) for a in anchors]
     anchor_lcs = [t.lifecycle for t in anchor_tickets]
-    anchor_before = [(lc.state, lc.inflight, lc._pending) for lc in anchor_lcs]
+    anchor_before = [(lc.state, lc.inflight, lc.copies_started) for lc in anchor_lcs]
     seen_ids: set[int] = set()
     recycled = stale = 0
     late: list[Ticket] = []
@@ -252,7 +251,7 @@ def test_id_recycling_with_late_tickets_never_touches_a_live_lifecycle() -> None
             late.clear()
     assert recycled > 50_000, recycled  # CPython reuses freed ids: the trap is real
     assert stale == 100_000
-    assert [(lc.state, lc.inflight, lc._pending) for lc in anchor_lcs] == anchor_before
+    assert [(lc.state, lc.inflight, lc.copies_started) for lc in anchor_lcs] == anchor_before
     assert len(registry) == 3
     assert registry.statistics().refusals["stale_instance"] == 100_000
     for t in anchor_tickets:
@@ -866,3 +865,31 @@ def test_two_threads_hammering_one_registry_never_corrupt_it() -> None:
     records = sink.records()
     assert [r.seq for r in records] == list(range(len(records)))
     assert check_audit(records, expect_released=True).ok and len(registry) == 0
+
+
+def test_a_ticket_cannot_be_duplicated_by_copying_or_pickling() -> None:
+    registry = LifecycleRegistry()
+    ticket = registry.start_offload(registry.register(Req("a")))
+    assert copy.copy(ticket) is ticket and copy.deepcopy(ticket) is ticket
+    with pytest.raises(TypeError, match="pickled"):
+        pickle.dumps(ticket)
+    registry.complete(ticket)
+    with pytest.raises(DuplicateAckError):
+        registry.complete(copy.copy(ticket))
+
+
+def test_transition_count_matches_the_audit_log() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    reqs = [Req(f"r{i}") for i in range(6)]
+    tickets = []
+    for i, req in enumerate(reqs):
+        registry.register(req)
+        tickets += [registry.start_offload(req) for _ in range(i % 3)]
+        if i % 2:
+            registry.finish(req)
+    for ticket in tickets[::2]:
+        registry.complete(ticket, ok=ticket.op % 3 != 0)
+    registry.abort(reqs[0])
+    accepted = [r for r in sink.records() if r.ok and r.trigger != "register"]
+    assert registry.statistics().transitions == len(accepted)
