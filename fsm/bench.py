@@ -199,8 +199,8 @@ class Row:
 
 def measure(
     rounds: int = 15, batch: int = 2000, slow_batch: int = 100, keep_files: bool = False
-) -> tuple[list[Row], dict[str, float]]:
-    """Run every setup ``rounds`` times interleaved; return rows and memory figures."""
+) -> list[Row]:
+    """Run every setup ``rounds`` times interleaved; return a row per setup."""
     reqs = _requests(batch)
     mreqs = [MachineRequest(f"req-{i}") for i in range(slow_batch)]
     spec = _transitions_spec()
@@ -246,7 +246,74 @@ def measure(
         Row(name, statistics.median(values), statistics.median(values) / base)
         for name, values in samples.items()
     ]
-    return rows, measure_memory()
+    return rows
+
+
+def _per_op_ns(
+    small: Callable[[], tuple[Callable[[], None], int]],
+    big: Callable[[], tuple[Callable[[], None], int]],
+    rounds: int,
+) -> tuple[float, float]:
+    """Median ns per operation of two setups, measured in interleaved rounds: each
+    callable sets up (untimed) and returns the timed part and its operation count."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for prepare, out in ((small, samples[0]), (big, samples[1])):
+            timed, n = prepare()
+            gc.collect()
+            t0 = time.perf_counter_ns()
+            timed()
+            out.append((time.perf_counter_ns() - t0) / n)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+def _copies(history: int) -> tuple[Callable[[], None], int]:
+    """1,000 start+ack pairs on a request that already made ``history`` copies."""
+    registry = LifecycleRegistry()
+    req = BenchRequest("r")
+    registry.register(req)
+    start, complete = registry.start_offload, registry.complete
+    for _ in range(history):
+        complete(start(req))
+
+    def timed() -> None:
+        for _ in range(1000):
+            complete(start(req))
+
+    return timed, 1000
+
+
+def _releases(sharing: int) -> tuple[Callable[[], None], int]:
+    """10,000 lifecycles in groups of ``sharing`` that hold one rid each; release the
+    older half of every group (far from the chain's newest end)."""
+    registry = LifecycleRegistry()
+    releasing = []
+    for group in range(10_000 // sharing):
+        tickets = []
+        for _ in range(sharing):  # finished with a copy in flight: they coexist
+            req = BenchRequest(f"r{group}")
+            tickets.append(registry.start_offload(registry.register(req)))
+            registry.finish(req)
+        releasing += tickets[: sharing // 2]
+    complete = registry.complete
+
+    def timed() -> None:
+        for ticket in releasing:
+            complete(ticket)
+
+    return timed, len(releasing)
+
+
+def measure_flat_costs(rounds: int = 7) -> dict[str, tuple[float, float]]:
+    """Costs that must not grow, as (small case, big case) in ns per operation."""
+    return {
+        "start+ack pair: 1st copy vs 100,000th copy": _per_op_ns(
+            lambda: _copies(0), lambda: _copies(100_000), rounds
+        ),
+        "release: rid held by 2 vs by 10,000 lifecycles": _per_op_ns(
+            lambda: _releases(2), lambda: _releases(10_000), rounds
+        ),
+    }
 
 
 #: Registry calls per benchmark lifecycle, each making the owner-thread check once.
@@ -301,16 +368,41 @@ def measure_memory(live: int = 10_000) -> dict[str, float]:
     return figures
 
 
+#: Targets printed next to the figures (ratio to seed-style, at most).
+RATIO_TARGETS: dict[str, float] = {
+    "kvlife, no audit": 0.50,
+    "kvlife + memory ring": 0.80,
+    "kvlife + JSON lines (fsync never)": 1.20,
+}
+#: Bytes per live lifecycle, at most (at 100k and 1M live).
+MEMORY_TARGETS: dict[str, float] = {
+    "registered (allocated)": 300,
+    "offloading, 1 copy in flight": 360,
+}
+#: A flat cost's big case over its small case, at most.
+FLAT_TARGET = 1.2
+
+
+def _verdict(value: float, limit: float) -> str:
+    return "met" if value <= limit else "MISSED"
+
+
 def format_table(
-    rows: Sequence[Row], memory: dict[str, float], owner_check_ns: float | None = None
+    rows: Sequence[Row],
+    memory: dict[int, dict[str, float]],
+    owner_check_ns: float | None = None,
+    flat: dict[str, tuple[float, float]] | None = None,
 ) -> str:
-    """The benchmark's printed table."""
+    """The benchmark's printed table, with each target and whether it was met."""
     width = max(len(r.name) for r in rows)
     lines = [
         f"one lifecycle = register, {COPIES} x (start_offload, ack), finish -> released",
-        f"{'setup':<{width}}  {'median us':>10}  {'x seed-style':>12}",
+        f"{'setup':<{width}}  {'median us':>10}  {'x seed-style':>12}  target",
     ]
-    lines += [f"{r.name:<{width}}  {r.median_us:>10.2f}  {r.ratio:>12.2f}" for r in rows]
+    for r in rows:
+        limit = RATIO_TARGETS.get(r.name)
+        target = f"  <= {limit:.2f} {_verdict(r.ratio, limit)}" if limit is not None else ""
+        lines.append(f"{r.name:<{width}}  {r.median_us:>10.2f}  {r.ratio:>12.2f}{target}")
     kv = next(r for r in rows if r.name == "kvlife, no audit")
     for r in rows:
         if r.name.startswith("transitions"):
@@ -322,8 +414,20 @@ def format_table(
             f"{per_lifecycle:.2f} us per lifecycle ({100 * per_lifecycle / kv.median_us:.0f}% "
             f"of kvlife, no audit; included in every kvlife row above)"
         )
-    lines.append("bytes per live lifecycle (tracemalloc, 10k live, requests excluded):")
-    lines += [f"  {name}: {value:.0f} B" for name, value in memory.items()]
+    if flat:
+        lines.append(f"costs that must not grow (big case / small case, target <= {FLAT_TARGET}):")
+        for name, (small, big) in flat.items():
+            ratio = big / small
+            lines.append(
+                f"  {name}: {small:.0f} ns vs {big:.0f} ns = {ratio:.2f} "
+                f"{_verdict(ratio, FLAT_TARGET)}"
+            )
+    for live, figures in memory.items():
+        lines.append(f"bytes per live lifecycle (tracemalloc, {live:,} live, requests excluded):")
+        for name, value in figures.items():
+            limit = MEMORY_TARGETS.get(name)
+            target = f"  (target <= {limit:.0f} {_verdict(value, limit)})" if limit else ""
+            lines.append(f"  {name}: {value:.0f} B{target}")
     return "\n".join(lines)
 
 
@@ -334,12 +438,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--batch", type=int, default=2000, help="lifecycles per round (default 2000)"
     )
+    parser.add_argument(
+        "--memory-live",
+        default="100000,1000000",
+        help="live lifecycles for the memory figures (default 100000,1000000)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch < 1:
         parser.error("--rounds and --batch must be positive")
     print(f"measuring {args.rounds} rounds of {args.batch} lifecycles ...", file=sys.stderr)
-    rows, memory = measure(rounds=args.rounds, batch=args.batch, slow_batch=min(100, args.batch))
-    print(format_table(rows, memory, measure_owner_check(rounds=args.rounds)))
+    try:
+        sizes = [int(n) for n in args.memory_live.split(",")]
+    except ValueError:
+        parser.error(f"--memory-live must be comma-separated integers, got {args.memory_live!r}")
+    if not sizes or min(sizes) < 1:
+        parser.error("--memory-live must be positive")
+    rows = measure(rounds=args.rounds, batch=args.batch, slow_batch=min(100, args.batch))
+    print("measuring memory and flat costs ...", file=sys.stderr)
+    memory = {live: measure_memory(live) for live in sizes}
+    flat = measure_flat_costs(rounds=max(3, min(args.rounds, 9)))
+    print(format_table(rows, memory, measure_owner_check(rounds=args.rounds), flat))
     return 0
 
 

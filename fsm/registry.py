@@ -24,6 +24,7 @@ Audit sinks never change what the registry does: see :mod:`kvlife.fsm.sink_guard
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -64,6 +65,7 @@ _ABORT: Final = LIFECYCLE.rows[Trigger.ABORT]
 _UNFINISHED: Final = (_ALLOCATED, _OFFLOADING)
 
 _now = time.monotonic_ns
+_clock = time.monotonic
 _get_ident = threading.get_ident
 
 ReleaseHook = Callable[["Lifecycle", Any], None]
@@ -78,8 +80,6 @@ class Lifecycle:
     """
 
     __slots__ = (
-        "__weakref__",
-        "_born_ns",
         "_inflight",
         "_older",
         "_outcome",
@@ -100,8 +100,10 @@ class Lifecycle:
     _inflight: int  # Invariant: == its open tickets; 0 in allocated, >= 1 in offloading
     _started: int  # copies started so far
     _outcome: Outcome | None
-    _born_ns: int
-    _older: Lifecycle | None  # the next older unreleased lifecycle holding the same rid
+    # The next older lifecycle holding the same rid. Releases do not unlink a lifecycle
+    # from the middle of the chain (that would walk it); the newest skips released ones
+    # when it releases itself, so a release costs O(1) amortized however many share a rid.
+    _older: Lifecycle | None
 
     def __init__(self) -> None:
         raise TypeError("Lifecycle objects are made only by LifecycleRegistry.register()")
@@ -224,6 +226,43 @@ def _check_detail(detail: Mapping[str, object]) -> None:
 
 
 _new_lifecycle = object.__new__
+
+#: Lifecycles registered within this many seconds of each other share one birth time.
+_BIRTH_RESOLUTION_S: Final = 0.05
+_MAX_BIRTH_MARKS: Final = 4096
+
+
+class _Births:
+    """When lifecycles were registered, without a timestamp per lifecycle (a float is
+    32 of the ~260 bytes a live lifecycle costs): (first serial, time) marks, one at the
+    first registration after each ``_BIRTH_RESOLUTION_S``. A lifecycle's birth is its
+    mark's time, at most that much early. At ``_MAX_BIRTH_MARKS`` every other old mark is
+    dropped, so the error grows only for lifecycles older than thousands of marks."""
+
+    __slots__ = ("serials", "times")
+
+    def __init__(self) -> None:
+        self.serials: list[int] = []
+        self.times: list[float] = []
+
+    def mark(self, serial: int, now: float) -> None:
+        if len(self.serials) >= _MAX_BIRTH_MARKS:
+            half = len(self.serials) // 2  # thin the older half, keep the newer one whole
+            self.serials[:half] = self.serials[:half:2]
+            self.times[:half] = self.times[:half:2]
+        self.serials.append(serial)
+        self.times.append(now)
+
+    def age(self, serial: int) -> float:
+        """Seconds since ``serial`` was registered (never less than the truth)."""
+        index = bisect.bisect_right(self.serials, serial) - 1
+        return _clock() - self.times[max(index, 0)]
+
+
+def _by_serial(lc: Lifecycle) -> int:
+    return lc._serial
+
+
 _new_ticket = object.__new__
 
 
@@ -243,6 +282,8 @@ class RegistryStatistics:
     #: Copies in flight over all live lifecycles.
     inflight: int
     #: Age in seconds of the oldest unreleased lifecycle, or ``None`` when none is live.
+    #: Never less than the true age, and at most 50 ms more for lifecycles registered in
+    #: the last few thousand 50 ms periods (older ones: a little more, see ``_Births``).
     oldest_live_age_s: float | None
     #: rid and serial of the oldest unreleased lifecycle, or ``None``.
     oldest_live: tuple[str, int] | None
@@ -286,9 +327,14 @@ class LifecycleRegistry:
         self._sink_backlog = sink_backlog
         self._sink_retry_s = float(sink_retry_s)
         self._by_id: dict[int, Lifecycle] = {}  # id(req) -> the request's current lifecycle
+        # Unreleased lifecycles that are no longer their request's current one (the request
+        # was re-admitted while they were finished_pending), by serial. Few, if any: the
+        # live set is _by_id's values plus these, without a third dict of everything.
+        self._shadowed: dict[int, Lifecycle] = {}
         self._by_rid: dict[str, Lifecycle] = {}  # rid -> newest unreleased lifecycle
-        self._live: dict[int, Lifecycle] = {}  # serial -> lifecycle, oldest first
         self._next_serial = 0
+        self._births = _Births()
+        self._next_mark = 0.0
         self._next_op = 0
         self._seq = 0
         self._released = 0
@@ -403,7 +449,7 @@ class LifecycleRegistry:
 
     def __len__(self) -> int:
         """Unreleased lifecycles."""
-        return len(self._live)
+        return len(self._by_id) + len(self._shadowed)
 
     def __contains__(self, req: object) -> bool:
         """Whether ``req`` (by identity) has an unreleased current lifecycle here; a
@@ -438,7 +484,13 @@ class LifecycleRegistry:
 
     def lifecycles(self) -> list[Lifecycle]:
         """Every unreleased lifecycle, oldest first."""
-        return list(self._live.values())
+        return self._snapshot()
+
+    def _snapshot(self) -> list[Lifecycle]:
+        # list() copies in C without running Python code: safe to call from any thread
+        lifecycles = list(self._by_id.values()) + list(self._shadowed.values())
+        lifecycles.sort(key=_by_serial)  # nearly sorted already: a linear pass
+        return lifecycles
 
     # ------------------------------------------------------------------ transitions
 
@@ -495,11 +547,15 @@ class LifecycleRegistry:
         lc._inflight = 0
         lc._started = 0
         lc._outcome = None
-        lc._born_ns = _now()
+        now = _clock()
+        if now >= self._next_mark:  # birth times are kept per 50 ms, not per lifecycle
+            self._births.mark(serial, now)
+            self._next_mark = now + _BIRTH_RESOLUTION_S
         lc._older = newest
+        if current is not None:  # re-admitted: the old lifecycle releases on its own
+            self._shadowed[current._serial] = current
         self._by_id[key] = lc
         self._by_rid[rid] = lc
-        self._live[serial] = lc
         # Each transition builds its record inline, not through a helper: a call per record
         # is a tenth of a lifecycle's cost (see kvlife.fsm.bench). No sink, no record.
         if self._write is not None:
@@ -732,19 +788,20 @@ class LifecycleRegistry:
         key = id(req)
         if self._by_id.get(key) is lc:
             del self._by_id[key]
+        else:
+            del self._shadowed[lc._serial]
         rid = lc._rid
-        newest = self._by_rid[rid]
-        if newest is lc:
-            if lc._older is None:
+        if self._by_rid[rid] is lc:
+            older = lc._older
+            while older is not None and older._s == _RELEASED:
+                skipped = older
+                older = skipped._older
+                skipped._older = None  # unlink what was skipped
+            if older is None:
                 del self._by_rid[rid]
             else:
-                self._by_rid[rid] = lc._older
-        else:
-            while newest._older is not lc:
-                newest = newest._older  # type: ignore[assignment]
-            newest._older = lc._older
-        lc._older = None
-        del self._live[lc._serial]
+                self._by_rid[rid] = older
+            lc._older = None
         self._released += 1
         if self._hooks:
             self._run_hooks(lc, req)
@@ -882,7 +939,7 @@ class LifecycleRegistry:
         """A snapshot: live per state, totals, refusals per reason, oldest live age."""
         live = dict.fromkeys(State, 0)
         inflight = ended = 0
-        lifecycles = list(self._live.values())  # one C-level copy: safe from any thread
+        lifecycles = self._snapshot()
         for lc in lifecycles:
             live[STATES[lc._s]] += 1
             inflight += lc._inflight
@@ -900,7 +957,7 @@ class LifecycleRegistry:
             transitions=2 * started - inflight + self._released + ended,
             refusals=dict(self._refusals),
             inflight=inflight,
-            oldest_live_age_s=None if oldest is None else (_now() - oldest._born_ns) / 1e9,
+            oldest_live_age_s=None if oldest is None else self._births.age(oldest._serial),
             oldest_live=None if oldest is None else (oldest._rid, oldest._serial),
             sinks=tuple(guard.statistics() for guard in list(self._guards)),
         )
@@ -918,4 +975,4 @@ class LifecycleRegistry:
         self._rewire()
 
     def __repr__(self) -> str:
-        return f"<LifecycleRegistry live={len(self._live)} registered={self._next_serial}>"
+        return f"<LifecycleRegistry live={len(self)} registered={self._next_serial}>"

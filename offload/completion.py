@@ -13,6 +13,7 @@ counts of locally finished copies, and only the copies done on every rank are de
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -67,7 +68,10 @@ class CompletionQueue:
         fifos, finished = self._fifos, self._finished
         for s, fifo in enumerate(fifos):
             k = finished[s]
-            while k < len(fifo) and fifo[k][0].query():
+            # one pass from the first unknown entry (indexing a deque at k is O(k))
+            for job, _ in itertools.islice(fifo, k, None) if k else fifo:
+                if not job.query():
+                    break
                 k += 1
             finished[s] = k
         if self.group is not None:

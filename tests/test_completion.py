@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from typing import Any
 
 import pytest
 import torch
@@ -163,3 +165,26 @@ def test_cuda_host_callbacks_signal_each_copy_after_it_ran() -> None:
         queue.poll()
     assert delivered == list(range(32))
     assert engine._callbacks is not None and engine._callbacks.fired == 32
+
+
+class _NoIndexing(deque):  # type: ignore[type-arg]
+    """A FIFO that fails when indexed: indexing a deque at k costs O(k), so a poll that
+    indexes its way through a backlog is quadratic."""
+
+    def __getitem__(self, index: Any) -> Any:
+        raise AssertionError("poll indexed the FIFO")
+
+
+def test_a_backlog_is_delivered_in_one_pass_without_indexing() -> None:
+    queue = CompletionQueue(streams=1)
+    queue._fifos[0] = _NoIndexing()
+    delivered: list[int] = []
+    layout = KVLayout("per_layer", layers=1, slots=8, heads=1, head_dim=1, dtype=torch.float32,
+                      page_size=1)  # fmt: skip
+    host = HostPagePool(layout, 4, pin_memory=False)
+    copier = CopyEngine(layout, layout.allocate(), host)
+    for i in range(20_000):
+        job = copier.launch([i % 8], host.alloc(1))  # type: ignore[arg-type]
+        host.free(job.pages)
+        queue.push(job, lambda job, i=i: delivered.append(i))
+    assert queue.poll() == 20_000 and delivered == list(range(20_000))

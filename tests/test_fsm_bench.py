@@ -9,7 +9,7 @@ from kvlife.fsm.bench import SeedBookkeeping, _requests, main, measure_memory, r
 
 
 def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--rounds", "1", "--batch", "20"]) == 0
+    assert main(["--rounds", "1", "--batch", "20", "--memory-live", "500"]) == 0
     out = capsys.readouterr().out
     for name in (
         "seed-style dicts (baseline)",
@@ -20,6 +20,8 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         "transitions Machine per request",
         "bytes per live lifecycle",
         "owner-thread check",
+        "costs that must not grow",
+        "<= 0.50",
     ):
         assert name in out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlife.offload.bench import main, measure_poll, measure_throughput
+from kvlife.offload.bench import main, measure_delivery, measure_poll, measure_throughput
 
 
 def test_throughput_row_on_cpu() -> None:
@@ -21,7 +21,12 @@ def test_poll_measurement_sees_nothing_done() -> None:
 def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--device", "cpu", "--tokens", "32", "--reps", "1", "--layers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "contiguous copy_" in out and "none done" in out
+    assert "contiguous copy_" in out and "none done" in out and "100,000 done in one poll" in out
+
+
+def test_delivery_measures_both_cases() -> None:
+    single, backlog = measure_delivery(backlog=2000, rounds=1)
+    assert single > 0 and backlog > 0
 
 
 @pytest.mark.parametrize("argv", [["--tokens", "10"], ["--reps", "0"]])

@@ -6,6 +6,7 @@ import copy
 import gc
 import itertools
 import pickle
+import random
 import threading
 import weakref
 from collections.abc import Callable
@@ -893,3 +894,49 @@ def test_transition_count_matches_the_audit_log() -> None:
     registry.abort(reqs[0])
     accepted = [r for r in sink.records() if r.ok and r.trigger != "register"]
     assert registry.statistics().transitions == len(accepted)
+
+
+def test_many_lifecycles_on_one_rid_release_in_any_order() -> None:
+    """Releases do not walk the rid chain; the newest skips released ones. live(rid) is
+    always the newest unreleased lifecycle, whatever the order of releases."""
+    rng = random.Random(3)
+    registry = LifecycleRegistry()
+    tickets: list[Ticket] = []
+    for _ in range(3000):  # each finished with a copy in flight: all coexist on rid "x"
+        req = Req("x")
+        tickets.append(registry.start_offload(registry.register(req)))
+        registry.finish(req)
+    rng.shuffle(tickets)
+    for n, ticket in enumerate(tickets, start=1):
+        registry.complete(ticket)
+        unreleased = [t.serial for t in tickets[n:]]
+        newest = registry.live("x")
+        assert (newest.serial if newest else None) == (max(unreleased) if unreleased else None)
+        if n % 500 == 0:
+            assert len(registry) == len(unreleased)
+    assert registry.live("x") is None and registry._by_rid == {}
+
+
+def test_oldest_live_age_is_never_less_than_the_truth(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr("kvlife.fsm.registry._clock", lambda: now[0])
+    registry = LifecycleRegistry()
+    births: dict[int, float] = {}
+    reqs = []
+    for i in range(9000):  # more 50 ms periods than the marks kept: thinning happens
+        now[0] += 0.03 if i % 7 else 2.0
+        req = Req(f"r{i}")
+        births[registry.register(req).serial] = now[0]
+        reqs.append(req)
+    assert len(registry._births.serials) <= 4096
+    now[0] += 1.0
+    for i, req in enumerate(reqs[:8990]):
+        if i % 10:
+            registry.finish(req)
+            continue
+        true_age = now[0] - births[registry.lifecycle(req).serial]
+        age = registry.statistics().oldest_live_age_s
+        assert age is not None and true_age <= age <= true_age + 1.0, (true_age, age)
+        if i >= 7000:  # the newest marks are never thinned: full 50 ms resolution
+            assert age <= true_age + 0.05 + 1e-9, (true_age, age)
+        registry.finish(req)
