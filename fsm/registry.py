@@ -404,6 +404,12 @@ class LifecycleRegistry:
         self._rewire()
 
     @property
+    def audited(self) -> bool:
+        """Whether a sink is attached, i.e. whether records (and their detail) are built.
+        Callers can skip computing audit detail when it is not."""
+        return self._write is not None
+
+    @property
     def sinks(self) -> tuple[Any, ...]:
         """The attached audit sinks."""
         return tuple(guard.sink for guard in self._guards)

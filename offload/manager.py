@@ -272,7 +272,10 @@ class OffloadManager:
             self.host.free(pages)  # nothing was launched: nothing changes
             raise
         # the copy's event is recorded (or the copy ran): only now issue its ticket
-        ticket = self.registry.start_offload(lc, tokens=tokens, pages=n_pages, first=start)
+        if self.registry.audited:
+            ticket = self.registry.start_offload(lc, tokens=tokens, pages=n_pages, first=start)
+        else:  # no record is built: no detail to build and check either
+            ticket = self.registry.start_offload(lc)
         progress.launched = end
         progress.prev_hash = prev_hash
         progress.inflight[ticket.op] = HostCopy(start, tokens, pages, hashes)

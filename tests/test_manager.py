@@ -411,3 +411,29 @@ def test_a_failing_audit_sink_never_keeps_slots_or_pages_from_going_back() -> No
     assert lc.state is R and engine.released_serials == [lc.serial]  # release_slots ran
     assert [r.rid for r, _ in engine.results] == ["a"]  # and the hooks
     assert engine.manager.registry.statistics().sinks[0].errors >= 1
+
+
+def test_audit_detail_is_built_only_when_a_sink_is_attached() -> None:
+    sink = MemorySink()
+    engine = FakeEngine(SMALL, stride_pages=1, registry=LifecycleRegistry(sinks=[sink]))
+    req = Req("a")
+    engine.admit(req)
+    engine.decode(req, 4)
+    engine.manager.step(req)
+    [start] = [r for r in sink.records() if r.trigger == "start_offload"]
+    assert start.detail == {"tokens": 4, "pages": 1, "first": 0}
+    quiet = FakeEngine(SMALL, stride_pages=1)
+    assert not quiet.manager.registry.audited
+    calls: list[dict[str, Any]] = []
+    real = quiet.manager.registry.start_offload
+
+    def spy(target: Any, **detail: Any) -> Any:
+        calls.append(detail)
+        return real(target, **detail)
+
+    quiet.manager.registry.start_offload = spy  # type: ignore[method-assign]
+    req = Req("b")
+    quiet.admit(req)
+    quiet.decode(req, 4)
+    quiet.manager.step(req)
+    assert calls == [{}]

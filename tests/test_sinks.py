@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import re
 import stat
 import subprocess
 import sys
@@ -186,8 +187,11 @@ def test_a_full_disk_loses_nothing_that_is_not_reported_as_lost(
     path = tmp_path / "audit.jsonl"
     done = _run(_FULL_DISK, str(path), policy, str(backlog))
     assert done.returncode == 0, done.stderr
-    assert "failed" in done.stderr  # logged once through logging ...
-    assert done.stderr.count("failed (write)") == 1  # ... not once per record
+    # logged through logging once per failure episode (a smaller write may fit again
+    # for a moment near the limit), never once per failed record
+    failed, recovered = done.stderr.count("failed (write)"), done.stderr.count("recovered")
+    errors = int(re.search(r"errors=(\d+)", done.stdout).group(1))  # type: ignore[union-attr]
+    assert 1 <= failed == recovered and failed * 10 < errors, (failed, recovered, errors)
     log = read_audit(path)
     assert not log.problems and log.torn_tail == 0  # no partial line anywhere
     seqs = [r.seq for r in log.records]
