@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, NoReturn, cast
@@ -227,6 +228,14 @@ def _check_detail(detail: Mapping[str, object]) -> None:
 
 _new_lifecycle = object.__new__
 
+
+def _settle_sinks(guards: list[SinkGuard]) -> None:
+    for guard in guards:
+        if not guard.healthy:
+            guard.flush()
+            guard.abandon()
+
+
 #: Lifecycles registered within this many seconds of each other share one birth time.
 _BIRTH_RESOLUTION_S: Final = 0.05
 _MAX_BIRTH_MARKS: Final = 4096
@@ -341,6 +350,9 @@ class LifecycleRegistry:
         self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._hooks: list[ReleaseHook] = []
         self._guards: list[SinkGuard] = []
+        # At interpreter exit (or when the registry is collected), records a failing sink
+        # still owes are offered once more, and what it still refuses is logged as lost.
+        weakref.finalize(self, _settle_sinks, self._guards)
         # None when no sink is attached: then no record is ever built.
         self._write: Callable[[AuditRecord], object] | None = None
         for sink in sinks:

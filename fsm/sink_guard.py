@@ -8,8 +8,9 @@ the failure to the sink's :class:`SinkGuard`, which
 * logs the first failure through :mod:`logging` (logger ``kvlife.fsm.sinks``, once per
   failure episode, and once more when the sink recovers),
 * keeps the records the sink could not take in a bounded backlog and offers them again,
-  oldest first, on later writes (at most every ``retry_s`` seconds) and on
-  ``registry.flush()``,
+  oldest first, on later writes (at most every ``retry_s`` seconds), on
+  ``registry.flush()`` and at interpreter exit (then what is still refused is logged
+  with its ``seq`` range),
 * and when the backlog overflows drops its oldest records, remembering their ``seq``
   range: once the sink takes records again, a :class:`~kvlife.fsm.records.LostRecords`
   marker naming that range is written before the rest (``write_lost``), so the log says
