@@ -531,6 +531,11 @@ class LifecycleRegistry:
             self._wrong_thread("register")
         if rid is None:
             rid = getattr(req, "rid", None)
+            if rid is None:
+                raise TypeError(
+                    f"{type(req).__name__} object has no .rid attribute (or it is None): "
+                    "pass rid=... to register(); nothing registered"
+                )
         if not isinstance(rid, str):
             raise TypeError(f"a rid must be a str, got {type(rid).__name__} {rid!r:.80}")
         if req is None or type(req) in (Lifecycle, Ticket):
@@ -664,8 +669,8 @@ class LifecycleRegistry:
         Returns the ticket's lifecycle. On any error nothing changed.
 
         Raises:
-            TypeError: ``ticket`` is not a Ticket, or a ``detail`` value is not a scalar
-                (not audited).
+            TypeError: ``ticket`` is not a Ticket, ``ok`` is not a bool, or a ``detail``
+                value is not a scalar (not audited).
             UnknownRequestError: the ticket belongs to another registry.
             StaleInstanceError: the ticket's lifecycle was already released.
             DuplicateAckError: this ticket was already delivered.
@@ -675,6 +680,8 @@ class LifecycleRegistry:
             self._wrong_thread("complete")
         if type(ticket) is not Ticket:
             raise TypeError(f"complete() needs a Ticket, got {type(ticket).__name__}")
+        if ok is not True and ok is not False:
+            raise TypeError(f"ok must be True or False, got {ok!r:.80}; nothing changed")
         if detail:
             _check_detail(detail)
         lc = ticket._lc
@@ -718,13 +725,16 @@ class LifecycleRegistry:
         audited and its reason returned instead of raised. Returns ``None`` when applied.
 
         Raises:
-            TypeError: ``ticket`` is not a Ticket (a bug in the caller, never a race).
+            TypeError: ``ticket`` is not a Ticket or ``ok`` is not a bool (a bug in the
+                caller, never a race). Nothing changed.
             WrongThreadError: called from a thread other than the owner.
         """
         if _get_ident() != self._owner:
             self._wrong_thread("deliver")
         if type(ticket) is not Ticket:
             raise TypeError(f"deliver() needs a Ticket, got {type(ticket).__name__}")
+        if ok is not True and ok is not False:
+            raise TypeError(f"ok must be True or False, got {ok!r:.80}; nothing changed")
         lc = ticket._lc
         if lc._registry is not self or not ticket._open:
             return self._refuse_ticket(ticket, ok, False)

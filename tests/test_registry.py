@@ -198,8 +198,11 @@ def test_register_refuses_a_non_str_rid(bad_rid: object) -> None:
     registry = LifecycleRegistry()
     with pytest.raises(TypeError, match="rid must be a str"):
         registry.register(object(), rid=bad_rid)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="rid must be a str"):
-        registry.register(object())  # no rid attribute at all
+    with pytest.raises(TypeError, match=r"object object has no \.rid attribute.*pass rid="):
+        registry.register(object())  # no rid attribute at all: say so, not "NoneType"
+    if bad_rid is not None:
+        with pytest.raises(TypeError, match="rid must be a str"):
+            registry.register(Req(bad_rid))  # type: ignore[arg-type]
     assert len(registry) == 0 and registry.statistics().registered == 0
 
 

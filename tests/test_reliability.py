@@ -65,6 +65,7 @@ class World:
     foreign_pages: HostPages
     spare_one: HostPages
     spare_two: HostPages
+    live_ticket: Any
 
     @property
     def registry(self) -> LifecycleRegistry:
@@ -101,7 +102,7 @@ def _world() -> World:
     engine.run_all()
     engine.manager.poll()  # delivered: the ticket is used up
     engine.decode(running, 4)
-    engine.manager.step(running)  # a copy in flight
+    live_ticket = engine.manager.step(running)  # a copy in flight
     engine.manager.step(pending)
     engine.manager.finish(pending)  # finished_pending
     other = LifecycleRegistry()
@@ -111,7 +112,7 @@ def _world() -> World:
     spare_one, spare_two = engine.host.alloc(1), engine.host.alloc(2)
     assert foreign_pages is not None and spare_one is not None and spare_two is not None
     return World(engine, sink, other, running, pending, used_ticket, foreign_ticket,
-                 foreign_pages, spare_one, spare_two)  # fmt: skip
+                 foreign_pages, spare_one, spare_two, live_ticket)  # fmt: skip
 
 
 def _bad_audit_file(tmp: Path, text: str) -> Callable[[World], object]:
@@ -133,6 +134,8 @@ BAD_INPUTS: list[tuple[str, Callable[[World], object], type[BaseException]]] = [
     ("non-str rid", lambda w: w.registry.register(object(), rid=42), TypeError),
     ("bytes rid", lambda w: w.registry.register(object(), rid=b"r"), TypeError),
     ("no rid at all", lambda w: w.registry.register(object()), TypeError),
+    ("ok that is not a bool", lambda w: w.registry.complete(w.live_ticket, ok="no"), TypeError),
+    ("ok that is not a bool, pump", lambda w: w.registry.deliver(w.live_ticket, ok=0), TypeError),
     ("None as a request", lambda w: w.registry.register(None, rid="x"), TypeError),
     ("rid held by a running request", lambda w: w.registry.register(Req("running")), RidConflictError),
     ("same object twice", lambda w: w.registry.register(w.running), DuplicateRegistrationError),
