@@ -102,8 +102,9 @@ class Lifecycle:
     _started: int  # copies started so far
     _outcome: Outcome | None
     # The next older lifecycle holding the same rid. Releases do not unlink a lifecycle
-    # from the middle of the chain (that would walk it); the newest skips released ones
-    # when it releases itself, so a release costs O(1) amortized however many share a rid.
+    # from the middle of the chain (that would walk it); released ones are skipped and
+    # unlinked when the newest releases or a new lifecycle takes the rid, so a release
+    # costs O(1) amortized however many share a rid, and the chain stays short.
     _older: Lifecycle | None
 
     def __init__(self) -> None:
@@ -227,6 +228,16 @@ def _check_detail(detail: Mapping[str, object]) -> None:
 
 
 _new_lifecycle = object.__new__
+
+
+def _skip_released(lc: Lifecycle | None) -> Lifecycle | None:
+    """The first unreleased lifecycle from ``lc`` down its rid chain; the released ones
+    passed over are unlinked (each is passed over once: O(1) amortized)."""
+    while lc is not None and lc._s == _RELEASED:
+        skipped = lc
+        lc = skipped._older
+        skipped._older = None
+    return lc
 
 
 def _settle_sinks(guards: list[SinkGuard]) -> None:
@@ -575,6 +586,8 @@ class LifecycleRegistry:
             self._births.mark(serial, now)
             self._next_mark = now + _BIRTH_RESOLUTION_S
         lc._older = newest
+        if newest is not None and newest._older is not None and newest._older._s == _RELEASED:
+            newest._older = _skip_released(newest._older)  # keep the chain short
         if current is not None:  # re-admitted: the old lifecycle releases on its own
             self._shadowed[current._serial] = current
         self._by_id[key] = lc
@@ -820,11 +833,7 @@ class LifecycleRegistry:
             del self._shadowed[lc._serial]
         rid = lc._rid
         if self._by_rid[rid] is lc:
-            older = lc._older
-            while older is not None and older._s == _RELEASED:
-                skipped = older
-                older = skipped._older
-                skipped._older = None  # unlink what was skipped
+            older = _skip_released(lc._older)
             if older is None:
                 del self._by_rid[rid]
             else:

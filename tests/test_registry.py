@@ -945,3 +945,23 @@ def test_oldest_live_age_is_never_less_than_the_truth(monkeypatch: pytest.Monkey
         if i >= 7000:  # the newest marks are never thinned: full 50 ms resolution
             assert age <= true_age + 0.05 + 1e-9, (true_age, age)
         registry.finish(req)
+
+
+def test_the_rid_chain_stays_short_when_old_lifecycles_release_behind_new_ones() -> None:
+    """A hot rid: each new request arrives while the previous one is finished_pending,
+    and the previous one releases only after that. Released lifecycles must not pile up
+    behind the newest one."""
+    registry = LifecycleRegistry()
+    previous: Ticket | None = None
+    for _ in range(10_000):
+        req = Req("0")
+        ticket = registry.start_offload(registry.register(req))
+        registry.finish(req)
+        if previous is not None:
+            registry.complete(previous)  # the older one releases behind the newest
+        previous = ticket
+    chain, lc = 0, registry.live("0")
+    while lc is not None:
+        chain += 1
+        lc = lc._older
+    assert chain <= 3, chain
