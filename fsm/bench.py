@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import logging
 import statistics
 import sys
 import tempfile
@@ -28,11 +29,20 @@ from weakref import WeakKeyDictionary
 
 from transitions import Machine
 
-from kvlife.fsm.audit import JsonLinesSink, MemorySink
+from kvlife.fsm.audit import JsonLinesSink, LoggingSink, MemorySink
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
 
 COPIES = 4
+#: Audit records per benchmark lifecycle (register, 4 x 2, finish).
+RECORDS = 2 + 2 * COPIES
+
+
+def _quiet_logger() -> logging.Logger:
+    """A logger that is not enabled for INFO: what production usually has."""
+    logger = logging.getLogger("kvlife.bench.quiet")
+    logger.setLevel(logging.WARNING)
+    return logger
 
 
 class BenchRequest:
@@ -210,6 +220,7 @@ def measure(
     registries = {
         "kvlife, no audit": LifecycleRegistry(),
         "kvlife + memory ring": LifecycleRegistry(sinks=[MemorySink(capacity=1 << 16)]),
+        "kvlife + disabled LoggingSink": LifecycleRegistry(sinks=[LoggingSink(_quiet_logger())]),
         "kvlife + JSON lines (fsync never)": LifecycleRegistry(sinks=[sink_never]),
         "kvlife + JSON lines (fsync per batch)": LifecycleRegistry(sinks=[sink_batch]),
     }
@@ -404,6 +415,13 @@ def format_table(
         target = f"  <= {limit:.2f} {_verdict(r.ratio, limit)}" if limit is not None else ""
         lines.append(f"{r.name:<{width}}  {r.median_us:>10.2f}  {r.ratio:>12.2f}{target}")
     kv = next(r for r in rows if r.name == "kvlife, no audit")
+    quiet = next((r for r in rows if r.name == "kvlife + disabled LoggingSink"), None)
+    if quiet is not None:
+        per_record = max(quiet.median_us - kv.median_us, 0.0) / RECORDS
+        lines.append(
+            f"a disabled LoggingSink costs {per_record:.3f} us per record "
+            f"(target <= 0.05 {_verdict(per_record, 0.05)})"
+        )
     for r in rows:
         if r.name.startswith("transitions"):
             lines.append(f"kvlife is {r.median_us / kv.median_us:.0f}x faster than {r.name}")

@@ -361,6 +361,8 @@ class LifecycleRegistry:
         self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._hooks: list[ReleaseHook] = []
         self._guards: list[SinkGuard] = []
+        self._gated: tuple[SinkGuard, ...] = ()  # sinks with an active() method
+        self._writing: tuple[SinkGuard, ...] = ()  # sinks that take records now
         # At interpreter exit (or when the registry is collected), records a failing sink
         # still owes are offered once more, and what it still refuses is logged as lost.
         weakref.finalize(self, _settle_sinks, self._guards)
@@ -405,17 +407,25 @@ class LifecycleRegistry:
         raise ValueError(f"{sink!r} is not attached to {self!r}")
 
     def _rewire(self) -> None:
-        guards = self._guards
+        self._gated = tuple(g for g in self._guards if g.gated)
+        guards = self._writing = tuple(g for g in self._guards if g.active)
         if not guards:
-            self._write = None
+            self._write = None  # no sink takes records now: none is built
         elif len(guards) == 1 and guards[0].healthy:
             self._write = guards[0].sink.write  # the fast path: no guard until it fails
         else:
             self._write = self._fan_out
 
+    def _regate(self) -> None:
+        """Ask sinks that can be off (a ``LoggingSink`` whose logger is disabled) whether
+        they take records now; once per registration, not per record."""
+        for guard in self._gated:
+            if guard.refresh_active():
+                self._rewire()
+
     def _fan_out(self, record: AuditRecord) -> None:
         """Every sink gets the record; a failure is its guard's business, never ours."""
-        guards = self._guards
+        guards = self._writing
         for guard in guards:
             guard.write(record)
         if len(guards) == 1 and guards[0].healthy:  # recovered: back to the fast path
@@ -540,6 +550,8 @@ class LifecycleRegistry:
         """
         if _get_ident() != self._owner:
             self._wrong_thread("register")
+        if self._gated:
+            self._regate()
         if rid is None:
             rid = getattr(req, "rid", None)
             if rid is None:

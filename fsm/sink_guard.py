@@ -53,13 +53,16 @@ class SinkGuard:
     """One attached sink and its failure bookkeeping. Made by the registry."""
 
     __slots__ = (
+        "_active",
         "_backlog",
         "_last_try",
         "_lost",
         "_reported",
+        "active",
         "backlog_limit",
         "dropped",
         "errors",
+        "gated",
         "last_error",
         "retry_s",
         "sink",
@@ -76,6 +79,25 @@ class SinkGuard:
         self._lost: tuple[int, int] | None = None  # seq range dropped and not yet marked
         self._last_try = 0.0
         self._reported = False  # the current failure episode was logged
+        # A sink with an active() method can be off (a LoggingSink whose logger is
+        # disabled): then the registry leaves it out and builds no record for it alone.
+        self._active = getattr(sink, "active", None)
+        self.gated = callable(self._active)
+        self.active = True
+        if self.gated:
+            self.refresh_active()
+
+    def refresh_active(self) -> bool:
+        """Ask the sink whether it takes records now; return whether that changed. A
+        sink whose active() raises is kept on (and the failure counted)."""
+        try:
+            active = bool(self._active())  # type: ignore[misc]
+        except Exception as exc:
+            self.failed(None, exc, "active")
+            active = True
+        changed = active != self.active
+        self.active = active
+        return changed
 
     @property
     def healthy(self) -> bool:

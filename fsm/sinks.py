@@ -16,11 +16,12 @@ not taken: the registry keeps it in a bounded backlog and offers it again (see
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final, Literal
 
@@ -382,11 +383,19 @@ class JsonLinesSink:
 
 
 class LoggingSink:
-    """Send each record to a stdlib logger as one JSON line (built only when enabled)."""
+    """Send each record to a stdlib logger as one JSON line.
+
+    While the logger is not enabled for the sink's level, a registry builds no record for
+    it: the registry asks ``active()`` (whether the logger is enabled for the sink's
+    level) once per registration (so enabling the logger
+    takes effect from the next registered request on), not once per record.
+    """
 
     def __init__(self, logger: logging.Logger | str = "kvlife.audit", level: int = logging.INFO):
         self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
         self.level = level
+        # asked once per registration: a partial saves a Python-level call each time
+        self.active: Callable[[], bool] = functools.partial(self.logger.isEnabledFor, level)
 
     def write(self, record: AuditRecord) -> None:
         """Log the record if the logger is enabled for the sink's level."""

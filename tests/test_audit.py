@@ -343,3 +343,19 @@ def test_checker_flags_a_refusal_that_reports_a_changed_state() -> None:
     i = next(i for i, r in enumerate(records) if not r.ok)
     records[i] = records[i].replace(src="offloading")
     assert "state_mismatch" in {v.kind for v in check_audit(records).violations}
+
+
+def test_a_disabled_logging_sink_gets_no_record_built(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("kvlife.test.quiet")
+    logger.setLevel(logging.WARNING)
+    registry = LifecycleRegistry(sinks=[LoggingSink(logger)])
+    req = Req("a")
+    registry.start_offload(registry.register(req))
+    assert registry._write is None and not registry.audited  # nothing is built
+    with caplog.at_level(logging.INFO, logger="kvlife.test.quiet"):
+        registry.finish(req)  # enabling takes effect at the next registration ...
+        assert caplog.records == []
+        registry.register(Req("b"))  # ... this one
+        assert registry.audited
+    assert [json.loads(r.getMessage())["rid"] for r in caplog.records] == ["b"]
+    assert json.loads(caplog.records[0].getMessage())["seq"] == 0  # nothing was skipped

@@ -15,6 +15,8 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         "seed-style dicts (baseline)",
         "kvlife, no audit",
         "kvlife + memory ring",
+        "kvlife + disabled LoggingSink",
+        "a disabled LoggingSink costs",
         "kvlife + JSON lines (fsync never)",
         "transitions static machine",
         "transitions Machine per request",
