@@ -11,7 +11,12 @@ copy; only then does :meth:`CopyEngine.launch` return.
 CPU path: the same API; a copy runs synchronously at launch, or, with ``defer=True``,
 when the caller runs it (:meth:`CopyJob.run`) -- which is how tests hold completions back
 and release them in any order, and how they see a copy read device memory *late*, as a
-real asynchronous copy does.
+real asynchronous copy does. When the slots come in whole aligned pages (page ``b`` of
+the device pool is slots ``b*page_size ..``, as block-paged engines allocate them), each
+component is gathered page by page straight into the host pages with one
+``index_select(..., out=)`` over a run of host pages: one pass over the bytes, no staging
+(about 75 % of a contiguous copy of the same bytes). Other slots (token-level
+allocation, a partial last page) go through the staging buffer.
 
 CUDA facts this relies on (``c10/cuda/CUDAEvent.h``, the stream docs):
 ``Event.query()`` returns True for an event that was never recorded, so a job counts as
@@ -124,6 +129,10 @@ class CopyEngine:
         defer: CPU only: a copy runs when :meth:`CopyJob.run` is called.
         completion: ``"poll"`` (query each job's event) or ``"callback"`` (CUDA only: a
             host function marks each job done, see :mod:`kvlife.offload.host_callback`).
+        threads: CPU only: torch intra-op threads for kvlife's own copies (set around each
+            copy and restored after it); ``None`` (the default) leaves the process's
+            setting alone. On a small machine with other load, 1 avoids threads that wait
+            on each other for small copies.
     """
 
     def __init__(
@@ -136,6 +145,7 @@ class CopyEngine:
         streams: int = 1,
         defer: bool = False,
         completion: Literal["poll", "callback"] = "poll",
+        threads: int | None = None,
     ) -> None:
         if host.layout != layout:
             raise ValueError("the host pool was made for another layout")
@@ -156,17 +166,31 @@ class CopyEngine:
         if completion == "callback" and not self.cuda:
             raise ValueError("host callbacks need CUDA; on CPU completions are explicit")
         self.completion = completion
+        if threads is not None and (not isinstance(threads, int) or threads <= 0):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        if threads is not None and self.cuda:
+            raise ValueError("threads applies to CPU copies only")
+        self.threads = threads
         self._callbacks = HostCallbacks() if completion == "callback" else None
         self._next_stream = 0
         shape_cm = (layout.components, chunk_pages * layout.page_size, layout.elems)
         shape_pm = (chunk_pages, layout.components, layout.page_size, layout.elems)
         buffers = 2 if self.cuda else 1
+        # On the CPU, staging is needed only for slots that are not whole aligned pages:
+        # made on first use.
         self._staging_cm = [
-            torch.empty(shape_cm, dtype=layout.dtype, device=self.device) for _ in range(buffers)
+            torch.empty(shape_cm if self.cuda else (0,), dtype=layout.dtype, device=self.device)
+            for _ in range(buffers)
         ]
         self._staging_pm = [
-            torch.empty(shape_pm, dtype=layout.dtype, device=self.device) for _ in range(buffers)
+            torch.empty(shape_pm if self.cuda else (0,), dtype=layout.dtype, device=self.device)
+            for _ in range(buffers)
         ]
+        self._shapes = (shape_cm, shape_pm)
+        page = layout.page_size
+        pooled = layout.slots // page * page  # slots that form whole device pages
+        self._paged = [c[:pooled].view(-1, page, layout.elems) for c in self.components]
+        self._page_offsets = torch.arange(page)
         if self.cuda:
             self._gather_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
             self._copy_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
@@ -257,8 +281,54 @@ class CopyEngine:
             offset += count
 
     def _copy_cpu(self, index: torch.Tensor, pages: HostPages) -> None:
-        for first_token, tokens, chunk in self._chunks(len(index), pages):
-            staged = self._gather(index[first_token : first_token + tokens], tokens, len(chunk), 0)
+        if self.threads is None:
+            return self._copy_cpu_pages(index, pages)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return self._copy_cpu_pages(index, pages)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _aligned_pages(self, index: torch.Tensor) -> torch.Tensor | None:
+        """Device page numbers if ``index`` is whole aligned pages, else ``None``."""
+        page = self.layout.page_size
+        rows = index.view(-1, page)
+        starts = rows[:, 0]
+        if bool((starts % page).any()) or bool((starts >= len(self._paged[0]) * page).any()):
+            return None
+        if not torch.equal(rows - starts[:, None], self._page_offsets.expand_as(rows)):
+            return None
+        return starts // page
+
+    def _copy_cpu_pages(self, index: torch.Tensor, pages: HostPages) -> None:
+        page = self.layout.page_size
+        whole = len(index) // page
+        device_pages = self._aligned_pages(index[: whole * page]) if whole else None
+        if device_pages is None:
+            self._copy_cpu_staged(index, pages, 0)
+            return
+        offset = 0
+        for first, count in HostPages(self.host, pages.indices[:whole]).runs():
+            view = self.host.page_view(first, count)  # [count, components, page, elems]
+            chosen = device_pages[offset : offset + count]
+            for c, paged in enumerate(self._paged):
+                torch.index_select(paged, 0, chosen, out=view[:, c])
+            offset += count
+        if whole < len(pages):  # the partial last page
+            self._copy_cpu_staged(index, pages, whole)
+
+    def _copy_cpu_staged(self, index: torch.Tensor, pages: HostPages, first_page: int) -> None:
+        """Gather through staging, from host page ``first_page`` of ``pages`` on."""
+        if self._staging_cm[0].numel() == 0:
+            shape_cm, shape_pm = self._shapes
+            self._staging_cm[0] = torch.empty(shape_cm, dtype=self.layout.dtype)
+            self._staging_pm[0] = torch.empty(shape_pm, dtype=self.layout.dtype)
+        skip = first_page * self.layout.page_size
+        rest = HostPages(self.host, pages.indices[first_page:])
+        for first_token, tokens, chunk in self._chunks(len(index) - skip, rest):
+            start = skip + first_token
+            staged = self._gather(index[start : start + tokens], tokens, len(chunk), 0)
             self._copy_to_host(staged, chunk, non_blocking=False)
 
     def _launch_cuda(self, index: torch.Tensor, pages: HostPages, stream: int) -> CopyJob:

@@ -39,6 +39,60 @@ def test_host_pages_hold_exactly_the_device_bytes(name: str, tokens: int, chunk_
     assert torch.equal(host.read_tokens(pages, tokens), _expected(layout, kv, slots))
 
 
+def _paged_slots(layout: KVLayout, tokens: int, seed: int) -> list[int]:
+    """Slots as a block-paged engine allocates them: whole aligned device pages, shuffled."""
+    page = layout.page_size
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(layout.slots // page, generator=gen)[: -(-tokens // page)]
+    return (blocks[:, None] * page + torch.arange(page)).reshape(-1)[:tokens].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("tokens", [4, 16, 37, 64])
+@pytest.mark.parametrize("threads", [None, 1])
+def test_whole_aligned_pages_take_the_direct_path_and_hold_exactly_the_device_bytes(
+    name: str, tokens: int, threads: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = LAYOUTS[name]
+    kv = _filled(layout)
+    host = HostPagePool(layout, 32, pin_memory=False)
+    engine = CopyEngine(layout, kv, host, chunk_pages=2, threads=threads)
+    staged: list[int] = []
+    real = engine._copy_cpu_staged
+    monkeypatch.setattr(
+        engine, "_copy_cpu_staged", lambda i, p, f: staged.append(f) or real(i, p, f)
+    )
+    slots = _paged_slots(layout, tokens, tokens)
+    pages = host.alloc(-(-tokens // layout.page_size))
+    assert pages is not None
+    before = torch.get_num_threads()
+    assert engine.launch(slots, pages).error is None
+    assert torch.get_num_threads() == before  # the setting is kvlife's own copies' only
+    assert torch.equal(host.read_tokens(pages, tokens), _expected(layout, kv, slots))
+    # only a partial last page goes through staging
+    assert staged == ([] if tokens % layout.page_size == 0 else [tokens // layout.page_size])
+
+
+def test_pages_that_are_not_aligned_or_not_whole_take_the_staged_path() -> None:
+    layout = LAYOUTS["per_layer"]
+    kv = _filled(layout)
+    host = HostPagePool(layout, 8, pin_memory=False)
+    engine = CopyEngine(layout, kv, host)
+    page = layout.page_size
+    for slots in (
+        list(range(1, 1 + 2 * page)),  # contiguous but shifted by one slot
+        [*range(page), *range(3 * page, 4 * page)[::-1]],  # a whole page, reversed
+    ):
+        pages = host.alloc(2)
+        assert pages is not None
+        assert engine._aligned_pages(torch.tensor(slots)) is None
+        engine.launch(slots, pages)
+        assert torch.equal(host.read_tokens(pages, len(slots)), _expected(layout, kv, slots))
+        host.free(pages)
+    with pytest.raises(ValueError, match="threads"):
+        CopyEngine(layout, kv, host, threads=0)
+
+
 def test_fragmented_host_pages_are_copied_run_by_run() -> None:
     layout = LAYOUTS["per_layer"]
     kv = _filled(layout)
@@ -50,9 +104,10 @@ def test_fragmented_host_pages_are_copied_run_by_run() -> None:
     host.free(c)
     pages = host.alloc(4)
     assert pages is not None and len(pages.runs()) == 2, pages  # two runs, out of order
-    slots = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
-    engine.launch(slots, pages)
-    assert torch.equal(host.read_tokens(pages, 64), _expected(layout, kv, slots))
+    scattered = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+    for slots in (scattered, _paged_slots(layout, 64, 2)):  # staged, then direct
+        engine.launch(slots, pages)
+        assert torch.equal(host.read_tokens(pages, 64), _expected(layout, kv, slots))
 
 
 def test_deferred_copy_reads_device_memory_when_it_runs() -> None:
