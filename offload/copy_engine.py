@@ -2,10 +2,11 @@
 
 CUDA path (contract §5): the copy runs on side streams that first wait on the stream that
 produced the KV (the current stream at launch). Each chunk of pages is gathered on the
-device (``index_select`` per component into a reused staging buffer, then one transpose
-into the page-major host layout) on a *gather* stream, and copied to pinned host memory on
-a *copy* stream; two staging buffers alternate, so the gather of chunk i+1 overlaps the
-copy of chunk i. The job's completion event is recorded on the copy stream after its last
+device on a *gather* stream into a reused page-major staging buffer (whole aligned pages:
+one ``index_select`` per component straight into page-major order; other slots: per token
+into component-major staging, then one transpose) and copied to pinned host memory on a
+*copy* stream; two staging buffers alternate, so the gather of chunk i+1 overlaps the copy
+of chunk i. The job's completion event is recorded on the copy stream after its last
 copy; only then does :meth:`CopyEngine.launch` return.
 
 CPU path: the same API; a copy runs synchronously at launch, or, with ``defer=True``,
@@ -318,12 +319,24 @@ class CopyEngine:
         if whole < len(pages):  # the partial last page
             self._copy_cpu_staged(index, pages, whole)
 
-    def _copy_cpu_staged(self, index: torch.Tensor, pages: HostPages, first_page: int) -> None:
-        """Gather through staging, from host page ``first_page`` of ``pages`` on."""
-        if self._staging_cm[0].numel() == 0:
+    def _ensure_staging(self) -> None:
+        if self._staging_cm[0].numel() == 0:  # CPU staging is made on first use
             shape_cm, shape_pm = self._shapes
             self._staging_cm[0] = torch.empty(shape_cm, dtype=self.layout.dtype)
             self._staging_pm[0] = torch.empty(shape_pm, dtype=self.layout.dtype)
+
+    def _gather_pages(self, device_pages: torch.Tensor, buffer: int) -> torch.Tensor:
+        """Gather whole aligned device pages straight into page-major staging, one
+        ``index_select`` per component and no transpose pass; returns
+        ``[pages, C, ps, E]`` like :meth:`_gather`."""
+        pm = self._staging_pm[buffer][: len(device_pages)]
+        for c, paged in enumerate(self._paged):
+            torch.index_select(paged, 0, device_pages, out=pm[:, c])
+        return pm
+
+    def _copy_cpu_staged(self, index: torch.Tensor, pages: HostPages, first_page: int) -> None:
+        """Gather through staging, from host page ``first_page`` of ``pages`` on."""
+        self._ensure_staging()
         skip = first_page * self.layout.page_size
         rest = HostPages(self.host, pages.indices[first_page:])
         for first_token, tokens, chunk in self._chunks(len(index) - skip, rest):
@@ -332,6 +345,13 @@ class CopyEngine:
             self._copy_to_host(staged, chunk, non_blocking=False)
 
     def _launch_cuda(self, index: torch.Tensor, pages: HostPages, stream: int) -> CopyJob:
+        page = self.layout.page_size
+        whole = len(index) // page
+        device_pages = None
+        if whole and index.device.type == "cpu":  # checked on the host: no device sync
+            device_pages = self._aligned_pages(index[: whole * page])
+            if device_pages is not None:
+                device_pages = device_pages.to(self.device, non_blocking=True)
         index = index.to(self.device, non_blocking=True)
         compute = torch.cuda.current_stream(self.device)
         gather_stream = self._gather_streams[stream]
@@ -342,9 +362,15 @@ class CopyEngine:
             self._buffer = (buffer + 1) % len(self._staging_pm)
             with torch.cuda.stream(gather_stream):
                 gather_stream.wait_event(self._staging_free[buffer])
-                staged = self._gather(
-                    index[first_token : first_token + tokens], tokens, len(chunk), buffer
-                )
+                if device_pages is not None and tokens == len(chunk) * page:
+                    first_page = first_token // page
+                    staged = self._gather_pages(
+                        device_pages[first_page : first_page + len(chunk)], buffer
+                    )
+                else:  # token-level slots, or the partial last page
+                    staged = self._gather(
+                        index[first_token : first_token + tokens], tokens, len(chunk), buffer
+                    )
                 self._gathered[buffer].record(gather_stream)
             with torch.cuda.stream(copy_stream):
                 copy_stream.wait_event(self._gathered[buffer])
@@ -352,7 +378,7 @@ class CopyEngine:
                 self._staging_free[buffer].record(copy_stream)
         done = torch.cuda.Event()
         done.record(copy_stream)
-        job = CopyJob(pages, len(index), stream, done, keep=(index,))
+        job = CopyJob(pages, len(index), stream, done, keep=(index, device_pages))
         if self._callbacks is not None:
             self._callbacks.after(copy_stream, job)
         job.recorded = True  # only now may the job be queried, and its ticket issued

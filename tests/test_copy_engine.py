@@ -73,6 +73,20 @@ def test_whole_aligned_pages_take_the_direct_path_and_hold_exactly_the_device_by
     assert staged == ([] if tokens % layout.page_size == 0 else [tokens // layout.page_size])
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_cuda_page_gather_stages_the_same_bytes_as_the_token_gather(name: str) -> None:
+    """The CUDA path gathers whole aligned pages with _gather_pages (no transpose pass);
+    on the CPU it must stage exactly what the token gather stages."""
+    layout = LAYOUTS[name]
+    engine = CopyEngine(layout, _filled(layout), HostPagePool(layout, 8, pin_memory=False))
+    engine._ensure_staging()
+    slots = torch.tensor(_paged_slots(layout, 3 * layout.page_size, 9))
+    device_pages = engine._aligned_pages(slots)
+    assert device_pages is not None
+    by_token = engine._gather(slots, len(slots), 3, 0).clone()
+    assert torch.equal(engine._gather_pages(device_pages, 0), by_token)
+
+
 def test_pages_that_are_not_aligned_or_not_whole_take_the_staged_path() -> None:
     layout = LAYOUTS["per_layer"]
     kv = _filled(layout)
@@ -201,12 +215,17 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_cuda_host_pages_hold_exactly_the_device_bytes(name: str) -> None:
+@pytest.mark.parametrize("kind", ["scattered", "paged"])
+def test_cuda_host_pages_hold_exactly_the_device_bytes(name: str, kind: str) -> None:
     layout = LAYOUTS[name]
     kv = [t.cuda() for t in _filled(layout)]
     host = HostPagePool(layout, 8, pin_memory=True)
     engine = CopyEngine(layout, kv, host, chunk_pages=1, streams=2)
-    slots = torch.randperm(layout.slots, generator=torch.Generator().manual_seed(3))[:40].tolist()
+    if kind == "paged":  # whole aligned pages: the page gather, no transpose pass
+        slots = _paged_slots(layout, 40, 3)
+    else:
+        slots = torch.randperm(layout.slots, generator=torch.Generator().manual_seed(3))[:40]
+        slots = slots.tolist()
     pages = host.alloc(3)
     assert pages is not None and host.pinned
     job = engine.launch(slots, pages)
