@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvlife.diagrams.audit_bench import write_workload
 from kvlife.diagrams.cli import main
 from kvlife.fsm import JsonLinesSink, LifecycleRegistry
 from tests.strategies import Req
@@ -296,3 +299,31 @@ def test_a_rotated_log_is_checked_as_one(
     assert main(["audit", "check", str(path), "--expect-released"]) == 0
     out = capsys.readouterr().out
     assert f"({sink.rotations + 1} files): 160 records in 1 segment(s), 40 lifecycles" in out
+
+
+def test_a_big_log_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    write_workload(path, 90_000)
+    assert path.stat().st_size >= 16 << 20  # over the progress threshold
+    kvlife = str(Path(sys.executable).parent / "kvlife")
+    leader, follower = pty.openpty()
+    done = subprocess.run(
+        [kvlife, "audit", "check", str(path)],
+        stdout=subprocess.PIPE, stderr=follower, timeout=120, check=False,
+    )  # fmt: skip
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: all read
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert done.returncode == 0 and b"reading big.jsonl: 100% of" in shown
+    piped = subprocess.run(
+        [kvlife, "audit", "check", str(path)], capture_output=True, timeout=120, check=False
+    )
+    assert piped.returncode == 0 and piped.stderr == b""  # no progress into a pipe
