@@ -432,8 +432,9 @@ class LifecycleRegistry:
             self._rewire()
 
     def _sink_failed(self, record: AuditRecord, exc: Exception) -> None:
-        # Only the single-sink fast path raises here (_fan_out never does).
-        self._guards[0].failed(record, exc)
+        # Only the fast path raises here (_fan_out never does): the one sink writing now,
+        # which need not be the first attached (a disabled LoggingSink is left out).
+        self._writing[0].failed(record, exc)
         self._rewire()
 
     @property

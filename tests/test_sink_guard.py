@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvlife.fsm import LifecycleRegistry, MemorySink, State
+from kvlife.fsm import LifecycleRegistry, LoggingSink, MemorySink, State
 from kvlife.fsm.audit import AuditRecord, LostRecords, check_audit
 from tests.strategies import Req
 
@@ -227,3 +227,15 @@ def test_records_owed_to_a_sink_are_settled_at_exit(tmp_path: Path) -> None:
     )  # fmt: skip
     assert broken.returncode == 0
     assert "records seq 0-9 were never written" in broken.stderr  # lost, but never silently
+
+
+def test_a_failure_is_charged_to_the_sink_that_failed_when_another_is_switched_off() -> None:
+    quiet = logging.getLogger("kvlife.test.off")
+    quiet.setLevel(logging.WARNING)
+    off, flaky = LoggingSink(quiet), Flaky(lambda n: n == 1)
+    registry = LifecycleRegistry(sinks=[off, flaky], sink_retry_s=0)
+    registry.register(Req("a"))  # only the flaky sink takes records: its first write fails
+    registry.register(Req("b"))
+    stats = registry.statistics().sinks
+    assert [s.errors for s in stats] == [0, 1]
+    assert [r.seq for r in flaky.took] == [0, 1]  # the failed record was retried, in order
