@@ -451,12 +451,7 @@ class AuditChecker:
         del seg.live[serial]
         seg.serials.set(serial, _DONE)
         self.report.released += 1
-        self._live_total -= 1
-        held = self._rid_live.get(inst.rid, 1) - 1
-        if held:
-            self._rid_live[inst.rid] = held
-        else:
-            self._rid_live.pop(inst.rid, None)
+        self._left(inst.rid)
         if self.keep_instances:
             self.report.instances[(seg.index, serial)] = self._summary(seg, serial, inst)
 
@@ -469,13 +464,17 @@ class AuditChecker:
             self.report.live.append(summary)
             if self.keep_instances:
                 self.report.instances[(seg.index, serial)] = summary
-            held = self._rid_live.get(inst.rid, 1) - 1
-            if held:
-                self._rid_live[inst.rid] = held
-            else:
-                self._rid_live.pop(inst.rid, None)
-        self._live_total -= len(seg.live)
+            self._left(inst.rid)
         self._segment = None
+
+    def _left(self, rid: str | None) -> None:
+        """An instance stopped being live (released, or its segment ended)."""
+        self._live_total -= 1
+        held = self._rid_live.get(rid, 1) - 1
+        if held:
+            self._rid_live[rid] = held
+        else:
+            self._rid_live.pop(rid, None)
 
     def finish(self) -> AuditReport:
         """Close the last segment and return the report."""

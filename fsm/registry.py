@@ -242,9 +242,7 @@ def _skip_released(lc: Lifecycle | None) -> Lifecycle | None:
 
 def _settle_sinks(guards: list[SinkGuard]) -> None:
     for guard in guards:
-        if not guard.healthy:
-            guard.flush()
-            guard.abandon()
+        guard.settle()
 
 
 #: Lifecycles registered within this many seconds of each other share one birth time.
@@ -398,9 +396,7 @@ class LifecycleRegistry:
         self._check_thread("detach")
         for index, guard in enumerate(self._guards):
             if guard.sink is sink:
-                if not guard.healthy:
-                    guard.flush()
-                    guard.abandon()
+                guard.settle()
                 del self._guards[index]
                 self._rewire()
                 return
@@ -524,13 +520,11 @@ class LifecycleRegistry:
 
     def lifecycles(self) -> list[Lifecycle]:
         """Every unreleased lifecycle, oldest first."""
-        return self._snapshot()
+        return sorted(self._snapshot(), key=_by_serial)
 
     def _snapshot(self) -> list[Lifecycle]:
         # list() copies in C without running Python code: safe to call from any thread
-        lifecycles = list(self._by_id.values()) + list(self._shadowed.values())
-        lifecycles.sort(key=_by_serial)  # nearly sorted already: a linear pass
-        return lifecycles
+        return list(self._by_id.values()) + list(self._shadowed.values())
 
     # ------------------------------------------------------------------ transitions
 
@@ -994,7 +988,7 @@ class LifecycleRegistry:
             live[STATES[lc._s]] += 1
             inflight += lc._inflight
             ended += lc._outcome is not None
-        oldest = lifecycles[0] if lifecycles else None
+        oldest = min(lifecycles, key=_by_serial) if lifecycles else None
         # Counted from what the hot path keeps anyway, not by a counter per transition:
         # every copy number was an accepted start_offload; every copy not in flight was
         # acked or failed (a lifecycle releases only when none is); every released or

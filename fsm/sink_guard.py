@@ -192,14 +192,21 @@ class SinkGuard:
             except Exception as exc:
                 self.failed(None, exc, "flush")
 
+    def settle(self) -> None:
+        """Last chance (detach, interpreter exit): offer what is owed once more, then log
+        what the sink still refused as lost."""
+        if not self.healthy:
+            self.flush()
+            self.abandon()
+
     def abandon(self) -> None:
-        """The sink is being detached with records it never took: log them as lost."""
+        """Give up on the records the sink never took: log them as lost."""
         if self.healthy:
             return
         first = self._lost[0] if self._lost is not None else self._backlog[0].seq
         last = self._backlog[-1].seq if self._backlog else self._lost[1]  # type: ignore[index]
         _log.error(
-            "audit sink %r detached while failing: records seq %d-%d were never written",
+            "audit sink %r is given up on: records seq %d-%d were never written",
             self.sink,
             first,
             last,

@@ -156,6 +156,7 @@ class _JsonFile:
         self.backups = backups
         self.buffer: list[_Item] = []
         self.records_written = 0
+        self.in_file = 0  # records in the current file: a file with none is not rotated
         self.rotations = 0
         self.header = make_header()
         self.fd: int | None = None
@@ -194,7 +195,7 @@ class _JsonFile:
         if fd is None:
             raise AuditSinkClosedError(f"audit sink {self.path} is closed")
         limit = self.max_bytes
-        if limit is not None and self.size + len(data) > limit and self.records_written:
+        if limit is not None and self.size + len(data) > limit and self.in_file:
             fd = self._rotate(fd)
         self.size += self._write_all(fd, self.size, data)
 
@@ -216,7 +217,7 @@ class _JsonFile:
         os.close(fd)
         self.fd, self.size, self.header = new_fd, size, header
         self.rotations += 1
-        self.records_written = 0
+        self.in_file = 0
         return new_fd
 
     def flush(self) -> None:
@@ -225,6 +226,7 @@ class _JsonFile:
             return
         self.write(encode_lines(buffer))  # raises before the buffer is touched
         self.records_written += len(buffer)
+        self.in_file += len(buffer)
         buffer.clear()
 
     def close(self) -> None:
@@ -314,7 +316,7 @@ class JsonLinesSink:
 
     @property
     def records_written(self) -> int:
-        """Records (and lost markers) written to the current file."""
+        """Records (and lost markers) written since the sink was opened."""
         return self._file.records_written
 
     @property
@@ -338,6 +340,7 @@ class JsonLinesSink:
             raise AuditSinkClosedError(f"audit sink {self.path} is closed")
         file.write(encode_lines((item,)))
         file.records_written += 1
+        file.in_file += 1
 
     def _buffer_record(self, item: _Item) -> None:
         file = self._file
