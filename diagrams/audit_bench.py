@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvlife.fsm.bench import positive_ints
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.sinks import JsonLinesSink
 
@@ -165,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvlife bench audit", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--records",
-        default="500000,1000000,2000000,4000000",
+        type=positive_ints,
+        default=[500_000, 1_000_000, 2_000_000, 4_000_000],
         help="comma-separated log sizes (default 500000,1000000,2000000,4000000)",
     )
     parser.add_argument(
@@ -173,13 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--old-tree", help="also run the checker of the kvlife found in DIR")
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(s) for s in args.records.split(",")]
-    except ValueError:
-        parser.error(f"--records must be comma-separated integers, got {args.records!r}")
-    if not sizes or min(sizes) < 1:
-        parser.error("--records must be positive")
-    runs = measure(sizes, Path(args.dir), Path(args.old_tree) if args.old_tree else None)
+    runs = measure(args.records, Path(args.dir), Path(args.old_tree) if args.old_tree else None)
     print(format_table(runs))
     return 0 if all(r.status == 0 for r in runs) else 1
 

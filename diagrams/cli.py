@@ -210,8 +210,7 @@ def _diagram(args: argparse.Namespace) -> int:
     if args.from_log:
         if args.format == "mermaid":
             raise UsageError("kvlife diagram: --from-log draws dot, svg or png, not mermaid")
-        reader = _reader(args.from_log)
-        log = reader
+        log = reader = _reader(args.from_log)  # a second name mypy keeps non-optional
         graph = _reading(
             args.from_log,
             lambda: log_graph(log, title=Path(args.from_log).name, accept_tables=args.accept_table),

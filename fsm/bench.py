@@ -38,6 +38,19 @@ COPIES = 4
 RECORDS = 2 + 2 * COPIES
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated positive integers (``"1000,4000"``)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def _quiet_logger() -> logging.Logger:
     """A logger that is not enabled for INFO: what production usually has."""
     logger = logging.getLogger("kvlife.bench.quiet")
@@ -458,22 +471,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--memory-live",
-        default="100000,1000000",
+        type=positive_ints,
+        default=[100_000, 1_000_000],
         help="live lifecycles for the memory figures (default 100000,1000000)",
     )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch < 1:
         parser.error("--rounds and --batch must be positive")
     print(f"measuring {args.rounds} rounds of {args.batch} lifecycles ...", file=sys.stderr)
-    try:
-        sizes = [int(n) for n in args.memory_live.split(",")]
-    except ValueError:
-        parser.error(f"--memory-live must be comma-separated integers, got {args.memory_live!r}")
-    if not sizes or min(sizes) < 1:
-        parser.error("--memory-live must be positive")
     rows = measure(rounds=args.rounds, batch=args.batch, slow_batch=min(100, args.batch))
     print("measuring memory and flat costs ...", file=sys.stderr)
-    memory = {live: measure_memory(live) for live in sizes}
+    memory = {live: measure_memory(live) for live in args.memory_live}
     flat = measure_flat_costs(rounds=max(3, min(args.rounds, 9)))
     print(format_table(rows, memory, measure_owner_check(rounds=args.rounds), flat))
     return 0

@@ -33,6 +33,7 @@ from kvlife.fsm.records import (
     AuditRecord,
     AuditSchemaError,
     LostRecords,
+    check_record,
 )
 from kvlife.fsm.sinks import rotated_name
 
@@ -190,12 +191,10 @@ class AuditReader:
                         continue
                     if number == 1:
                         raise self._not_a_log(file)
-                    if record.ok is not (record.reason is None) or record.ok is not (
-                        record.dst is not None
-                    ):
-                        self._problem(
-                            file, number, start, f"ok/reason/dst disagree in seq={record.seq}"
-                        )
+                    try:
+                        check_record(record)  # the one rule types cannot say
+                    except AuditSchemaError as exc:
+                        self._problem(file, number, start, str(exc))
                         continue
                     self.records += 1
                     yield record
