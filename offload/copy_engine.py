@@ -311,10 +311,9 @@ class CopyEngine:
             return
         offset = 0
         for first, count in HostPages(self.host, pages.indices[:whole]).runs():
-            view = self.host.page_view(first, count)  # [count, components, page, elems]
-            chosen = device_pages[offset : offset + count]
-            for c, paged in enumerate(self._paged):
-                torch.index_select(paged, 0, chosen, out=view[:, c])
+            self._gather_pages(
+                device_pages[offset : offset + count], self.host.page_view(first, count)
+            )
             offset += count
         if whole < len(pages):  # the partial last page
             self._copy_cpu_staged(index, pages, whole)
@@ -325,14 +324,13 @@ class CopyEngine:
             self._staging_cm[0] = torch.empty(shape_cm, dtype=self.layout.dtype)
             self._staging_pm[0] = torch.empty(shape_pm, dtype=self.layout.dtype)
 
-    def _gather_pages(self, device_pages: torch.Tensor, buffer: int) -> torch.Tensor:
-        """Gather whole aligned device pages straight into page-major staging, one
-        ``index_select`` per component and no transpose pass; returns
-        ``[pages, C, ps, E]`` like :meth:`_gather`."""
-        pm = self._staging_pm[buffer][: len(device_pages)]
+    def _gather_pages(self, device_pages: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Gather whole aligned device pages into page-major ``out`` (``[pages, C, ps,
+        E]``: host pages on the CPU, staging on CUDA), one ``index_select`` per component
+        and no transpose pass; returns ``out``."""
         for c, paged in enumerate(self._paged):
-            torch.index_select(paged, 0, device_pages, out=pm[:, c])
-        return pm
+            torch.index_select(paged, 0, device_pages, out=out[:, c])
+        return out
 
     def _copy_cpu_staged(self, index: torch.Tensor, pages: HostPages, first_page: int) -> None:
         """Gather through staging, from host page ``first_page`` of ``pages`` on."""
@@ -365,7 +363,8 @@ class CopyEngine:
                 if device_pages is not None and tokens == len(chunk) * page:
                     first_page = first_token // page
                     staged = self._gather_pages(
-                        device_pages[first_page : first_page + len(chunk)], buffer
+                        device_pages[first_page : first_page + len(chunk)],
+                        self._staging_pm[buffer][: len(chunk)],
                     )
                 else:  # token-level slots, or the partial last page
                     staged = self._gather(
