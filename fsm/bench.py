@@ -5,8 +5,10 @@ Run: ``python -m kvlife.fsm.bench`` (or ``kvlife bench fsm``). One lifecycle is:
 interleaved rounds, and the table reports the median time per lifecycle and its ratio to
 the seed-style bookkeeping measured in the same rounds. The memory line is tracemalloc's
 count of bytes retained per live lifecycle (10k live, request objects and rids excluded).
-The owner-thread line times the exact check every changing registry call makes, against
-an empty loop, and gives its share of one lifecycle.
+The "what limits the ratios" lines time, each against the loop around it, what the core
+pays that the seed-style dicts do not (the owner-thread check and the ``**detail`` keyword
+dict of every changing call) and the least an audit record costs (a clock read, building
+the record, a ring append), next to what each ratio target leaves per record.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +32,7 @@ from weakref import WeakKeyDictionary
 
 from transitions import Machine
 
-from kvlife.fsm.audit import JsonLinesSink, LoggingSink, MemorySink
+from kvlife.fsm.audit import AuditRecord, JsonLinesSink, LoggingSink, MemorySink
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
 
@@ -342,32 +345,92 @@ def measure_flat_costs(rounds: int = 7) -> dict[str, tuple[float, float]]:
 
 #: Registry calls per benchmark lifecycle, each making the owner-thread check once.
 CHECKED_CALLS = 1 + 2 * COPIES + 1
+#: Registry calls per benchmark lifecycle that take ``**detail`` (all but register).
+DETAIL_CALLS = 2 * COPIES + 1
 
 
-def measure_owner_check(rounds: int = 15, n: int = 200_000) -> float:
-    """Median ns of one owner-thread check (``_get_ident() != self._owner``), net of the
-    loop around it."""
+class _DetailProbe:
+    """Two methods that differ only in taking ``**detail``, as the registry's calls do."""
+
+    def with_detail(self, target: object, **detail: object) -> object:
+        return target
+
+    def without(self, target: object) -> object:
+        return target
+
+
+def _net_ns(
+    work: Callable[[int], None], empty: Callable[[int], None], rounds: int, n: int
+) -> float:
+    """Median ns per iteration of ``work(n)`` less ``empty(n)``, timed back to back."""
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        work(n)
+        t1 = time.perf_counter_ns()
+        empty(n)
+        t2 = time.perf_counter_ns()
+        samples.append(((t1 - t0) - (t2 - t1)) / n)
+    return max(statistics.median(samples), 0.0)
+
+
+def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
+    """What the core pays for that the seed-style bookkeeping does not, in ns per
+    operation, each net of the loop or call around it:
+
+    - ``owner check``: ``_get_ident() != self._owner``, once per changing call;
+    - ``**detail``: the keyword dict CPython builds for every call of a method that
+      takes ``**detail`` (an empty one too), against the same method without it;
+    - ``clock read``, ``record build``, ``ring append``: what every audit record costs
+      at least (``time.monotonic_ns()``, an :class:`AuditRecord` of 12 fields, a
+      ``deque.append``), against the loop alone.
+    """
     registry = LifecycleRegistry()
     get_ident = threading.get_ident
+    probe = _DetailProbe()
+    with_detail, without = probe.with_detail, probe.without
+    now = time.monotonic_ns
+    ring: deque[AuditRecord] = deque(maxlen=1 << 16)
+    append = ring.append
+    detail: dict[str, int] = {}
+    record = AuditRecord(0, 0, "r", 0, "ack", "offloading", "allocated", True, None, 0, 0, detail)
 
-    def checked() -> None:
+    def loop(n: int) -> None:
+        for _ in range(n):
+            pass
+
+    def owner(n: int) -> None:
         for _ in range(n):
             if get_ident() != registry._owner:
                 raise AssertionError
 
-    def empty() -> None:
+    def kwargs(n: int) -> None:
         for _ in range(n):
-            pass
+            with_detail(None)
 
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        checked()
-        t1 = time.perf_counter_ns()
-        empty()
-        t2 = time.perf_counter_ns()
-        samples.append(((t1 - t0) - (t2 - t1)) / n)
-    return max(statistics.median(samples), 0.0)
+    def plain(n: int) -> None:
+        for _ in range(n):
+            without(None)
+
+    def clock(n: int) -> None:
+        for _ in range(n):
+            now()
+
+    def build(n: int) -> None:
+        for i in range(n):
+            AuditRecord(i, i, "r", i, "ack", "offloading", "allocated", True, None, i, 0, detail)
+
+    def store(n: int) -> None:
+        for _ in range(n):
+            append(record)
+
+    return {
+        "owner check": _net_ns(owner, loop, rounds, n),
+        "**detail": _net_ns(kwargs, plain, rounds, n),
+        "clock read": _net_ns(clock, loop, rounds, n),
+        "record build": _net_ns(build, loop, rounds, n),
+        "ring append": _net_ns(store, loop, rounds, n),
+    }
 
 
 def measure_memory(live: int = 10_000) -> dict[str, float]:
@@ -411,10 +474,40 @@ def _verdict(value: float, limit: float) -> str:
     return "met" if value <= limit else "MISSED"
 
 
+def _limits_lines(rows: Sequence[Row], kv: Row, limits: dict[str, float]) -> list[str]:
+    """Where the core's time goes beyond the seed-style dicts, and what each ratio
+    target leaves per audit record against what a record costs at least."""
+    base = next(r for r in rows if r.name == "seed-style dicts (baseline)").median_us
+    owner, kwargs = limits["owner check"], limits["**detail"]
+    fixed = (owner * CHECKED_CALLS + kwargs * DETAIL_CALLS) / 1000
+    floor = limits["clock read"] + limits["record build"] + limits["ring append"]
+    lines = [
+        "what limits the ratios (measured now, ns net of the loop around them):",
+        f"  owner-thread check {owner:.0f} ns x {CHECKED_CALLS} calls + **detail dict "
+        f"{kwargs:.0f} ns x {DETAIL_CALLS} calls = {fixed:.2f} us per lifecycle "
+        f"({100 * fixed / kv.median_us:.0f}% of kvlife, no audit; without both: "
+        f"{(kv.median_us - fixed) / base:.2f} x seed-style)",
+        f"  one audit record costs at least: clock read {limits['clock read']:.0f} + record "
+        f"build {limits['record build']:.0f} + ring append {limits['ring append']:.0f} = "
+        f"{floor:.0f} ns",
+    ]
+    for r in rows:
+        limit = RATIO_TARGETS.get(r.name)
+        if limit is None or r.name == kv.name:
+            continue
+        budget = (limit * base - kv.median_us) * 1000 / RECORDS
+        spent = (r.median_us - kv.median_us) * 1000 / RECORDS
+        lines.append(
+            f"  {r.name}: the target leaves {budget:.0f} ns per record over no audit; "
+            f"spent {spent:.0f} ns"
+        )
+    return lines
+
+
 def format_table(
     rows: Sequence[Row],
     memory: dict[int, dict[str, float]],
-    owner_check_ns: float | None = None,
+    limits: dict[str, float] | None = None,
     flat: dict[str, tuple[float, float]] | None = None,
 ) -> str:
     """The benchmark's printed table, with each target and whether it was met."""
@@ -438,13 +531,8 @@ def format_table(
     for r in rows:
         if r.name.startswith("transitions"):
             lines.append(f"kvlife is {r.median_us / kv.median_us:.0f}x faster than {r.name}")
-    if owner_check_ns is not None:
-        per_lifecycle = owner_check_ns * CHECKED_CALLS / 1000
-        lines.append(
-            f"owner-thread check: {owner_check_ns:.0f} ns per call x {CHECKED_CALLS} calls = "
-            f"{per_lifecycle:.2f} us per lifecycle ({100 * per_lifecycle / kv.median_us:.0f}% "
-            f"of kvlife, no audit; included in every kvlife row above)"
-        )
+    if limits:
+        lines += _limits_lines(rows, kv, limits)
     if flat:
         lines.append(f"costs that must not grow (big case / small case, target <= {FLAT_TARGET}):")
         for name, (small, big) in flat.items():
@@ -483,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("measuring memory and flat costs ...", file=sys.stderr)
     memory = {live: measure_memory(live) for live in args.memory_live}
     flat = measure_flat_costs(rounds=max(3, min(args.rounds, 9)))
-    print(format_table(rows, memory, measure_owner_check(rounds=args.rounds), flat))
+    print(format_table(rows, memory, measure_limits(rounds=args.rounds), flat))
     return 0
 
 

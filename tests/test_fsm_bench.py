@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvlife.fsm.bench import SeedBookkeeping, _requests, main, measure_memory, run_seed
+from kvlife.fsm.bench import (
+    RECORDS,
+    Row,
+    SeedBookkeeping,
+    _limits_lines,
+    _requests,
+    main,
+    measure_limits,
+    measure_memory,
+    run_seed,
+)
 
 
 def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
@@ -22,6 +32,8 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         "transitions Machine per request",
         "bytes per live lifecycle",
         "owner-thread check",
+        "one audit record costs at least",
+        "kvlife + memory ring: the target leaves",
         "costs that must not grow",
         "<= 0.50",
     ):
@@ -43,3 +55,32 @@ def test_bad_arguments_exit_2() -> None:
     with pytest.raises(SystemExit) as info:
         main(["--rounds", "0"])
     assert info.value.code == 2
+
+
+def test_limits_are_measured_net_of_the_loop() -> None:
+    limits = measure_limits(rounds=3, n=20_000)
+    assert set(limits) == {"owner check", "**detail", "clock read", "record build", "ring append"}
+    assert all(0 <= value < 10_000 for value in limits.values()), limits
+    assert limits["clock read"] > 0 and limits["record build"] > 0, limits
+
+
+def test_limits_lines_do_the_arithmetic() -> None:
+    rows = [
+        Row("seed-style dicts (baseline)", 10.0, 1.0),
+        Row("kvlife, no audit", 6.0, 0.6),
+        Row("kvlife + memory ring", 9.0, 0.9),
+    ]
+    limits = {
+        "owner check": 50.0,
+        "**detail": 20.0,
+        "clock read": 60.0,
+        "record build": 80.0,
+        "ring append": 10.0,
+    }
+    text = "\n".join(_limits_lines(rows, rows[1], limits))
+    # 50 x 10 + 20 x 9 = 680 ns = 0.68 us, 11% of 6.0; (6.0 - 0.68) / 10 = 0.53
+    assert "= 0.68 us per lifecycle (11% of kvlife, no audit; without both: 0.53" in text
+    assert "= 150 ns" in text
+    # 0.80 x 10 us - 6 us = 2 us over RECORDS records; spent (9 - 6) us over RECORDS
+    budget, spent = 2000 / RECORDS, 3000 / RECORDS
+    assert f"leaves {budget:.0f} ns per record over no audit; spent {spent:.0f} ns" in text
