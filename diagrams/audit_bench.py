@@ -15,7 +15,6 @@ The table gives seconds, peak RSS and the time ratio to the floor of the same si
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.fsm.bench import positive_ints
+from kvlife.fsm.bench import BenchParser, positive_ints
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.sinks import JsonLinesSink
 
@@ -163,7 +162,7 @@ def format_table(runs: Sequence[Run]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: print the table."""
-    parser = argparse.ArgumentParser(prog="kvlife bench audit", description=__doc__.split("\n")[0])
+    parser = BenchParser(prog="kvlife bench audit", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--records",
         type=positive_ints,

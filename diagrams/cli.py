@@ -8,8 +8,11 @@ Subcommands::
     kvlife audit stats LOG [--json]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
 
-Usage errors print one line and exit 2, and so does a file that is not a kvlife audit
-log (or was written with another transition table, unless accepted). ``audit check``
+Bare ``kvlife``, ``kvlife audit`` and ``kvlife bench`` print their usage (exit 2);
+``kvlife --version`` prints the version. Usage errors print one line and exit 2, and so do
+a file that is not a kvlife audit log (or was written with another transition table,
+unless accepted), a path that cannot be read or written and a full disk. Ctrl-C exits 130
+with one line; a closed standard output (``| head``) exits 141 quietly. ``audit check``
 exits 1 when the log has violations, unreadable lines or lost records (unless
 ``--allow-lost``), and its ``--json`` verdict always agrees with its exit status.
 ``audit stats`` and ``diagram --from-log`` exit 1 when they met unreadable lines.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +32,7 @@ from typing import NoReturn, TypeVar
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.lifecycle import lifecycle_dot, lifecycle_mermaid
 from kvlife.diagrams.log_graph import log_graph
+from kvlife.fsm._version import __version__
 from kvlife.fsm.audit import (
     AuditChecker,
     AuditFormatError,
@@ -48,7 +53,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     parser = _Parser(prog="kvlife", description="kvlife: request lifecycles for KV offload")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"kvlife {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     demo = sub.add_parser(
         "demo",
@@ -56,8 +62,8 @@ def _parser() -> _Parser:
         description="Run a realistic decode workload through kvlife; write "
         "out/audit.jsonl, the count-annotated diagram and the timeline.",
     )
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.add_argument("--requests", type=int, default=300, help="requests (default 300)")
+    demo.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    demo.add_argument("--requests", type=_positive, default=300, help="requests (default 300)")
     demo.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     demo.add_argument("--out", default="out", help="output directory (default out)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -84,7 +90,7 @@ def _parser() -> _Parser:
         help="check or summarize an audit log",
         description="Tools for kvlife audit logs (JSON lines).",
     )
-    audit_sub = audit.add_subparsers(dest="audit_command", required=True, parser_class=_Parser)
+    audit_sub = audit.add_subparsers(dest="audit_command", metavar="COMMAND", parser_class=_Parser)
     check = audit_sub.add_parser(
         "check",
         help="replay a log against the table (exit 1 on violations)",
@@ -115,29 +121,109 @@ def _parser() -> _Parser:
     stats.add_argument("log")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
 
-    bench = sub.add_parser("bench", help="benchmarks", description="Run a benchmark.")
-    bench.add_argument("which", choices=["fsm", "offload", "audit"])
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks",
+        description="Run a benchmark: fsm (the core against the dictionaries it replaces), "
+        "offload (copies against a contiguous copy), audit (the log checker at scale). "
+        "Options after the name go to the benchmark: kvlife bench fsm --help.",
+    )
+    bench.add_argument("which", nargs="?", choices=["fsm", "offload", "audit"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    parser.set_defaults(usage_of=parser)
+    for command in (demo, diagram, audit, bench, check, stats):
+        command.set_defaults(usage_of=command)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvlife`` console script."""
+def _seed(text: str) -> int:
+    """An argparse ``type``: a seed torch takes (0 .. 2**63 - 1)."""
     try:
-        args = _parser().parse_args(argv)
-        if args.command == "demo":
-            return _demo(args)
-        if args.command == "diagram":
-            return _diagram(args)
-        if args.command == "audit":
-            return _audit(args)
-        return _bench(args)
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**63 - 1, got {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    """An argparse ``type``: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvlife`` console script.
+
+    Exit status: 0 done; 1 a failed check (or unreadable lines met); 2 a usage error,
+    an input that is not a kvlife audit log, or a file that cannot be read or written,
+    each said in one line on stderr; 130 interrupted (Ctrl-C); 141 standard output was
+    closed early (``| head``), which is not reported.
+    """
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit
+        return status
     except UsageError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     except DotNotFoundError as exc:
-        print(f"kvlife: {exc}", file=sys.stderr)
+        return _fail(f"kvlife: {exc}")
+    except KeyboardInterrupt:
+        return _fail("kvlife: interrupted", 130)
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing. Python would complain when it
+        # flushes stdout at exit, so point stdout at /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+    except OSError as exc:
+        return _fail(f"kvlife: {_os_error(exc)}")
+
+
+def _fail(message: str, status: int = 2) -> int:
+    print(message, file=sys.stderr)
+    return status
+
+
+def _os_error(exc: OSError) -> str:
+    where = exc.filename if exc.filename is not None else "standard output"
+    return f"{where}: {exc.strerror or exc}"
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    usage_of: argparse.ArgumentParser = args.usage_of
+    if args.command is None or (args.command == "audit" and args.audit_command is None):
+        sys.stderr.write(usage_of.format_help())
         return 2
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "diagram":
+        return _diagram(args)
+    if args.command == "audit":
+        return _audit(args)
+    if args.which is None:
+        sys.stderr.write(usage_of.format_help())
+        return 2
+    return _bench(args)
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write an output file; a path that cannot be written is a usage error."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"kvlife: {path} is a directory; give a file name")
+    try:
+        target.write_bytes(data)
+    except OSError as exc:
+        raise UsageError(f"kvlife: cannot write {path}: {exc.strerror or exc}") from None
 
 
 _PROGRESS_MIN_BYTES = 16 << 20
@@ -224,7 +310,7 @@ def _diagram(args: argparse.Namespace) -> int:
     else:
         data = render(dot, args.format)
     if args.output:
-        Path(args.output).write_bytes(data)
+        _write_file(args.output, data)
     elif args.format == "png":
         raise UsageError("kvlife diagram: PNG needs -o FILE")
     else:
@@ -353,10 +439,18 @@ def _demo(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("kvlife demo: --device cuda, but CUDA is not available")
-    if args.requests <= 0:
-        raise UsageError("kvlife demo: --requests must be positive")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"kvlife demo: --out {args.out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".kvlife-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(
+            f"kvlife demo: cannot write to --out {args.out}: {exc.strerror or exc}"
+        ) from None
     audit_path = out / "audit.jsonl"
     audit_path.unlink(missing_ok=True)
     config = DemoConfig(requests=args.requests, seed=args.seed, device=device)

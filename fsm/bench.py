@@ -27,18 +27,27 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from weakref import WeakKeyDictionary
 
 from transitions import Machine
 
 from kvlife.fsm.audit import AuditRecord, JsonLinesSink, LoggingSink, MemorySink
+from kvlife.fsm.records import DetailValue
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
 
 COPIES = 4
 #: Audit records per benchmark lifecycle (register, 4 x 2, finish).
 RECORDS = 2 + 2 * COPIES
+
+
+class BenchParser(argparse.ArgumentParser):
+    """The benchmarks' argument parser: a bad argument is one line on stderr (``prog:
+    message``, with a pointer to ``--help``) and exit status 2, not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def positive_ints(text: str) -> list[int]:
@@ -392,7 +401,7 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
     now = time.monotonic_ns
     ring: deque[AuditRecord] = deque(maxlen=1 << 16)
     append = ring.append
-    detail: dict[str, int] = {}
+    detail: dict[str, DetailValue] = {}
     record = AuditRecord(0, 0, "r", 0, "ack", "offloading", "allocated", True, None, 0, 0, detail)
 
     def loop(n: int) -> None:
@@ -552,7 +561,7 @@ def format_table(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: print the table."""
-    parser = argparse.ArgumentParser(prog="kvlife bench fsm", description=__doc__.split("\n")[0])
+    parser = BenchParser(prog="kvlife bench fsm", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument(
         "--batch", type=int, default=2000, help="lifecycles per round (default 2000)"

@@ -177,7 +177,7 @@ class AuditReader:
                     complete = number
                     try:
                         record = decode_record(line)
-                    except msgspec.DecodeError:
+                    except (msgspec.DecodeError, RecursionError):
                         event = self._other_line(file, number, start, line)
                         if type(event) is AuditHeader:
                             continued = event.continues(header)
@@ -223,10 +223,12 @@ class AuditReader:
         first line must be a header of this schema version."""
         try:
             obj = _ANY.decode(line)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
+            # RecursionError: JSON nested deeper than the decoder goes (no record is)
             if number == 1:
                 raise self._not_a_log(file) from None
-            self._problem(file, number, start, f"not JSON: {exc}")
+            why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+            self._problem(file, number, start, f"not JSON: {why}")
             return None
         if isinstance(obj, dict) and "kvlife_audit" in obj:
             version = obj["kvlife_audit"]

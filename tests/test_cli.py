@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ import pytest
 from kvlife.diagrams.audit_bench import write_workload
 from kvlife.diagrams.cli import main
 from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+from kvlife.fsm._version import __version__
+from kvlife.offload.bench import token_count
 from tests.strategies import Req
 
 SUBCOMMANDS = [
@@ -38,14 +41,20 @@ def test_help_on_every_subcommand(words: list[str], capsys: pytest.CaptureFixtur
 @pytest.mark.parametrize(
     "argv",
     [
-        [],
         ["nonsense"],
         ["diagram", "--format", "gif"],
-        ["audit"],
         ["audit", "check"],
         ["demo", "--requests", "0"],
         ["demo", "--seed", "x"],
+        ["demo", "--seed", "99999999999999999999"],
+        ["demo", "--seed", "-1"],
         ["bench", "gpu"],
+        ["audit", "check", ""],
+        ["diagram", "-o", "/nonexistent/x.svg"],
+        ["diagram", "-o", "/tmp"],
+        ["diagram", "-o", "/dev/full"],
+        ["demo", "--out", "/sys/kvlife-cannot-be-made"],
+        ["demo", "--out", "/proc"],
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(
@@ -327,3 +336,154 @@ def test_a_big_log_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
         [kvlife, "audit", "check", str(path)], capture_output=True, timeout=120, check=False
     )
     assert piped.returncode == 0 and piped.stderr == b""  # no progress into a pipe
+
+
+@pytest.mark.parametrize("words", [[], ["audit"], ["bench"]], ids=lambda w: " ".join(w) or "kvlife")
+def test_a_bare_command_prints_its_usage(
+    words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(words) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvlife") and "options:" in err, err
+    if words == ["bench"]:
+        assert "fsm" in err and "offload" in err and "audit" in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"kvlife {__version__}\n"
+
+
+def test_demo_out_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "FILE"
+    target.write_text("mine")
+    assert main(["demo", "--requests", "2", "--out", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists and is not a directory" in err, err
+    assert target.read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a mode 555 directory anyway")
+def test_demo_out_read_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path.chmod(0o555)
+    try:
+        assert main(["demo", "--requests", "2", "--out", str(tmp_path)]) == 2
+    finally:
+        tmp_path.chmod(0o755)
+    assert "cannot write to --out" in capsys.readouterr().err
+
+
+def test_unreadable_log_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = _log(tmp_path / "a.jsonl")
+    real_open = open
+
+    def refusing(file: object, *args: object, **kwargs: object) -> object:
+        if str(file) == str(log):
+            raise PermissionError(13, "Permission denied", str(log))
+        return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr("builtins.open", refusing)
+    assert main(["audit", "check", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvlife: cannot read {log}: Permission denied\n", err
+
+
+#: The command, run as a separate process.
+CLI = (sys.executable, "-m", "kvlife.diagrams.cli")
+
+
+def test_stdout_on_a_full_disk_is_one_line() -> None:
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [*CLI, "diagram", "--format", "dot"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert proc.returncode == 2
+    assert proc.stderr == "kvlife: standard output: No space left on device\n", proc.stderr
+
+
+@pytest.mark.parametrize(
+    "words",
+    [["diagram", "--format", "dot"], ["audit", "stats", "--json", "LOG"]],
+    ids=["diagram", "audit stats --json"],
+)
+def test_a_closed_pipe_is_quiet(words: list[str], tmp_path: Path) -> None:
+    log = _log(tmp_path / "a.jsonl")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `| head` does once it has its lines
+    try:
+        proc = subprocess.run(
+            [*CLI, *(str(log) if w == "LOG" else w for w in words)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141
+    assert proc.stderr == "", proc.stderr
+
+
+def test_a_json_line_nested_200000_deep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    deep = "[" * 200_000 + "]" * 200_000 + "\n"
+    first = tmp_path / "first.jsonl"
+    first.write_text(deep)
+    assert main(["audit", "check", str(first)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a kvlife audit log" in err, err
+    log = _log(tmp_path / "a.jsonl")
+    lines = log.read_text().splitlines(keepends=True)
+    later = tmp_path / "later.jsonl"
+    later.write_text("".join(lines[:2]) + '{"a":' + deep[:-1] + "}\n" + "".join(lines[2:]))
+    assert main(["audit", "check", str(later)]) == 1
+    assert "unreadable line later.jsonl:3: not JSON: nested too deep" in capsys.readouterr().out
+
+
+def test_ctrl_c_during_demo_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*CLI, "demo", "--requests", "100000", "--out", str(tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    seen = ""
+    while "requests admitted" not in seen:  # the workload is running
+        char = proc.stderr.read(1)
+        assert char, f"demo ended before its progress bar: {seen!r}"
+        seen += char
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and err.endswith("kvlife: interrupted\n"), err[-500:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "offload", "--device", "banana"], "expected cpu or cuda[:N], got 'banana'"),
+        (["bench", "offload", "--tokens", "lots"], "expected a token count"),
+        (["bench", "fsm", "--rounds", "0"], "--rounds and --batch must be positive"),
+        (["bench", "audit", "--records", "x"], "expected comma-separated integers"),
+    ],
+)
+def test_bench_argument_errors_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_bench_offload_takes_1k() -> None:
+    assert token_count("1k") == 1024 and token_count("4K") == 4096 and token_count("64") == 64
