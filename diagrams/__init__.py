@@ -1,9 +1,13 @@
 """kvlife.diagrams: lifecycle diagrams rendered from the one table and from audit logs.
 
-* :func:`lifecycle_dot` / :func:`lifecycle_mermaid`: the table through ``transitions``'
+* [`lifecycle_dot()`][kvlife.diagrams.lifecycle.lifecycle_dot] /
+  [`lifecycle_mermaid()`][kvlife.diagrams.lifecycle.lifecycle_mermaid]: the table through
+  ``transitions``'
   GraphMachine (committed as ``lifecycle.dot``, ``.svg`` and ``.mmd`` beside this module).
-* :func:`log_graph`: the same diagram with each edge's count and the refusals of a log.
-* :func:`plot_timeline`: one row per lifecycle instance, coloured by state over time.
+* [`log_graph()`][kvlife.diagrams.log_graph.log_graph]: the same diagram with each edge's count and
+  the refusals of a log.
+* [`plot_timeline()`][kvlife.diagrams.timeline.plot_timeline]: one row per lifecycle instance,
+  coloured by state over time.
 """
 
 from __future__ import annotations

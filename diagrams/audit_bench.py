@@ -28,8 +28,8 @@ from kvlife.fsm.bench import BenchParser, positive_ints
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.sinks import JsonLinesSink
 
-#: Records per lifecycle in the generated workload (without the occasional refusal).
 RECORDS_PER_LIFECYCLE = 6
+"""Records per lifecycle in the generated workload (without the occasional refusal)."""
 
 # Peak RSS is read from /proc/self/status (VmHWM) at exit: the high-water mark of the
 # process image itself. (wait4's ru_maxrss would also count the benchmark process that

@@ -6,6 +6,8 @@ Subcommands::
     kvlife diagram [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE]
     kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
     kvlife audit stats LOG [--json]
+    kvlife audit why LOG (--rid RID | --serial N [--segment S])
+    kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
 
 Bare ``kvlife``, ``kvlife audit`` and ``kvlife bench`` print their usage (exit 2);
@@ -40,6 +42,7 @@ from kvlife.fsm.audit import (
     AuditReport,
     audit_files,
 )
+from kvlife.fsm.explain import explain, find_rid
 
 
 class UsageError(Exception):
@@ -120,6 +123,33 @@ def _parser() -> _Parser:
     )
     stats.add_argument("log")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
+    why = audit_sub.add_parser(
+        "why",
+        help="tell one rid's (or lifecycle's) history",
+        description="Tell the history of every lifecycle of a rid, or of one lifecycle: "
+        "each transition and refusal, the other lifecycles that held the rid meanwhile, and "
+        "which lifecycle a late completion belonged to.",
+    )
+    why.add_argument("log")
+    which = why.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rid", help="every lifecycle of this rid")
+    which.add_argument("--serial", type=_natural, help="the lifecycle with this serial")
+    why.add_argument(
+        "--segment", type=_natural, default=0, help="the segment of --serial (default 0)"
+    )
+    timeline = audit_sub.add_parser(
+        "timeline",
+        help="draw a log's timeline (PNG or SVG)",
+        description="Draw one row per lifecycle instance, coloured by state over time.",
+    )
+    timeline.add_argument("log")
+    timeline.add_argument("-o", "--output", required=True, metavar="FILE", help=".png or .svg")
+    timeline.add_argument(
+        "--rid", action="append", metavar="RID", help="draw only this rid (repeatable)"
+    )
+    timeline.add_argument(
+        "--max-rows", type=_positive, default=80, help="rows at most (default 80, up to 200)"
+    )
 
     bench = sub.add_parser(
         "bench",
@@ -131,7 +161,7 @@ def _parser() -> _Parser:
     bench.add_argument("which", nargs="?", choices=["fsm", "offload", "audit"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     parser.set_defaults(usage_of=parser)
-    for command in (demo, diagram, audit, bench, check, stats):
+    for command in (demo, diagram, audit, bench, check, stats, why, timeline):
         command.set_defaults(usage_of=command)
     return parser
 
@@ -144,6 +174,17 @@ def _seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"must be between 0 and 2**63 - 1, got {text}")
+    return value
+
+
+def _natural(text: str) -> int:
+    """An argparse ``type``: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 
@@ -321,7 +362,57 @@ def _diagram(args: argparse.Namespace) -> int:
     return 0
 
 
+def _why(args: argparse.Namespace) -> int:
+    rid = args.rid
+    if rid is None:
+        rid = _reading(args.log, lambda: find_rid(_reader(args.log), args.serial, args.segment))
+        if rid is None:
+            raise UsageError(
+                f"kvlife audit why: {args.log} has no lifecycle #{args.serial} in segment "
+                f"{args.segment}"
+            )
+    reader = _reader(args.log)
+    try:
+        text = _reading(
+            args.log, lambda: explain(reader, rid, serial=args.serial, segment=args.segment)
+        )
+    except LookupError as exc:
+        raise UsageError(f"kvlife audit why: {args.log}: {exc}") from None
+    print(text)
+    return 0
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from kvlife.diagrams.timeline import plot_timeline
+
+    suffix = Path(args.output).suffix
+    if suffix not in (".png", ".svg"):
+        raise UsageError(f"kvlife audit timeline: -o needs a .png or .svg name, got {suffix!r}")
+    if Path(args.output).is_dir():
+        raise UsageError(f"kvlife: {args.output} is a directory; give a file name")
+    reader = _reader(args.log)
+    try:
+        rows = _reading(
+            args.log,
+            lambda: plot_timeline(
+                reader,
+                Path(args.output),
+                title=Path(args.log).name,
+                max_rows=args.max_rows,
+                rids=args.rid,
+            ),
+        )
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"kvlife: {exc}") from None
+    print(f"{args.output}: {rows} lifecycle rows")
+    return 0
+
+
 def _audit(args: argparse.Namespace) -> int:
+    if args.audit_command == "why":
+        return _why(args)
+    if args.audit_command == "timeline":
+        return _timeline(args)
     reader = _reader(args.log)
     checker = AuditChecker(
         expect_released=args.audit_command == "check" and args.expect_released,

@@ -1,6 +1,7 @@
 """DOT helpers: escaping user-controlled text, and running Graphviz's ``dot``.
 
-Every string that comes from a user (rids, file names) goes through :func:`dot_text`
+Every string that comes from a user (rids, file names) goes through
+[`dot_text()`][kvlife.diagrams.dot.dot_text]
 before it reaches a DOT source: non-printable characters are shown as escapes (a newline in
 a rid is drawn as the two characters ``\\n``, not as a line break), and the result is
 marked so that the ``graphviz`` package neither treats ``<...>`` as an HTML label nor lets
@@ -33,6 +34,13 @@ def visible(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def shortened(text: str, limit: int = 40) -> str:
+    """``visible(text)``, cut to ``limit`` characters with ``…`` when longer (a 10 kB rid
+    must not make a picture 30,000 px wide; the report page shows the whole value)."""
+    shown = visible(text)
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
 def dot_text(text: str) -> str:

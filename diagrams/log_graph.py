@@ -5,7 +5,7 @@ Every edge of the table is drawn (grey when no transition took it) and labelled 
 count; every refused (state, trigger, reason) is a red dashed edge with its count; refusals
 that found no lifecycle (``unknown_request``) leave a separate "no lifecycle" node; the
 lifecycles still live at the end of the log are listed in a note. All user-controlled
-text goes through :func:`kvlife.diagrams.dot.dot_text`.
+text goes through [`kvlife.diagrams.dot.dot_text()`][kvlife.diagrams.dot.dot_text].
 
 The log is read in one streaming pass (counters and the checker's open lifecycles only),
 so a log of any size can be drawn; each segment is its own serial space.
@@ -19,7 +19,7 @@ from typing import Final
 
 import graphviz
 
-from kvlife.diagrams.dot import dot_text
+from kvlife.diagrams.dot import dot_text, shortened
 from kvlife.fsm.audit import REGISTER, AuditChecker, AuditLog, AuditReader, AuditRecord, Event
 from kvlife.fsm.table import LIFECYCLE, State, sorted_edges
 
@@ -56,7 +56,7 @@ def log_graph(
         name="kvlife_audit",
         graph_attr={
             "rankdir": "LR",
-            "label": dot_text(f"{title}: {records} records"),
+            "label": dot_text(f"{shortened(title, 80)}: {records} records"),
             "labelloc": "t",
             "fontname": "Helvetica",
         },
@@ -90,12 +90,17 @@ def log_graph(
             color="red",
             fontcolor="red",
         )
+    # One self-loop per state with a line per (trigger, reason): loops of their own would
+    # stack their labels on top of each other.
+    loops: dict[str, list[str]] = {}
     for (src, trigger, reason), n in sorted(refused.items(), key=lambda kv: tuple(map(str, kv[0]))):
         node = src if src is not None else NO_LIFECYCLE
+        loops.setdefault(node, []).append(f"{trigger} refused ×{n}: {reason}")
+    for node, lines in loops.items():
         graph.edge(
             node,
             node,
-            label=f"{trigger} refused ×{n}\\n{reason}",
+            label="\\l".join(lines) + "\\l",
             color="red",
             fontcolor="red",
             style="dashed",
@@ -105,7 +110,7 @@ def log_graph(
         lines = [f"live at end of log: {len(live)}"]
         where = " (segment {})" if report.segments > 1 else ""
         lines += [
-            f"{dot_text(str(i.rid))} #{i.serial}{where.format(i.segment)}"
+            f"{dot_text(shortened(str(i.rid)))} #{i.serial}{where.format(i.segment)}"
             f" {i.state} inflight={i.inflight}"
             for i in live[:MAX_LIVE_LISTED]
         ]

@@ -7,23 +7,23 @@ Needs matplotlib (the ``plot`` extra: ``pip install 'kvlife[plot]'``).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from kvlife.diagrams.dot import visible
+from kvlife.diagrams.dot import shortened
 from kvlife.fsm.audit import REGISTER, AuditLog, AuditReader, AuditRecord, Event, Segment
 from kvlife.fsm.table import State
 
-#: Colour per state (released is not drawn: the row ends there).
 COLOURS: Final = {
     State.ALLOCATED.value: "#9ecae1",
     State.OFFLOADING.value: "#3182bd",
     State.FINISHED_PENDING.value: "#fd8d3c",
 }
-#: Refusal marks kept per row (a flood of stale deliveries draws as one smear anyway).
+"""Colour per state (released is not drawn: the row ends there)."""
 MAX_REFUSALS_PER_ROW: Final = 200
+"""Refusal marks kept per row (a flood of stale deliveries draws as one smear anyway)."""
 
 
 @dataclass
@@ -46,28 +46,40 @@ def natural_key(rid: str) -> tuple[str | int, ...]:
     return tuple(int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(rid)))
 
 
+MAX_ROWS: Final = 200
+"""The most rows a timeline draws, whatever is asked: a taller picture is unreadable."""
+
+
 @dataclass
 class Timeline:
-    """Rows of the first ``max_rows`` lifecycle instances in natural (rid, segment,
-    serial) order; ``lifecycles`` counts the instances of the log."""
+    """The rows kept, in natural (rid, segment, serial) order; ``lifecycles`` and
+    ``rids`` count the instances and distinct rids of the log (of the rids asked for)."""
 
     rows: list[Row]
     end: float
     lifecycles: int
+    rids: int = 0
 
 
 def build_timeline(
-    source: AuditReader | AuditLog | Iterable[Event], *, max_rows: int | None = None
+    source: AuditReader | AuditLog | Iterable[Event],
+    *,
+    max_rows: int | None = None,
+    rids: Collection[str] | None = None,
 ) -> Timeline:
     """Replay a log into rows (times in ms from the first record), in one pass.
 
-    With ``max_rows``, only that many rows are kept while reading (the first in rid
-    order), so memory stays bounded for a log of any size. Each segment is its own
-    serial space: a row is one (segment, serial).
+    With ``max_rows``, only that many rows are kept while reading, shared out fairly: every
+    rid's first instance comes before any rid's second one (then rid order), so one rid
+    with 600 lifecycles cannot push the others out. Memory stays bounded by the rows kept
+    plus one counter per rid. ``rids`` keeps only the instances of those rids. Each
+    segment is its own serial space: a row is one (segment, serial).
     """
     events = source.events() if isinstance(source, AuditLog) else source
+    wanted = None if rids is None else set(rids)
     kept: dict[tuple[int, int], Row] = {}
-    keys: dict[tuple[int, int], tuple[object, ...]] = {}  # kept rows only
+    keys: dict[tuple[int, int], tuple[object, ...]] = {}  # kept rows only: their priority
+    per_rid: dict[str, int] = {}  # instances met per rid
     cutoff: tuple[object, ...] | None = None  # instances at or past it are not drawn
     current: dict[tuple[int, int], tuple[float, str]] = {}  # kept and unreleased
     lifecycles = 0
@@ -91,6 +103,9 @@ def build_timeline(
         ident = (segment, serial)
         row = kept.get(ident)
         if row is None:
+            rid = r.rid or ""
+            if wanted is not None and rid not in wanted:
+                continue
             if r.trigger == REGISTER:
                 lifecycles += 1
                 if first_registered is None:
@@ -101,10 +116,12 @@ def build_timeline(
                 continue
             else:
                 lifecycles += 1  # met mid-history: the log began after its registration
-            key = (natural_key(r.rid or ""), segment, serial)
+            nth = per_rid.get(rid, 0)
+            per_rid[rid] = nth + 1
+            key = (nth, natural_key(rid), segment, serial)
             if cutoff is not None and key >= cutoff:
                 continue
-            row = kept[ident] = Row(serial, r.rid or "", segment=segment)
+            row = kept[ident] = Row(serial, rid, segment=segment)
             keys[ident] = key
             if r.trigger != REGISTER:
                 current[ident] = (t, r.src or "")
@@ -131,12 +148,13 @@ def build_timeline(
             current[ident] = (t, r.dst)
     for ident, (since, state) in current.items():
         kept[ident].spans.append((since, t, state))
-    rows = sorted(kept.values(), key=lambda row: keys[(row.segment, row.serial)])
-    return Timeline(rows, t, lifecycles)
+    rows = sorted(kept.values(), key=lambda row: (natural_key(row.rid), row.segment, row.serial))
+    return Timeline(rows, t, lifecycles, len(per_rid))
 
 
 def timeline_rows(source: AuditReader | AuditLog | Iterable[Event]) -> tuple[list[Row], float]:
-    """Every row of a (small) log and the end time; see :func:`build_timeline`."""
+    """Every row of a (small) log and the end time; see
+    [`build_timeline()`][kvlife.diagrams.timeline.build_timeline]."""
     timeline = build_timeline(source)
     return sorted(timeline.rows, key=lambda row: (row.segment, row.serial)), timeline.end
 
@@ -147,14 +165,19 @@ def plot_timeline(
     *,
     title: str = "kvlife lifecycles",
     max_rows: int = 80,
+    rids: Collection[str] | None = None,
 ) -> int:
     """Draw the timeline to ``path`` (PNG or SVG by suffix); return the rows drawn.
 
     Rows are grouped by rid in natural order (``req-2`` before ``req-10``), then segment
     and serial, so the instances that reused a rid sit one under the other and overlaps
-    show. At most ``max_rows`` rows are drawn (the title says how many of how many); the
-    log is read in one pass keeping only those rows. Raises ``ModuleNotFoundError`` with
-    an install hint without matplotlib.
+    show. At most ``max_rows`` rows are drawn (never more than
+    [`MAX_ROWS`][kvlife.diagrams.timeline.MAX_ROWS]), picked as
+    [`build_timeline()`][kvlife.diagrams.timeline.build_timeline] says; the title says
+    what was left out, and ``rids`` draws just the rids you name. Every span and refusal is
+    drawn at least a few pixels wide, so a short ``finished_pending`` after a rid reuse
+    shows at any zoom. Rids are cut to 24 characters. Raises ``ModuleNotFoundError``
+    with an install hint without matplotlib.
     """
     try:
         import matplotlib
@@ -168,20 +191,33 @@ def plot_timeline(
         raise ModuleNotFoundError(
             "the timeline needs matplotlib: pip install 'kvlife[plot]'"
         ) from exc
-    timeline = build_timeline(source, max_rows=max_rows)
+    timeline = build_timeline(source, max_rows=min(max_rows, MAX_ROWS), rids=rids)
     shown, end = timeline.rows, timeline.end
-    height = 1.4 + 0.2 * max(len(shown), 1)
-    fig, ax = plt.subplots(figsize=(11, min(height, 40)), dpi=110)
+    height = 1.6 + 0.2 * max(len(shown), 1)
+    fig, ax = plt.subplots(figsize=(11, min(height, 42)), dpi=110)
+    least = max(end, 1e-6) * 0.006  # about 6 px of the plot's width
     for y, row in enumerate(shown):
         for start, stop, state in row.spans:
+            pending = state == State.FINISHED_PENDING.value
             ax.broken_barh(
-                [(start, max(stop - start, end * 0.002))],
+                [(start, max(stop - start, least))],
                 (y - 0.4, 0.8),
                 facecolors=COLOURS.get(state, "gray"),
-                edgecolor="none",
+                edgecolor="#a63603" if pending else "none",
+                linewidth=0.8,
+                zorder=3 if pending else 2,
             )
         if row.refusals:
-            ax.plot(row.refusals, [y] * len(row.refusals), "x", color="red", markersize=5)
+            ax.plot(
+                row.refusals,
+                [y] * len(row.refusals),
+                "x",
+                color="red",
+                markersize=6,
+                markeredgewidth=1.5,
+                zorder=4,
+                clip_on=False,
+            )
     for y in range(1, len(shown)):
         if shown[y].rid != shown[y - 1].rid:
             ax.axhline(y - 0.5, color="gray", linewidth=0.5)
@@ -189,20 +225,33 @@ def plot_timeline(
     segments = len({row.segment for row in shown}) > 1
     ax.set_yticklabels(
         [
-            f"{visible(row.rid)[:24]} #{row.serial}" + (f" s{row.segment}" if segments else "")
+            f"{shortened(row.rid, 24)} #{row.serial}" + (f" s{row.segment}" if segments else "")
             for row in shown
         ],
         fontsize=7,
     )
     ax.invert_yaxis()
+    ax.set_xlim(0, max(end, 1e-6) * 1.01)
     ax.set_xlabel("time since the first record (ms)")
-    rids = len({row.rid for row in shown})
-    total = timeline.lifecycles
-    note = f" ({len(shown)} of {total} lifecycles, {rids} rids shown)" if total > len(shown) else ""
-    ax.set_title(f"{visible(title)}{note}")
+    shown_rids = len({row.rid for row in shown})
+    note = ""
+    if timeline.lifecycles > len(shown):
+        note = (
+            f"\n{len(shown)} of {timeline.lifecycles} lifecycles and {shown_rids} of "
+            f"{timeline.rids} rids shown (the first instances of each rid first)"
+        )
+    ax.set_title(f"{shortened(title, 80)}{note}", fontsize=10, pad=24)
     handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
     handles.append(Line2D([], [], marker="x", color="red", linestyle="none", label="refused"))
-    ax.legend(handles=handles, loc="upper right", fontsize=8)
+    # above the plot, never over a row
+    ax.legend(
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(0, 1.0),
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+    )
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

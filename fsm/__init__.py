@@ -1,9 +1,10 @@
 """kvlife.fsm: per-request lifecycle state machines for KV-cache offload.
 
 The pure core of kvlife (no torch, no graphviz): the one transition table
-(:mod:`kvlife.fsm.table`), the identity registry with its lifecycles and tickets
-(:mod:`kvlife.fsm.registry`), the typed errors (:mod:`kvlife.fsm.errors`) and the audit
-log (:mod:`kvlife.fsm.audit`).
+([`kvlife.fsm.table`][kvlife.fsm.table]), the identity registry with its lifecycles and tickets
+([`kvlife.fsm.registry`][kvlife.fsm.registry]), the typed errors
+([`kvlife.fsm.errors`][kvlife.fsm.errors]) and the audit
+log ([`kvlife.fsm.audit`][kvlife.fsm.audit]).
 
 Typical use in a scheduler::
 

@@ -1,13 +1,16 @@
 """The audit log: records, sinks, a streaming crash-tolerant reader and a checker.
 
 This module gathers the audit API in one place; the parts live in
-:mod:`kvlife.fsm.records` (what a log holds), :mod:`kvlife.fsm.sinks` (where records go),
-:mod:`kvlife.fsm.sink_guard` (what a registry does when a sink fails),
-:mod:`kvlife.fsm.reader` (reading) and :mod:`kvlife.fsm.checker` (replaying).
+[`kvlife.fsm.records`][kvlife.fsm.records] (what a log holds),
+[`kvlife.fsm.sinks`][kvlife.fsm.sinks] (where records go),
+[`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard] (what a registry does when a sink fails),
+[`kvlife.fsm.reader`][kvlife.fsm.reader] (reading) and [`kvlife.fsm.checker`][kvlife.fsm.checker]
+(replaying).
 
 A registry with no sink attached builds no record at all. With sinks attached, every
 accepted and every refused transition (and every registration) becomes one
-:class:`AuditRecord`, handed to each sink in ``seq`` order, after the transition was
+[`AuditRecord`][kvlife.fsm.records.AuditRecord], handed to each sink in ``seq`` order, after the
+transition was
 applied whole; a failing sink never changes what the registry does.
 """
 

@@ -38,8 +38,8 @@ from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
 
 COPIES = 4
-#: Audit records per benchmark lifecycle (register, 4 x 2, finish).
 RECORDS = 2 + 2 * COPIES
+"""Audit records per benchmark lifecycle (register, 4 x 2, finish)."""
 
 
 class BenchParser(argparse.ArgumentParser):
@@ -352,10 +352,10 @@ def measure_flat_costs(rounds: int = 7) -> dict[str, tuple[float, float]]:
     }
 
 
-#: Registry calls per benchmark lifecycle, each making the owner-thread check once.
 CHECKED_CALLS = 1 + 2 * COPIES + 1
-#: Registry calls per benchmark lifecycle that take ``**detail`` (all but register).
+"""Registry calls per benchmark lifecycle, each making the owner-thread check once."""
 DETAIL_CALLS = 2 * COPIES + 1
+"""Registry calls per benchmark lifecycle that take ``**detail`` (all but register)."""
 
 
 class _DetailProbe:
@@ -391,7 +391,8 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
     - ``**detail``: the keyword dict CPython builds for every call of a method that
       takes ``**detail`` (an empty one too), against the same method without it;
     - ``clock read``, ``record build``, ``ring append``: what every audit record costs
-      at least (``time.monotonic_ns()``, an :class:`AuditRecord` of 12 fields, a
+      at least (``time.monotonic_ns()``, an [`AuditRecord`][kvlife.fsm.records.AuditRecord] of 12
+      fields, a
       ``deque.append``), against the loop alone.
     """
     registry = LifecycleRegistry()
@@ -464,19 +465,19 @@ def measure_memory(live: int = 10_000) -> dict[str, float]:
     return figures
 
 
-#: Targets printed next to the figures (ratio to seed-style, at most).
 RATIO_TARGETS: dict[str, float] = {
     "kvlife, no audit": 0.50,
     "kvlife + memory ring": 0.80,
     "kvlife + JSON lines (fsync never)": 1.20,
 }
-#: Bytes per live lifecycle, at most (at 100k and 1M live).
+"""Targets printed next to the figures (ratio to seed-style, at most)."""
 MEMORY_TARGETS: dict[str, float] = {
     "registered (allocated)": 300,
     "offloading, 1 copy in flight": 360,
 }
-#: A flat cost's big case over its small case, at most.
+"""Bytes per live lifecycle, at most (at 100k and 1M live)."""
 FLAT_TARGET = 1.2
+"""A flat cost's big case over its small case, at most."""
 
 
 def _verdict(value: float, limit: float) -> str:

@@ -1,13 +1,14 @@
 """Replaying an audit log against the transition table, in one streaming pass.
 
-:class:`AuditChecker` takes the reader's events one at a time (:meth:`AuditChecker.feed`)
+[`AuditChecker`][kvlife.fsm.checker.AuditChecker] takes the reader's events one at a time
+([`AuditChecker.feed()`][kvlife.fsm.checker.AuditChecker.feed])
 and keeps only what is open at that point of the log: the unreleased lifecycles, the
 copies in flight, and one byte per serial and per copy number seen (to tell "released"
 and "completed" from "never seen"). A log of any length is checked in memory bounded by
 its busiest moment.
 
 Rules, per segment (each segment is its own serial and ``seq`` space): ``seq`` is
-gap-free, except where a :class:`~kvlife.fsm.records.LostRecords` marker says a failing
+gap-free, except where a [`LostRecords`][kvlife.fsm.records.LostRecords] marker says a failing
 sink lost records (reported as lost, not as tampering); every accepted transition is
 legal from the instance's previous state with its in-flight count; a refusal leaves its
 instance as it was; every ``ack``/``fail`` completes a copy that the same instance
@@ -26,8 +27,8 @@ from kvlife.fsm.reader import AuditFormatError, AuditLog, AuditReader, Event, Se
 from kvlife.fsm.records import REGISTER, AuditRecord, LostRecords
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 
-#: Violations kept in detail (all are counted in ``violation_count``).
 MAX_VIOLATIONS: Final = 1000
+"""Violations kept in detail (all are counted in ``violation_count``)."""
 
 ViolationKind = Literal[
     "seq_gap",
@@ -500,7 +501,7 @@ def check_audit(
     keep_instances: bool = False,
 ) -> AuditReport:
     """Replay an audit log (a reader, a log read into memory, or records) against the
-    transition table. See :class:`AuditChecker` for the arguments.
+    transition table. See [`AuditChecker`][kvlife.fsm.checker.AuditChecker] for the arguments.
 
     Raises:
         AuditTableMismatchError: a segment was written with another table, not accepted.

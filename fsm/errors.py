@@ -1,19 +1,20 @@
 """kvlife's exceptions, split by who is at fault.
 
-Every refused transition raises a subclass of :class:`LifecycleError` that carries the
+Every refused transition raises a subclass of [`LifecycleError`][kvlife.fsm.errors.LifecycleError]
+that carries the
 data of the refusal as attributes (``serial``, ``rid``, ``state``, ``trigger``,
 ``reason``, ``op``) and **changes nothing**: no state, no counter, no ticket, no record of
 the registry is modified, except that the refusal itself is counted in
 ``statistics().refusals`` and written to the audit sinks.
 
-``reason`` is one of the closed set in :data:`Reason`, the same string the audit log uses.
+``reason`` is one of the closed set in [`Reason`][kvlife.fsm.errors.Reason], the same string the
+audit log uses.
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
-#: Why a transition was refused. The audit log's ``reason`` field uses exactly these strings.
 Reason = Literal[
     "invalid_transition",
     "stale_instance",
@@ -22,9 +23,10 @@ Reason = Literal[
     "rid_conflict",
     "duplicate_registration",
 ]
+"""Why a transition was refused. The audit log's ``reason`` field uses exactly these strings."""
 
-#: The closed set of refusal reasons, in a fixed order.
 REASONS: tuple[Reason, ...] = get_args(Reason)
+"""The closed set of refusal reasons, in a fixed order."""
 
 
 class LifecycleError(Exception):
@@ -36,7 +38,7 @@ class LifecycleError(Exception):
         rid: the request id involved, or ``None`` when the request had none.
         state: the lifecycle's state name when the refusal happened, or ``None``.
         trigger: the trigger that was refused (``"register"`` for registrations).
-        reason: one of :data:`REASONS`.
+        reason: one of [`REASONS`][kvlife.fsm.errors.REASONS].
         op: the ticket's copy number for ``ack``/``fail`` refusals, else ``None``.
 
     A refusal leaves the registry and every lifecycle exactly as they were; only the
@@ -77,7 +79,7 @@ class StaleInstanceError(InvalidTransitionError):
     """The lifecycle this call names has already been released.
 
     Typical cause: a late or repeated delivery of a ticket whose lifecycle has finished
-    and released, or a scheduler that kept a :class:`~kvlife.fsm.Lifecycle` after its
+    and released, or a scheduler that kept a [`Lifecycle`][kvlife.fsm.registry.Lifecycle] after its
     release. Nothing changed; in particular no newer lifecycle with the same rid was
     touched.
     """
@@ -130,7 +132,8 @@ class DuplicateRegistrationError(LifecycleError):
 class TableDefinitionError(ValueError):
     """A transition table failed the definition checks when it was built.
 
-    Raised by :func:`kvlife.fsm.table.build_lifecycle_table`; the message names the check
+    Raised by [`kvlife.fsm.table.build_lifecycle_table()`][kvlife.fsm.table.build_lifecycle_table];
+    the message names the check
     and the offending states or edges. Nothing is built.
     """
 
@@ -141,6 +144,7 @@ class WrongThreadError(RuntimeError):
     A registry is not shared between threads: its owner (the thread that made it, or the
     last to call ``adopt_thread``) drives it, and completions from other threads are
     queued to the owner. The refused call changed nothing, not even a counter, and wrote
-    no audit record. Not a :class:`LifecycleError`: no transition was asked, the caller's
+    no audit record. Not a [`LifecycleError`][kvlife.fsm.errors.LifecycleError]: no transition was
+    asked, the caller's
     threading is wrong.
     """

@@ -1,19 +1,24 @@
 """Reading audit logs: one streaming reader under everything that reads a log.
 
-:class:`AuditReader` walks a log (a file, or a rotated set ``PATH.N ... PATH.1 PATH``)
-line by line and yields what each line is -- a :class:`Segment` when a writer's segment
-begins, an :class:`~kvlife.fsm.records.AuditRecord`, or a
-:class:`~kvlife.fsm.records.LostRecords` marker -- decoding records with msgspec's typed
+[`AuditReader`][kvlife.fsm.reader.AuditReader] walks a log (a file, or a rotated set ``PATH.N ...
+PATH.1 PATH``)
+line by line and yields what each line is -- a [`Segment`][kvlife.fsm.reader.Segment] when a
+writer's segment
+begins, an [`AuditRecord`][kvlife.fsm.records.AuditRecord], or a
+[`LostRecords`][kvlife.fsm.records.LostRecords] marker -- decoding records with msgspec's typed
 decoder. Memory does not grow with the log: only the current line is held, plus at most
-:data:`MAX_PROBLEMS` problem reports.
+[`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS] problem reports.
 
 Crash tolerance: a torn last line (a crash mid-write) is skipped and its size reported in
 ``torn_tail``; a complete line in the middle that is not a valid record is reported in
 ``problems`` (never joined with a neighbour) and skipped. A file whose first line is not
-a kvlife header is refused with :class:`AuditFormatError`: it is not an audit log.
+a kvlife header is refused with [`AuditFormatError`][kvlife.fsm.reader.AuditFormatError]: it is not
+an audit log.
 
-:func:`read_audit` reads a whole log into an :class:`AuditLog` in memory, for small logs
-and tests; tools that may meet big logs iterate an :class:`AuditReader` instead.
+[`read_audit()`][kvlife.fsm.reader.read_audit] reads a whole log into an
+[`AuditLog`][kvlife.fsm.reader.AuditLog] in memory, for small logs
+and tests; tools that may meet big logs iterate an [`AuditReader`][kvlife.fsm.reader.AuditReader]
+instead.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from kvlife.fsm.records import (
 )
 from kvlife.fsm.sinks import rotated_name
 
-#: Problems kept in detail per reader (all are counted in ``problem_count``).
 MAX_PROBLEMS: Final = 100
+"""Problems kept in detail per reader (all are counted in ``problem_count``)."""
 
 _RECORD: Final = msgspec.json.Decoder(AuditRecord)
 _LOST: Final = msgspec.json.Decoder(LostRecords)
@@ -49,7 +54,8 @@ _ANY: Final = msgspec.json.Decoder()
 class AuditFormatError(ValueError):
     """The input is not a kvlife audit log (no header first), or it is unreadable.
 
-    Also raised by :func:`read_audit` in strict mode for the first problem found.
+    Also raised by [`read_audit()`][kvlife.fsm.reader.read_audit] in strict mode for the first
+    problem found.
     """
 
 
@@ -68,7 +74,7 @@ class Segment:
     """A writer's segment begins: its index in the log (0, 1, ...) and its header.
 
     Each segment is its own serial and ``seq`` space. A size-rotated segment continues
-    across files without a new :class:`Segment`.
+    across files without a new [`Segment`][kvlife.fsm.reader.Segment].
     """
 
     index: int
@@ -104,15 +110,18 @@ class AuditReader:
     """Stream the events of an audit log. Iterate it once.
 
     Args:
-        source: a path (with ``rotated=True``, its rotated set, see :func:`audit_files`)
+        source: a path (with ``rotated=True``, its rotated set, see
+            [`audit_files()`][kvlife.fsm.reader.audit_files])
             or a sequence of paths read in the given order.
         rotated: take ``PATH``'s rotated backups too (only for a single path).
-        strict: raise :class:`AuditFormatError` at the first problem instead of
+        strict: raise [`AuditFormatError`][kvlife.fsm.reader.AuditFormatError] at the first problem
+            instead of
             reporting it (torn tails are not problems).
         progress: called as ``progress(bytes_read, total_bytes)`` about every 4 MiB.
 
     After (or during) iteration: ``torn_tail`` (bytes skipped after the last newline of
-    each file, summed), ``problems`` (the first :data:`MAX_PROBLEMS`), ``problem_count``,
+    each file, summed), ``problems`` (the first [`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS]),
+    ``problem_count``,
     ``records``, ``segments``, ``files``.
 
     Raises (while iterating):
@@ -276,7 +285,8 @@ class AuditSegment:
 
 @dataclass
 class AuditLog:
-    """What :func:`read_audit` read: segments of records plus the problems found.
+    """What [`read_audit()`][kvlife.fsm.reader.read_audit] read: segments of records plus the
+    problems found.
 
     ``torn_tail`` is the number of bytes after the last newline (a crash mid-write); they
     were skipped. ``problems`` lists lines in the middle that were not valid records;

@@ -1,10 +1,13 @@
 """What an audit log holds: records, headers and lost-record markers, and their encoding.
 
 An audit log is JSON lines. Each writer (one sink of one registry) starts a *segment*
-with an :class:`AuditHeader`; a size-rotated file continues its segment in the next file
+with an [`AuditHeader`][kvlife.fsm.records.AuditHeader]; a size-rotated file continues its segment
+in the next file
 with a header of the same ``segment`` id and the next ``part``. Then come
-:class:`AuditRecord` lines (one per accepted or refused transition, ``seq`` gap-free per
-segment) and, only after a sink failed, :class:`LostRecords` markers naming the ``seq``
+[`AuditRecord`][kvlife.fsm.records.AuditRecord] lines (one per accepted or refused transition,
+``seq`` gap-free per
+segment) and, only after a sink failed, [`LostRecords`][kvlife.fsm.records.LostRecords] markers
+naming the ``seq``
 range that could not be written.
 
 Decoding is typed (msgspec): a line is a record only if every field has the schema's
@@ -25,19 +28,19 @@ from kvlife.fsm._version import __version__
 from kvlife.fsm.errors import Reason
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 
-#: The schema version written in every header and understood by the reader.
 SCHEMA_VERSION: Final = 1
+"""The schema version written in every header and understood by the reader."""
 
-#: The trigger name of registration records (not a table trigger: it creates the instance).
 REGISTER: Final = "register"
+"""The trigger name of registration records (not a table trigger: it creates the instance)."""
 
-#: Allowed values of ``detail`` entries: small scalars only, never live objects.
 DetailValue = int | float | str | bool | None
+"""Allowed values of ``detail`` entries: small scalars only, never live objects."""
 
-#: State names as written in records.
 StateName = Literal["allocated", "offloading", "finished_pending", "released"]
-#: Trigger names as written in records (the table's triggers plus ``register``).
+"""State names as written in records."""
 TriggerName = Literal["register", "start_offload", "ack", "fail", "finish", "abort"]
+"""Trigger names as written in records (the table's triggers plus ``register``)."""
 
 # The literal sets above restate the table's names so that decoding checks them in C; the
 # import fails loudly if the table and the schema ever drift apart.
@@ -130,8 +133,8 @@ class LostRecords(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=T
     error: str
 
 
-#: Field names in schema order.
 RECORD_FIELDS: Final[tuple[str, ...]] = AuditRecord.__struct_fields__
+"""Field names in schema order."""
 
 _ENCODER: Final = msgspec.json.Encoder()
 # JSON allows U+0085, U+2028 and U+2029 raw, but str.splitlines() (and JavaScript, for the

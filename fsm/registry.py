@@ -1,9 +1,12 @@
-"""Lifecycles, tickets and the identity registry (contract §3).
+"""Lifecycles, tickets and the identity registry (design §3).
 
-One :class:`LifecycleRegistry` owns every lifecycle of one offload manager. It is the only
-maker of :class:`Lifecycle` objects (``register``) and of :class:`Ticket` objects
+One [`LifecycleRegistry`][kvlife.fsm.registry.LifecycleRegistry] owns every lifecycle of one offload
+manager. It is the only
+maker of [`Lifecycle`][kvlife.fsm.registry.Lifecycle] objects (``register``) and of
+[`Ticket`][kvlife.fsm.registry.Ticket] objects
 (``start_offload``). Every change of a lifecycle goes through one of its methods, which
-looks the change up in the compiled table of :mod:`kvlife.fsm.table` and either applies
+looks the change up in the compiled table of [`kvlife.fsm.table`][kvlife.fsm.table] and either
+applies
 it whole or refuses it with a typed error that changed nothing.
 
 Identity: a request is found by ``id()`` in a dict whose entries exist only while the
@@ -13,13 +16,15 @@ its ticket, which names the exact lifecycle instance and copy, so a late ack of 
 request can only ever complete the old request's copy.
 
 Threads: a registry belongs to one thread, the one that made it (or the last that called
-:meth:`LifecycleRegistry.adopt_thread`). Every call that changes something checks this
-first and raises :class:`~kvlife.fsm.errors.WrongThreadError` from any other thread,
+[`LifecycleRegistry.adopt_thread()`][kvlife.fsm.registry.LifecycleRegistry.adopt_thread]). Every
+call that changes something checks this
+first and raises [`WrongThreadError`][kvlife.fsm.errors.WrongThreadError] from any other thread,
 having changed nothing. Completions produced on other threads (CUDA host callbacks,
 worker threads) are queued and delivered from the owner thread, as the completion pump
 does. Read-only calls (``statistics``, ``len``, ``live``) may come from any thread.
 
-Audit sinks never change what the registry does: see :mod:`kvlife.fsm.sink_guard`.
+Audit sinks never change what the registry does: see
+[`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard].
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ ReleaseHook = Callable[["Lifecycle", Any], None]
 class Lifecycle:
     """The lifecycle of one request instance: its state, copies in flight and outcome.
 
-    Made only by :meth:`LifecycleRegistry.register`; every attribute is read-only and
+    Made only by [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register];
+    every attribute is read-only and
     every change goes through the registry. A lifecycle that reached ``released`` stays
     readable (its final state and outcome) but holds no reference to its request.
     """
@@ -165,7 +171,9 @@ class Lifecycle:
 class Ticket:
     """Names one copy of one lifecycle instance. Returned by ``start_offload``.
 
-    Deliver it exactly once, with :meth:`LifecycleRegistry.complete` (or ``deliver``),
+    Deliver it exactly once, with
+    [`LifecycleRegistry.complete()`][kvlife.fsm.registry.LifecycleRegistry.complete] (or
+    ``deliver``),
     when the copy's completion event is done (``ok=True``) or the copy failed
     (``ok=False``). Tickets are immutable and made only by the registry.
     """
@@ -314,7 +322,7 @@ class LifecycleRegistry:
 
     Args:
         sinks: audit sinks (objects with a ``write(record)`` method, see
-            :mod:`kvlife.fsm.audit`). With none, no audit record is built.
+            [`kvlife.fsm.sinks`][kvlife.fsm.sinks]). With none, no audit record is built.
         sink_backlog: most records kept per failing sink for a retry; older ones are
             dropped and marked as lost in the log.
         sink_retry_s: least time between two retries of a failing sink on the write path
@@ -322,12 +330,13 @@ class LifecycleRegistry:
 
     Every method that changes something either applies one transition of the table whole
     (state, in-flight count, references, counters, audit record, release hooks) or raises
-    a :class:`~kvlife.fsm.errors.LifecycleError` subclass and changes nothing except the
+    a [`LifecycleError`][kvlife.fsm.errors.LifecycleError] subclass and changes nothing except the
     refusal counters and the audit log. A failing sink never raises out of a registry
-    call: see :mod:`kvlife.fsm.sink_guard`.
+    call: see [`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard].
 
     Called from a thread other than its owner, every changing method raises
-    :class:`~kvlife.fsm.errors.WrongThreadError` and changes nothing (not even a counter).
+    [`WrongThreadError`][kvlife.fsm.errors.WrongThreadError] and changes nothing (not even a
+    counter).
     """
 
     def __init__(
@@ -489,7 +498,8 @@ class LifecycleRegistry:
 
     def __contains__(self, req: object) -> bool:
         """Whether ``req`` (by identity) has an unreleased current lifecycle here; a
-        :class:`Lifecycle` is contained while it is unreleased and owned by this registry."""
+        [`Lifecycle`][kvlife.fsm.registry.Lifecycle] is contained while it is unreleased and owned
+        by this registry."""
         if type(req) is Lifecycle:
             return req._registry is self and req._s != _RELEASED
         return id(req) in self._by_id
@@ -626,7 +636,8 @@ class LifecycleRegistry:
     def start_offload(self, target: object, **detail: DetailValue) -> Ticket:
         """Record that a copy of ``target``'s KV was launched; return its ticket.
 
-        ``target`` is the request object or its :class:`Lifecycle`. ``detail`` (small
+        ``target`` is the request object or its [`Lifecycle`][kvlife.fsm.registry.Lifecycle].
+        ``detail`` (small
         scalars: tokens, bytes, pages) goes into the audit record. Call this only after
         the copy's completion event was recorded. On any error no ticket exists and
         nothing changed.
@@ -741,7 +752,8 @@ class LifecycleRegistry:
         return lc
 
     def deliver(self, ticket: Ticket, ok: bool = True, **detail: DetailValue) -> Reason | None:
-        """Like :meth:`complete` but for the completion pump: a refusal is counted and
+        """Like [`complete()`][kvlife.fsm.registry.LifecycleRegistry.complete] but for the
+        completion pump: a refusal is counted and
         audited and its reason returned instead of raised. Returns ``None`` when applied.
 
         Raises:
@@ -780,7 +792,8 @@ class LifecycleRegistry:
     def abort(self, target: object, **detail: DetailValue) -> Lifecycle:
         """The request was aborted: its host copies are discarded on release.
 
-        Same transitions and errors as :meth:`finish`; only the outcome differs.
+        Same transitions and errors as [`finish()`][kvlife.fsm.registry.LifecycleRegistry.finish];
+        only the outcome differs.
         """
         return self._end(target, Trigger.ABORT, _ABORT, "aborted", detail)
 

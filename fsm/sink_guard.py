@@ -2,17 +2,17 @@
 
 A transition is applied whole before its record is built; the record then goes to every
 sink. A sink that raises is not allowed to undo or interrupt anything: the registry hands
-the failure to the sink's :class:`SinkGuard`, which
+the failure to the sink's [`SinkGuard`][kvlife.fsm.sink_guard.SinkGuard], which
 
 * counts it (``errors``, in ``LifecycleRegistry.statistics().sinks``),
-* logs the first failure through :mod:`logging` (logger ``kvlife.fsm.sinks``, once per
+* logs the first failure through `logging` (logger ``kvlife.fsm.sinks``, once per
   failure episode, and once more when the sink recovers),
 * keeps the records the sink could not take in a bounded backlog and offers them again,
   oldest first, on later writes (at most every ``retry_s`` seconds), on
   ``registry.flush()`` and at interpreter exit (then what is still refused is logged
   with its ``seq`` range),
 * and when the backlog overflows drops its oldest records, remembering their ``seq``
-  range: once the sink takes records again, a :class:`~kvlife.fsm.records.LostRecords`
+  range: once the sink takes records again, a [`LostRecords`][kvlife.fsm.records.LostRecords]
   marker naming that range is written before the rest (``write_lost``), so the log says
   what it is missing and the checker reports "records lost (sink error)".
 

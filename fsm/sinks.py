@@ -4,13 +4,14 @@ A sink is any object with ``write(record)``; it may also have ``write_lost(marke
 ``flush()`` and ``close()``. A sink's ``write`` either takes the record (it will be in the
 log, or the sink reports otherwise when it is closed) or raises, and then the record was
 not taken: the registry keeps it in a bounded backlog and offers it again (see
-:mod:`kvlife.fsm.sink_guard`). A sink never takes a record half.
+[`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard]). A sink never takes a record half.
 
-* :class:`MemorySink` -- an in-memory ring of the newest records.
-* :class:`JsonLinesSink` -- a JSON-lines file: header per segment, fsync policy, owner-only
+* [`MemorySink`][kvlife.fsm.sinks.MemorySink] -- an in-memory ring of the newest records.
+* [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink] -- a JSON-lines file: header per segment, fsync
+  policy, owner-only
   permissions, size-based rotation, flushed at interpreter exit and when collected, never
   a partial line in the middle of the file.
-* :class:`LoggingSink` -- one stdlib ``logging`` call per record.
+* [`LoggingSink`][kvlife.fsm.sinks.LoggingSink] -- one stdlib ``logging`` call per record.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class AuditSinkError(OSError):
 
 
 class AuditSinkClosedError(AuditSinkError, ValueError):
-    """A record was given to a sink after :meth:`JsonLinesSink.close` (a ``ValueError``
+    """A record was given to a sink after
+    [`JsonLinesSink.close()`][kvlife.fsm.sinks.JsonLinesSink.close] (a ``ValueError``
     too, like writing to a closed file)."""
 
 
@@ -55,7 +57,7 @@ class MemorySink:
 
     Appending is O(1); when the ring is full the oldest record is dropped (the ``seq`` of
     the oldest record held says how many went before it). Markers of records the
-    registry had to drop for this sink are kept in :meth:`lost`.
+    registry had to drop for this sink are kept in [`lost()`][kvlife.fsm.sinks.MemorySink.lost].
     """
 
     __slots__ = ("_lost", "_ring", "write")
@@ -146,7 +148,8 @@ _Item = AuditRecord | LostRecords
 
 
 class _JsonFile:
-    """The open file of a :class:`JsonLinesSink`: everything its exit-time flush needs,
+    """The open file of a [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink]: everything its
+    exit-time flush needs,
     and no reference to the sink, so the sink can be collected."""
 
     def __init__(self, path: Path, fsync: FsyncPolicy, max_bytes: int | None, backups: int) -> None:
@@ -269,22 +272,25 @@ class JsonLinesSink:
         ``"never"``: records are buffered and written in batches; the OS decides when they
             reach the disk.
         ``"batch"``: records are buffered and written every ``batch_records`` records and
-            on :meth:`flush`, each write followed by ``fsync``.
-        ``"record"``: every record is written and fsynced before :meth:`write` returns.
+            on [`flush()`][kvlife.fsm.sinks.JsonLinesSink.flush], each write followed by ``fsync``.
+        ``"record"``: every record is written and fsynced before `write()` returns.
 
     Rotation: with ``max_bytes``, a write that would take the file past it first renames
     the file to ``PATH.1`` (``PATH.1`` to ``PATH.2`` ..., keeping ``backups`` old files)
     and continues the segment in a new ``PATH`` (its header has the same ``segment`` and
     the next ``part``). The reader takes ``PATH.N ... PATH.1 PATH`` in that order.
 
-    Buffered records are written by :meth:`flush`, :meth:`close` (or the ``with`` block),
+    Buffered records are written by [`flush()`][kvlife.fsm.sinks.JsonLinesSink.flush],
+    [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] (or the ``with`` block),
     at interpreter exit, and when the sink is garbage collected.
 
     Errors: a write that fails (disk full, file size limit, I/O error) raises
-    :class:`AuditSinkError` or ``OSError`` and leaves the file ending at a complete line;
-    the record given to that :meth:`write` was not taken (the registry keeps it and offers
-    it again) and records buffered before it stay buffered. :meth:`write` after
-    :meth:`close` raises :class:`AuditSinkClosedError`.
+    [`AuditSinkError`][kvlife.fsm.sinks.AuditSinkError] or ``OSError`` and leaves the file ending at
+    a complete line;
+    the record given to that `write()` was not taken (the registry keeps it and offers
+    it again) and records buffered before it stay buffered. `write()` after
+    [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] raises
+    [`AuditSinkClosedError`][kvlife.fsm.sinks.AuditSinkClosedError].
     """
 
     def __init__(
@@ -331,7 +337,7 @@ class JsonLinesSink:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` completed."""
+        """Whether [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] completed."""
         return self._file.fd is None
 
     def _write_record(self, item: _Item) -> None:
@@ -370,7 +376,8 @@ class JsonLinesSink:
         """Flush and close the file. Closing twice is harmless.
 
         Raises ``OSError`` when the final write fails; the sink then stays open with its
-        records buffered, so a later :meth:`close` can still write them.
+        records buffered, so a later [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] can still
+        write them.
         """
         self._file.close()
         self._finalizer.detach()

@@ -1,8 +1,10 @@
 """The lifecycle transition table: the one place where transitions are decided.
 
 Rule 1 (after h11's ``_state.py``): everything that affects which transition a trigger
-takes lives here, as data. :data:`LIFECYCLE_EDGES` is the table of the contract (§2);
-:func:`build_lifecycle_table` checks its definition, builds it into a ``transitions``
+takes lives here, as data. [`LIFECYCLE_EDGES`][kvlife.fsm.table.LIFECYCLE_EDGES] is the
+table of the design (docs/design.md §2);
+[`build_lifecycle_table()`][kvlife.fsm.table.build_lifecycle_table] checks its definition,
+builds it into a ``transitions``
 machine (the reference engine, also used for the diagrams) and compiles that machine into
 the tuple-indexed table the hot path runs.
 
@@ -71,13 +73,12 @@ class Edge(NamedTuple):
     guard: Guard | None = None
 
 
-#: The table's shape: a tuple of edges. Any (state, trigger) pair not listed is refused.
 EdgeTable = tuple[Edge, ...]
+"""The table's shape: a tuple of edges. Any (state, trigger) pair not listed is refused."""
 
 _A, _O, _F, _R = State.ALLOCATED, State.OFFLOADING, State.FINISHED_PENDING, State.RELEASED
 _MORE, _LAST = Guard.MORE_IN_FLIGHT, Guard.LAST_IN_FLIGHT
 
-#: The lifecycle table of the contract (§2). Released is terminal: it has no edges.
 LIFECYCLE_EDGES: Final[EdgeTable] = (
     Edge(_A, Trigger.START_OFFLOAD, _O),
     Edge(_A, Trigger.FINISH, _R),
@@ -94,14 +95,15 @@ LIFECYCLE_EDGES: Final[EdgeTable] = (
     Edge(_F, Trigger.FAIL, _F, _MORE),
     Edge(_F, Trigger.FAIL, _R, _LAST),
 )
+"""The lifecycle table of the design (§2). Released is terminal: it has no edges."""
 
-#: The triggers that complete a copy; the only ones that may carry guards.
 COMPLETION_TRIGGERS: Final = frozenset({Trigger.ACK, Trigger.FAIL})
+"""The triggers that complete a copy; the only ones that may carry guards."""
 
-#: States in a fixed order; the hot path stores a lifecycle's state as an index into this.
 STATES: Final[tuple[State, ...]] = tuple(State)
-#: Triggers in a fixed order.
+"""States in a fixed order; the hot path stores a lifecycle's state as an index into this."""
 TRIGGERS: Final[tuple[Trigger, ...]] = tuple(Trigger)
+"""Triggers in a fixed order."""
 
 
 class _GuardModel:
@@ -117,10 +119,12 @@ class _GuardModel:
         return self.inflight == 1
 
 
-#: Next state for one trigger, indexed by the source state's index in :data:`STATES`:
-#: ``None`` when refused, else ``(dst if more in flight, dst if last in flight)`` (the
-#: two are equal for unguarded edges).
 Row = tuple[tuple[int, int] | None, ...]
+"""Next state for one trigger, indexed by the source state's index in
+[`STATES`][kvlife.fsm.table.STATES]:
+``None`` when refused, else ``(dst if more in flight, dst if last in flight)`` (the
+two are equal for unguarded edges).
+"""
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ class LifecycleTable:
         terminal: the terminal state.
         machine: a ``transitions.Machine(model=None, auto_transitions=False)`` built from
             the edges; the reference engine and the source of the diagrams.
-        rows: per trigger, the compiled :data:`Row`.
+        rows: per trigger, the compiled [`Row`][kvlife.fsm.table.Row].
         digest: a short hash of the table (edges, initial, terminal), written into audit
             log headers so a log can be matched to the table that produced it.
     """
@@ -179,7 +183,8 @@ def table_digest(edges: Iterable[Edge], initial: State, terminal: State) -> str:
 
 
 def check_definition(edges: EdgeTable, initial: State, terminal: State) -> None:
-    """Run the definition checks of §2 on a table; raise :class:`TableDefinitionError`.
+    """Run the definition checks of design §2 on a table; raise
+    [`TableDefinitionError`][kvlife.fsm.errors.TableDefinitionError].
 
     Checks: edges are well typed; exactly one initial state, distinct from the terminal
     one; no edge leaves the terminal state; every state is reachable from the initial
@@ -251,7 +256,7 @@ def build_machine(edges: EdgeTable, initial: State) -> Machine:
 
     Edges are added in a stable order so every rendering of the machine is deterministic.
     Guards become ``conditions`` naming methods of the model (``more_in_flight``,
-    ``last_in_flight``); see :func:`reference_model`.
+    ``last_in_flight``); see [`reference_model()`][kvlife.fsm.table.reference_model].
     """
     return add_edges(
         Machine(
@@ -327,7 +332,7 @@ def build_lifecycle_table(
 
 
 def reference_model(state: State = State.ALLOCATED, inflight: int = 0) -> _GuardModel:
-    """A plain model for driving :attr:`LifecycleTable.machine` as a reference engine:
+    """A plain model for driving `LifecycleTable.machine` as a reference engine:
     ``table.machine.events[trigger].trigger(model)`` (the static-machine pattern)."""
     model = _GuardModel()
     model.state = state.value
@@ -335,5 +340,5 @@ def reference_model(state: State = State.ALLOCATED, inflight: int = 0) -> _Guard
     return model
 
 
-#: The table every registry uses, built and checked at import.
 LIFECYCLE: Final[LifecycleTable] = build_lifecycle_table()
+"""The table every registry uses, built and checked at import."""

@@ -1,10 +1,14 @@
 """kvlife.offload: real KV offload to (pinned) host memory on torch.
 
-:class:`KVLayout` describes the engine's device KV pool; :class:`HostPagePool` holds host
-pages shaped after it; :class:`CopyEngine` gathers token slots on the device and copies
+[`KVLayout`][kvlife.offload.layout.KVLayout] describes the engine's device KV pool;
+[`HostPagePool`][kvlife.offload.host_pool.HostPagePool] holds host
+pages shaped after it; [`CopyEngine`][kvlife.offload.copy_engine.CopyEngine] gathers token slots on
+the device and copies
 them into host pages (side streams and CUDA events on a GPU, synchronous on CPU);
-:class:`CompletionQueue` delivers each copy's ticket when its event is done (agreed over
-``torch.distributed`` under tensor parallelism); :class:`OffloadManager` is what a
+[`CompletionQueue`][kvlife.offload.completion.CompletionQueue] delivers each copy's ticket when its
+event is done (agreed over
+``torch.distributed`` under tensor parallelism);
+[`OffloadManager`][kvlife.offload.manager.OffloadManager] is what a
 scheduler calls.
 """
 

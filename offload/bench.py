@@ -109,7 +109,7 @@ def token_count(text: str) -> int:
 
 
 def peak_bytes(tokens: int, layers: int) -> int:
-    """What :func:`measure_throughput` allocates at once: a device pool of twice the
+    """What `measure_throughput()` allocates at once: a device pool of twice the
     tokens, the host pool and one contiguous source tensor of the copied bytes."""
     return 4 * tokens * reference_layout(16, layers).bytes_per_token
 

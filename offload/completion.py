@@ -1,4 +1,4 @@
-"""The completion pump (contract §5): deliver each copy's ticket when its copy is over.
+"""The completion pump (design §5): deliver each copy's ticket when its copy is over.
 
 Copies on one stream complete in order, so the queue keeps one FIFO per stream and a poll
 looks at each FIFO from its head, stopping at the first copy that is not done: a poll

@@ -1,16 +1,17 @@
 """Copy a request's KV from the device pool into host pages.
 
-CUDA path (contract §5): the copy runs on side streams that first wait on the stream that
+CUDA path (design §5): the copy runs on side streams that first wait on the stream that
 produced the KV (the current stream at launch). Each chunk of pages is gathered on the
 device on a *gather* stream into a reused page-major staging buffer (whole aligned pages:
 one ``index_select`` per component straight into page-major order; other slots: per token
 into component-major staging, then one transpose) and copied to pinned host memory on a
 *copy* stream; two staging buffers alternate, so the gather of chunk i+1 overlaps the copy
 of chunk i. The job's completion event is recorded on the copy stream after its last
-copy; only then does :meth:`CopyEngine.launch` return.
+copy; only then does [`CopyEngine.launch()`][kvlife.offload.copy_engine.CopyEngine.launch] return.
 
 CPU path: the same API; a copy runs synchronously at launch, or, with ``defer=True``,
-when the caller runs it (:meth:`CopyJob.run`) -- which is how tests hold completions back
+when the caller runs it ([`CopyJob.run()`][kvlife.offload.copy_engine.CopyJob.run]) -- which is how
+tests hold completions back
 and release them in any order, and how they see a copy read device memory *late*, as a
 real asynchronous copy does. When the slots come in whole aligned pages (page ``b`` of
 the device pool is slots ``b*page_size ..``, as block-paged engines allocate them), each
@@ -123,13 +124,16 @@ class CopyEngine:
 
     Args:
         layout: the pool's layout.
-        kv: the engine's KV tensors (see :meth:`KVLayout.component_views`).
+        kv: the engine's KV tensors (see
+            [`KVLayout.component_views()`][kvlife.offload.layout.KVLayout.component_views]).
         host: the host page pool.
         chunk_pages: pages per pipelined chunk (CUDA) and staging-buffer size.
         streams: side streams (CUDA) / completion streams (CPU); copies go round robin.
-        defer: CPU only: a copy runs when :meth:`CopyJob.run` is called.
+        defer: CPU only: a copy runs when [`CopyJob.run()`][kvlife.offload.copy_engine.CopyJob.run]
+            is called.
         completion: ``"poll"`` (query each job's event) or ``"callback"`` (CUDA only: a
-            host function marks each job done, see :mod:`kvlife.offload.host_callback`).
+            host function marks each job done, see
+            [`kvlife.offload.host_callback`][kvlife.offload.host_callback]).
         threads: CPU only: torch intra-op threads for kvlife's own copies (set around each
             copy and restored after it); ``None`` (the default) leaves the process's
             setting alone. On a small machine with other load, 1 avoids threads that wait

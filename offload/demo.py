@@ -2,13 +2,14 @@
 
 A scheduler admits requests with random prompt and output lengths into a device KV pool of
 real torch tensors, decodes one token per running request per step, offloads committed
-pages through an :class:`~kvlife.offload.OffloadManager`, aborts some requests, and reuses
+pages through an [`OffloadManager`][kvlife.offload.manager.OffloadManager], aborts some requests,
+and reuses
 request ids at once. On CPU, copies are held back and released in random order over four
 streams (on CUDA they complete asynchronously on their own). A small, labelled share of
 faults is injected: copies that fail, and a buggy component that re-delivers old tickets.
 Everything is audited; the result is a summary and an audit log.
 
-Run it through ``kvlife demo`` (which also draws the diagrams) or :func:`run_workload`.
+Run it through ``kvlife demo`` (which also draws the diagrams) or `run_workload()`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class DemoRequest:
 
 class DemoEngine:
     """A serving engine's KV side: a slot allocator over real tensors, and the
-    :class:`~kvlife.offload.KVSource` answers kvlife needs. It checks kvlife's promise:
+    [`KVSource`][kvlife.offload.manager.KVSource] answers kvlife needs. It checks kvlife's promise:
     slots handed back are read by no copy in flight."""
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:

@@ -1,6 +1,6 @@
 """Push completion: a CUDA host function marks a copy done (``cudaLaunchHostFunc``).
 
-An option, not the default (contract §5): on an H200 a host function after each copy cut
+An option, not the default (design §5): on an H200 a host function after each copy cut
 back-to-back copy bandwidth from 55 to 41 GB/s in a measurement, where polling the events
 did not. Use it when a scheduler would rather be told than ask.
 

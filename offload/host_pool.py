@@ -27,9 +27,10 @@ class ForeignPageError(HostPageError):
 
 
 class HostPages:
-    """A set of pages allocated from one :class:`HostPagePool`, in allocation order.
+    """A set of pages allocated from one [`HostPagePool`][kvlife.offload.host_pool.HostPagePool], in
+    allocation order.
 
-    Immutable; made only by :meth:`HostPagePool.alloc`.
+    Immutable; made only by [`HostPagePool.alloc()`][kvlife.offload.host_pool.HostPagePool.alloc].
     """
 
     __slots__ = ("_indices", "_pool")

@@ -7,14 +7,16 @@ Wiring, per scheduler step::
     manager.poll()                        # once per step: deliver finished copies
     manager.finish(req) / manager.abort(req)
 
-The engine answers four questions about a request through :class:`KVSource`: how many
+The engine answers four questions about a request through
+[`KVSource`][kvlife.offload.manager.KVSource]: how many
 tokens have final KV, their token ids, their device slots, and -- called *by kvlife* --
 "you may hand this request's device slots back now". kvlife calls ``release_slots`` only
-when no copy that reads them is in flight (contract §6.1).
+when no copy that reads them is in flight (design §7.1).
 
 Host pages: each copy gets its pages before it is launched; a copy that fails frees its
 pages; an aborted request's pages are freed on release; a finished request's pages pass to
-the ``on_release`` hooks in an :class:`OffloadResult` (the hook owns them and returns them
+the ``on_release`` hooks in an [`OffloadResult`][kvlife.offload.manager.OffloadResult] (the hook
+owns them and returns them
 to the pool, ``manager.host.free(...)``, when done with them, e.g. after a backup).
 """
 
@@ -125,8 +127,8 @@ class OffloadManager:
     """Offloads requests' KV into host pages and drives their lifecycles.
 
     Args:
-        source: the engine's :class:`KVSource`.
-        copier: the :class:`CopyEngine` (device KV -> host pool).
+        source: the engine's [`KVSource`][kvlife.offload.manager.KVSource].
+        copier: the [`CopyEngine`][kvlife.offload.copy_engine.CopyEngine] (device KV -> host pool).
         stride_pages: offload once this many full pages are waiting (and at finish).
         registry: the lifecycle registry to use (a new one if ``None``).
         group: a ``torch.distributed`` group for tensor-parallel agreement.
@@ -173,7 +175,8 @@ class OffloadManager:
     # ------------------------------------------------------------------ scheduler calls
 
     def register(self, req: Any, rid: str | None = None) -> Lifecycle:
-        """Register an admitted request (see :meth:`LifecycleRegistry.register`)."""
+        """Register an admitted request (see
+        [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register])."""
         lc = self.registry.register(req, rid)
         self._progress[lc.serial] = _Progress(req)
         return lc

@@ -15,7 +15,7 @@ from kvlife.offload import CopyEngine, CopyJob, HostPagePool, HostPages, KVLayou
 
 
 class EngineInvariantError(AssertionError):
-    """The fake engine caught kvlife breaking a promise (§6.1)."""
+    """The fake engine caught kvlife breaking a promise (design §7.1)."""
 
 
 @dataclass

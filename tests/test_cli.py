@@ -26,6 +26,8 @@ SUBCOMMANDS = [
     ["audit"],
     ["audit", "check"],
     ["audit", "stats"],
+    ["audit", "why"],
+    ["audit", "timeline"],
     ["bench"],
 ]
 
@@ -487,3 +489,41 @@ def test_bench_argument_errors_are_one_line(
 
 def test_bench_offload_takes_1k() -> None:
     assert token_count("1k") == 1024 and token_count("4K") == 4096 and token_count("64") == 64
+
+
+def test_audit_why_tells_a_rid_and_a_serial(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = _log(tmp_path / "a.jsonl")
+    assert main(["audit", "why", str(log), "--rid", "a"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rid 'a': ") and "register: -> allocated" in out
+    assert main(["audit", "why", str(log), "--serial", "0"]) == 0
+    assert "lifecycle #0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rid", "nope"], "no record of rid 'nope'"),
+        (["--serial", "99"], "has no lifecycle #99 in segment 0"),
+        (["--serial", "-1"], "expected an integer >= 0"),
+        ([], "one of the arguments --rid --serial is required"),
+    ],
+)
+def test_audit_why_errors_are_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = _log(tmp_path / "a.jsonl")
+    assert main(["audit", "why", str(log), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_audit_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = _log(tmp_path / "a.jsonl")
+    out = tmp_path / "t.svg"
+    assert main(["audit", "timeline", str(log), "-o", str(out), "--rid", "a"]) == 0
+    assert out.read_text().startswith("<?xml") and "rows" in capsys.readouterr().out
+    assert main(["audit", "timeline", str(log), "-o", str(tmp_path / "t.gif")]) == 2
+    assert "needs a .png or .svg name" in capsys.readouterr().err

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from kvlife.diagrams import log_graph
-from kvlife.fsm import AuditRecord, LifecycleRegistry, MemorySink
+from kvlife.fsm import AuditRecord, InvalidTransitionError, LifecycleRegistry, MemorySink
 from tests.strategies import Req
 
 
@@ -38,7 +40,7 @@ def test_edges_are_labelled_with_their_counts() -> None:
 def test_refusals_are_red_dashed_edges_with_reason_and_count() -> None:
     dot = str(log_graph(_log()).source)
     assert re.search(
-        r'released -> released \[label="ack refused ×3\\nstale_instance" color=red '
+        r'released -> released \[label="ack refused ×3: stale_instance\\l" color=red '
         r"fontcolor=red style=dashed\]",
         dot,
     )
@@ -47,3 +49,31 @@ def test_refusals_are_red_dashed_edges_with_reason_and_count() -> None:
 def test_live_lifecycles_are_listed() -> None:
     dot = str(log_graph(_log()).source)
     assert "live at end of log: 1" in dot and "live #3 allocated inflight=0" in dot
+
+
+def test_refusals_of_one_state_share_one_loop_so_labels_cannot_overlap() -> None:
+    registry = LifecycleRegistry(sinks=[sink := MemorySink()])
+    req = Req("a")
+    registry.start_offload(registry.register(req))
+    registry.finish(req)  # finished_pending: a second finish and a new copy are refused
+    with pytest.raises(InvalidTransitionError):
+        registry.start_offload(req)
+    with pytest.raises(InvalidTransitionError):
+        registry.finish(req)
+    dot = str(log_graph(sink.records()).source)
+    loops = re.findall(r"(\w+) -> \1 \[label=\"([^\"]*refused[^\"]*)\"", dot)
+    assert loops == [
+        (
+            "finished_pending",
+            "finish refused ×1: invalid_transition\\lstart_offload refused ×1: "
+            "invalid_transition\\l",
+        )
+    ]
+
+
+def test_a_10_kb_rid_is_cut_short_in_the_live_note() -> None:
+    registry = LifecycleRegistry(sinks=[sink := MemorySink()])
+    registry.register(Req("r" * 10_000))
+    dot = str(log_graph(sink.records(), title="t" * 5000).source)
+    assert "r" * 39 + "…" in dot and "r" * 41 not in dot
+    assert max(len(line) for line in dot.splitlines()) < 400

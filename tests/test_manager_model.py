@@ -1,4 +1,4 @@
-"""Model-based test of OffloadManager (contract §6): random decode workloads on CPU tensors
+"""Model-based test of OffloadManager (design §7): random decode workloads on CPU tensors
 with completions held back and released in any order, against a plain reference model;
 all six invariants checked after every step; and three planted bugs it must catch."""
 
@@ -295,7 +295,7 @@ class ManagerModel(RuleBasedStateMachine):
     # --- invariants -------------------------------------------------------------------
 
     @invariant()
-    def every_lifecycle_is_what_its_own_transitions_made_it(self) -> None:  # §6.3, §6.4
+    def every_lifecycle_is_what_its_own_transitions_made_it(self) -> None:  # design §7.3, §7.4
         for serial, inst in self.insts.items():
             lc = self.engine.admissions[serial].lifecycle
             assert (lc.state, lc.inflight, lc.outcome) == (
@@ -306,14 +306,14 @@ class ManagerModel(RuleBasedStateMachine):
         assert len(self.registry) == sum(i.state is not R for i in self.insts.values())
 
     @invariant()
-    def finished_and_resolved_means_released(self) -> None:  # §6.5
+    def finished_and_resolved_means_released(self) -> None:  # design §7.5
         for inst in self.insts.values():
             if inst.outcome is not None and inst.inflight == 0:
                 assert inst.state is R and inst.serial in self.results
                 assert inst.serial in self.engine.released_serials
 
     @invariant()
-    def device_slots_are_not_reused_under_a_copy(self) -> None:  # §6.1
+    def device_slots_are_not_reused_under_a_copy(self) -> None:  # design §7.1
         # FakeEngine.release_slots raises when kvlife hands back slots a copy reads; here:
         # no live slot is in the free list
         free = set(self.engine.free_slots)
@@ -322,7 +322,7 @@ class ManagerModel(RuleBasedStateMachine):
                 assert not free & set(adm.slot_ids)
 
     @invariant()
-    def host_pages_have_exactly_one_owner(self) -> None:  # §6.2
+    def host_pages_have_exactly_one_owner(self) -> None:  # design §7.2
         owners: list[tuple[int, ...]] = [p.indices for p in self.hog + self.kept]
         for progress in self.manager._progress.values():
             owners += [c.pages.indices for c in progress.acked]
@@ -333,7 +333,7 @@ class ManagerModel(RuleBasedStateMachine):
         assert len(owned) + host.available == host.capacity, "a host page leaked"
         assert all(host.is_allocated(i) for i in owned)
 
-    def teardown(self) -> None:  # §6.6
+    def teardown(self) -> None:  # design §7.6
         report = check_audit(self.sink.records(), keep_instances=True)
         assert report.ok, report.violations[:3]
         for (_, serial), summary in report.instances.items():

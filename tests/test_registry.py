@@ -732,7 +732,7 @@ class RegistryModel(RuleBasedStateMachine):
 
     @invariant()
     def lifecycles_match_the_model(self) -> None:
-        # §6.3 and §6.4: each lifecycle is exactly what its own transitions made it.
+        # design §7.3 and §7.4: each lifecycle is exactly what its own transitions made it.
         for serial, inst in self.model.items():
             lc = self.lcs[serial]
             assert lc.state is inst.state, (lc, inst)
@@ -747,7 +747,7 @@ class RegistryModel(RuleBasedStateMachine):
             newest = self.newest(rid)
             got = self.registry.live(rid)
             assert (got.serial if got else None) == (newest.serial if newest else None)
-        # §6.5: finished/aborted with copies resolved means released, hook run once.
+        # design §7.5: finished/aborted with copies resolved means released, hook run once.
         released = [s for s, _ in self.released]
         assert len(released) == len(set(released))
         assert set(released) == {m.serial for m in self.model.values() if m.state is R}
@@ -755,7 +755,7 @@ class RegistryModel(RuleBasedStateMachine):
             assert req is self.model[serial].req
 
     def teardown(self) -> None:
-        # §6.6: replaying the audit log reproduces every lifecycle's final state.
+        # design §7.6: replaying the audit log reproduces every lifecycle's final state.
         report = check_audit(self.sink.records(), keep_instances=True)
         assert report.ok, report.violations[:5]
         for (_, serial), summary in report.instances.items():

@@ -1,4 +1,4 @@
-"""The transition table: contract §2, definition checks, and compiled == reference engine."""
+"""The transition table: design §2, definition checks, and compiled == reference engine."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ START, ACK, FAIL, FINISH, ABORT = (
     Trigger.ABORT,
 )
 
-# The contract's table (§2), written out independently: (state, trigger, inflight) -> dst.
+# The design's table (§2), written out independently: (state, trigger, inflight) -> dst.
 CONTRACT = {
     (A, START): lambda n: O,
     (A, FINISH): lambda n: R,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvlife.diagrams import build_timeline, plot_timeline, timeline_rows
+from kvlife.diagrams.timeline import MAX_ROWS
 from kvlife.fsm import AuditRecord, JsonLinesSink, LifecycleRegistry, MemorySink, read_audit
 from tests.strategies import Req
 
@@ -60,12 +61,46 @@ def test_rows_sort_rids_naturally_and_stop_at_max_rows() -> None:
     registry = LifecycleRegistry(sinks=[sink])
     for i in (10, 2, 1, 33, 3):
         registry.register(Req(f"req-{i}"))
-    for _ in range(3):  # one rid, many lifecycles: the cap holds within a rid too
+    for _ in range(3):  # one rid, many lifecycles: it cannot push the other rids out
         req = Req("req-0")
         registry.register(req)
         registry.finish(req)
     timeline = build_timeline(sink.records(), max_rows=5)
     assert [(r.rid, r.serial) for r in timeline.rows] == [
-        ("req-0", 5), ("req-0", 6), ("req-0", 7), ("req-1", 2), ("req-2", 1)
+        ("req-0", 5), ("req-1", 2), ("req-2", 1), ("req-3", 4), ("req-10", 0)
     ]  # fmt: skip
-    assert timeline.lifecycles == 8
+    assert (timeline.lifecycles, timeline.rids) == (8, 6)
+    seven = build_timeline(sink.records(), max_rows=7)
+    assert [(r.rid, r.serial) for r in seven.rows] == [
+        ("req-0", 5), ("req-0", 6), ("req-1", 2), ("req-2", 1), ("req-3", 4), ("req-10", 0),
+        ("req-33", 3),
+    ]  # fmt: skip
+
+
+def test_600_lifecycles_of_one_rid_leave_room_for_every_other_rid() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    for _ in range(600):
+        req = Req("hot")
+        registry.finish(registry.register(req))
+    for i in range(23):
+        registry.register(Req(f"req-{i}"))
+    timeline = build_timeline(sink.records(), max_rows=80)
+    rids = [row.rid for row in timeline.rows]
+    assert len(rids) == 80 and set(rids) == {"hot", *(f"req-{i}" for i in range(23))}
+    assert rids.count("hot") == 80 - 23
+    only = build_timeline(sink.records(), max_rows=80, rids=["req-7", "req-11"])
+    assert [row.rid for row in only.rows] == ["req-7", "req-11"] and only.lifecycles == 2
+
+
+def test_the_plot_caps_rows_cuts_long_rids_and_says_what_it_left_out(tmp_path: Path) -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    for _ in range(600):
+        registry.finish(registry.register(Req("hot")))
+    registry.register(Req("x" * 10_000))
+    out = tmp_path / "t.svg"
+    assert plot_timeline(sink.records(), out, max_rows=10_000) == MAX_ROWS
+    svg = out.read_text()
+    assert "x" * 23 + "…" in svg and "x" * 25 not in svg
+    assert "200 of 601 lifecycles and 2 of 2 rids shown" in svg

@@ -1,0 +1,245 @@
+"""A lifecycle's history told as a person would: ``kvlife audit why``.
+
+[`explain()`][kvlife.fsm.explain.explain] reads a log once and keeps only the records of
+one rid (every lifecycle that held it, and the calls that found no lifecycle for it). It
+tells each lifecycle's story: every transition and refusal with its time, state and
+copy, what each refusal means, which other lifecycles held the same rid meanwhile, and,
+for a completion that arrived after the rid was reused, which lifecycle's copy it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvlife.fsm.reader import Event, Segment
+from kvlife.fsm.records import REGISTER, AuditRecord
+
+MAX_STORIES = 20
+"""Lifecycles told per call; a rid held by more says how many were left out."""
+MAX_STEPS = 400
+"""Records told per lifecycle; the rest are counted."""
+
+_OUTCOME = {"finish": "finished", "abort": "aborted"}
+
+
+@dataclass
+class LifecycleHistory:
+    """What the log says of one lifecycle: its records, in order."""
+
+    segment: int
+    serial: int
+    rid: str
+    records: list[AuditRecord] = field(default_factory=list)
+    dropped: int = 0
+
+    @property
+    def registered_ns(self) -> int | None:
+        first = self.records[0] if self.records else None
+        return first.t_ns if first is not None and first.trigger == REGISTER else None
+
+    @property
+    def released_ns(self) -> int | None:
+        for record in reversed(self.records):
+            if record.ok and record.dst == "released":
+                return record.t_ns
+        return None
+
+
+@dataclass
+class RidHistory:
+    """Every lifecycle of one rid in a log, and the calls for it that found none."""
+
+    rid: str
+    lifecycles: dict[tuple[int, int], LifecycleHistory] = field(default_factory=dict)
+    unknown: list[tuple[int, AuditRecord]] = field(default_factory=list)  # (segment, record)
+    t0: int | None = None  # the log's first record, for times in ms
+
+
+def collect(source: Iterable[Event], rid: str) -> RidHistory:
+    """Read ``source`` once, keeping the records of ``rid`` only."""
+    history = RidHistory(rid)
+    segment = 0
+    for event in source:
+        if type(event) is Segment:
+            segment = event.index
+            continue
+        if type(event) is not AuditRecord:
+            continue
+        if history.t0 is None:
+            history.t0 = event.t_ns
+        if event.rid != rid:
+            continue
+        if event.serial is None:
+            history.unknown.append((segment, event))
+            continue
+        key = (segment, event.serial)
+        lc = history.lifecycles.get(key)
+        if lc is None:
+            lc = history.lifecycles[key] = LifecycleHistory(segment, event.serial, rid)
+        if len(lc.records) < MAX_STEPS:
+            lc.records.append(event)
+        else:
+            lc.dropped += 1
+    return history
+
+
+def find_rid(source: Iterable[Event], serial: int, segment: int = 0) -> str | None:
+    """The rid of lifecycle ``serial`` in ``segment``, or ``None`` if the log has none."""
+    current = 0
+    for event in source:
+        if type(event) is Segment:
+            current = event.index
+        elif (
+            type(event) is AuditRecord
+            and event.serial == serial
+            and current == segment
+            and event.rid is not None
+        ):
+            return event.rid
+    return None
+
+
+def _ms(t_ns: int, t0: int | None) -> str:
+    return f"{(t_ns - (t0 or t_ns)) / 1e6:10.3f} ms"
+
+
+def _detail(record: AuditRecord) -> str:
+    if not record.detail:
+        return ""
+    return " [" + " ".join(f"{k}={v}" for k, v in record.detail.items()) + "]"
+
+
+def _others(history: RidHistory, lc: LifecycleHistory, t_ns: int) -> list[LifecycleHistory]:
+    """The other lifecycles of the rid (same segment) alive at ``t_ns``."""
+    alive = []
+    for other in history.lifecycles.values():
+        if other is lc or other.segment != lc.segment or not other.records:
+            continue
+        born = other.registered_ns if other.registered_ns is not None else other.records[0].t_ns
+        gone = other.released_ns
+        if born <= t_ns and (gone is None or gone >= t_ns):
+            alive.append(other)
+    return alive
+
+
+def _refusal(record: AuditRecord, lc: LifecycleHistory) -> str:
+    op = f" copy {record.op}" if record.op is not None else ""
+    reason = record.reason
+    if reason == "stale_instance":
+        return (
+            f"a delivery of{op}, which belonged to this lifecycle (#{lc.serial}), came after "
+            "it was released: refused, nothing changed (a late or repeated completion)"
+        )
+    if reason == "duplicate_ack":
+        return f"{op.strip() or 'the copy'} was already delivered: refused, nothing changed"
+    if reason == "rid_conflict":
+        return (
+            f"another request tried to register rid {lc.rid!r} while this lifecycle held it "
+            "and had not finished: refused"
+        )
+    if reason == "duplicate_registration":
+        return "the same request object was registered again before this lifecycle finished"
+    return f"{record.trigger} is not allowed in state {record.src}: refused, nothing changed"
+
+
+def _story(history: RidHistory, lc: LifecycleHistory) -> list[str]:
+    t0 = history.t0
+    where = f" (segment {lc.segment})" if lc.segment else ""
+    lines = [f"rid {lc.rid!r} lifecycle #{lc.serial}{where}"]
+    born = lc.registered_ns
+    if born is None:
+        lines.append("  the log begins after its registration: told from its first record")
+    else:
+        held = [o for o in _others(history, lc, born) if o.serial < lc.serial]
+        for other in held:
+            state = _state_at(other, born)
+            lines.append(
+                f"  registered while #{other.serial} still held the rid ({state}): the rid "
+                f"was reused; #{other.serial}'s copies stay #{other.serial}'s"
+            )
+    started: dict[int, int] = {}  # op -> t_ns
+    for record in lc.records:
+        when = _ms(record.t_ns, t0)
+        op = f" copy {record.op}" if record.op is not None else ""
+        if not record.ok:
+            lines.append(
+                f"  {when}  REFUSED {record.trigger}{op}: {record.reason}: {_refusal(record, lc)}"
+            )
+            continue
+        move = f"{record.src} -> {record.dst}" if record.src else f"-> {record.dst}"
+        inflight = f", {record.inflight} in flight" if record.inflight else ""
+        line = f"  {when}  {record.trigger}{op}: {move}{inflight}{_detail(record)}"
+        if record.trigger in _OUTCOME:
+            line += f"  ({_OUTCOME[record.trigger]})"
+        if record.dst == "released":
+            line += "  (released)"
+        if record.trigger == "start_offload" and record.op is not None:
+            started[record.op] = record.t_ns
+        elif record.trigger in ("ack", "fail") and record.op is not None:
+            newer = [
+                o
+                for o in history.lifecycles.values()
+                if o.segment == lc.segment
+                and o.serial > lc.serial
+                and o.registered_ns is not None
+                and started.get(record.op, record.t_ns) <= o.registered_ns <= record.t_ns
+            ]
+            if newer:
+                names = ", ".join(f"#{o.serial}" for o in newer)
+                line += (
+                    f"  <- late: the rid was reused by {names} while copy {record.op} was in "
+                    f"flight; its ticket named #{lc.serial}, so it completed #{lc.serial} only"
+                )
+        lines.append(line)
+    if lc.dropped:
+        lines.append(f"  ... {lc.dropped} more records")
+    if lc.released_ns is None:
+        lines.append("  not released at the end of the log")
+    return lines
+
+
+def _state_at(lc: LifecycleHistory, t_ns: int) -> str:
+    state, inflight = "allocated", 0
+    for record in lc.records:
+        if record.t_ns > t_ns:
+            break
+        if record.ok and record.dst is not None:
+            state, inflight = record.dst, record.inflight
+    return f"{state}, {inflight} in flight" if inflight else state
+
+
+def explain(
+    source: Iterable[Event], rid: str, *, serial: int | None = None, segment: int = 0
+) -> str:
+    """The story of every lifecycle of ``rid`` in the log (or of lifecycle ``serial`` of
+    ``segment`` only, with the others of its rid as context), as text.
+
+    Raises:
+        LookupError: the log holds no record of that rid (or serial).
+    """
+    history = collect(source, rid)
+    stories = sorted(history.lifecycles.values(), key=lambda lc: (lc.segment, lc.serial))
+    if serial is not None:
+        stories = [lc for lc in stories if (lc.segment, lc.serial) == (segment, serial)]
+    if not stories and (serial is not None or not history.unknown):
+        what = f"lifecycle #{serial} of rid {rid!r}" if serial is not None else f"rid {rid!r}"
+        raise LookupError(f"the log has no record of {what}")
+    lines: list[str] = []
+    if serial is None:
+        lines.append(
+            f"rid {rid!r}: {len(history.lifecycles)} lifecycle(s) in the log"
+            + (f", {len(history.unknown)} call(s) that found none" if history.unknown else "")
+        )
+    for lc in stories[:MAX_STORIES]:
+        lines += ["", *_story(history, lc)]
+    if len(stories) > MAX_STORIES:
+        lines += ["", f"... {len(stories) - MAX_STORIES} more lifecycles of this rid"]
+    if history.unknown and serial is None:
+        lines += ["", "calls for this rid that found no lifecycle (unknown_request):"]
+        for _, record in history.unknown[:MAX_STEPS]:
+            lines.append(
+                f"  {_ms(record.t_ns, history.t0)}  REFUSED {record.trigger}: the request "
+                "object was not registered (or already released, or another object)"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""The manual and the README: every code block runs as written, cross-references are
+links, the site publishes no build files, and nothing points outside the repository."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Fenced blocks that are run: Python in one namespace per page, shell through bash.
+RUN = {"python", "sh"}
+#: Fenced blocks that are data, not programs.
+DATA = {"mermaid", "text", "json"}
+_FENCE = re.compile(
+    r"(?:<!-- docs-test: skip, (?P<skip>[^\n]*?) -->\n)?^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```",
+    re.S | re.M,
+)
+_ROLE = re.compile(r":(class|meth|mod|func|attr|data|exc|obj):`")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int
+    lang: str
+    body: str
+    skip: str | None
+
+
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text(encoding="utf-8")
+    return [
+        Block(page, text.count("\n", 0, m.start("lang")) + 1, m["lang"], m["body"], m["skip"])
+        for m in _FENCE.finditer(text)
+    ]
+
+
+def _id(block: Block) -> str:
+    return f"{block.page.name}:{block.line}"
+
+
+SKIPPED = [b for page in PAGES for b in blocks(page) if b.skip]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_code_blocks_run_as_written(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    for block in blocks(page):
+        where = _id(block)
+        assert block.lang in RUN | DATA, (
+            f"{where}: a ```{block.lang} block neither runs nor is data"
+        )
+        if block.skip or block.lang in DATA:
+            continue
+        if block.lang == "python":
+            exec(compile(block.body, where, "exec"), namespace)
+            continue
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block.body],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            check=False,
+        )
+        assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("block", SKIPPED, ids=_id)
+def test_marked_blocks_are_skipped_with_their_reason(block: Block) -> None:
+    assert block.skip and len(block.skip) > 10, f"{_id(block)}: say why it does not run"
+    pytest.skip(f"{_id(block)}: {block.skip}")
+
+
+def test_the_quickstart_prints_what_it_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (program,) = [b for b in blocks(ROOT / "docs" / "quickstart.md") if "ToyEngine" in b.body]
+    monkeypatch.chdir(tmp_path)
+    expected = program.body.rstrip().splitlines()[-1].split("# ", 1)[1]
+    exec(compile(program.body, _id(program), "exec"), {"__name__": "__docs__"})
+    assert capsys.readouterr().out.strip() == expected
+    assert (tmp_path / "audit.jsonl").stat().st_size > 0
+
+
+def test_docstrings_use_links_not_sphinx_roles() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in ("fsm", "offload", "diagrams")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _ROLE.search(line)
+    ]
+    assert not found, f"Sphinx roles render as literal text in the manual: {found}"
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    found = []
+    for folder in ("fsm", "offload", "diagrams", "tests", "docs", ".ci"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in {".py", ".md", ".yml", ".sh", ""} or not path.is_file():
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if path == Path(__file__):
+                continue
+            for pattern in ("../shared", "shared/design", "contract §", "reference-engines"):
+                if pattern in text:
+                    found.append(f"{path.relative_to(ROOT)}: {pattern}")
+    for name in ("README.md", "Makefile", "pyproject.toml", "mkdocs.yml"):
+        text = (ROOT / name).read_text(encoding="utf-8")
+        found += [f"{name}: {p}" for p in ("../shared", "contract §") if p in text]
+    assert not found, found
+
+
+def test_the_design_page_states_the_contract() -> None:
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    for heading in (
+        "## 2. States and transitions",
+        "## 3. The registry",
+        "## 4. Tickets and refusals",
+        "## 5. Completions",
+        "## 6. The audit log",
+        "## 7. Invariants",
+    ):
+        assert heading in text
+    assert "docs/design.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    proc = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_the_api_reference_links_instead_of_showing_roles(site: Path) -> None:
+    for name in ("fsm", "offload", "diagrams"):
+        html = (site / "reference" / name / "index.html").read_text(encoding="utf-8")
+        assert not _ROLE.search(html), f"reference/{name}: a Sphinx role shows as text"
+        assert html.count('class="autorefs autorefs-internal"') > 5, f"reference/{name}"
+    registry = (site / "reference" / "fsm" / "index.html").read_text(encoding="utf-8")
+    assert 'href="#kvlife.fsm.errors.WrongThreadError"' in registry
+
+
+def test_the_site_publishes_no_build_files(site: Path) -> None:
+    published = {p.name for p in site.rglob("*") if p.is_file()}
+    assert "hooks.py" not in published
+    assert {"lifecycle.svg", "lifecycle.mmd"} <= published

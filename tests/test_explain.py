@@ -1,0 +1,71 @@
+"""``kvlife audit why``: a lifecycle's history told in words."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlife.fsm import AuditRecord, LifecycleRegistry, MemorySink, StaleInstanceError
+from kvlife.fsm.explain import MAX_STORIES, explain, find_rid
+from tests.strategies import Req
+
+
+def _rid_reuse() -> list[AuditRecord]:
+    """#0 finishes with copy 0 in flight, #1 reuses the rid, copy 0 lands late, then is
+    delivered again; a call for an unregistered object of the same rid finds nothing."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    old, new = Req("req-7"), Req("req-7")
+    ticket = registry.start_offload(registry.register(old), tokens=16)
+    registry.finish(old)
+    registry.register(new)
+    registry.complete(ticket)
+    with pytest.raises(StaleInstanceError):
+        registry.complete(ticket)
+    registry.deliver(registry.start_offload(new))
+    registry.abort(new)
+    registry.register(Req("other"))
+    with pytest.raises(LookupError):
+        registry.finish(Req("req-7"))
+    return sink.records()
+
+
+def test_a_late_completion_is_named_as_the_old_lifecycles_copy() -> None:
+    text = explain(_rid_reuse(), "req-7")
+    assert text.startswith("rid 'req-7': 2 lifecycle(s) in the log, 1 call(s) that found none")
+    old, new = text.split("\n\nrid 'req-7' lifecycle #1")[0], text.split("lifecycle #1")[1]
+    assert "start_offload copy 0: allocated -> offloading, 1 in flight [tokens=16]" in old
+    assert "finish: offloading -> finished_pending, 1 in flight  (finished)" in old
+    assert (
+        "ack copy 0: finished_pending -> released  (released)  <- late: the rid was reused by "
+        "#1 while copy 0 was in flight; its ticket named #0, so it completed #0 only"
+    ) in old
+    assert "REFUSED ack copy 0: stale_instance: a delivery of copy 0, which belonged to" in old
+    assert "registered while #0 still held the rid (finished_pending, 1 in flight)" in new
+    assert "abort: allocated -> released  (aborted)  (released)" in new
+    assert "REFUSED finish: the request object was not registered" in text
+    assert "'other'" not in text
+
+
+def test_one_serial_with_its_rid_as_context() -> None:
+    records = _rid_reuse()
+    assert find_rid(records, 1) == "req-7" and find_rid(records, 9) is None
+    text = explain(records, "req-7", serial=1)
+    assert text.startswith("\nrid 'req-7' lifecycle #1") and "lifecycle #0" not in text
+    assert "registered while #0 still held the rid" in text
+
+
+def test_unknown_rid_or_serial_is_a_lookup_error() -> None:
+    with pytest.raises(LookupError, match="no record of rid 'nope'"):
+        explain(_rid_reuse(), "nope")
+    with pytest.raises(LookupError, match="no record of lifecycle #5 of rid 'req-7'"):
+        explain(_rid_reuse(), "req-7", serial=5)
+
+
+def test_a_hot_rid_is_told_in_part() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    for _ in range(MAX_STORIES + 5):
+        registry.finish(registry.register(Req("hot")))
+    text = explain(sink.records(), "hot")
+    assert text.count("lifecycle #") == MAX_STORIES and "... 5 more lifecycles" in text
+    assert "not released" not in text
