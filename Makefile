@@ -1,6 +1,6 @@
 # Everything a fresh machine needs is installed from here: the venv, torch, the project
-# (editable, strict mode so mypy and the docs tools see the mapped packages), the test tools
-# and Graphviz's `dot`.
+# (editable, strict mode so mypy and the docs tools see the mapped packages), the test tools,
+# Graphviz's `dot` and, for the report page's browser test, Debian's Chromium.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv dot lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -32,6 +32,33 @@ dot:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; \
 	  else echo "Graphviz's dot is missing: install it (e.g. 'apt-get install graphviz')"; fi; }
 
+# Debian's Chromium: the headless browser the report page is tested in (with Playwright from
+# the test extra). Installed through apt-get when missing and we are root; else that test skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "Chromium is missing: the report page's browser test will skip"; fi; }
+
+# Mermaid for the manual, served from the site itself (no CDN): the pinned npm package's
+# self-contained bundle, checked against its hash. npm comes through apt-get when missing.
+MERMAID := 11.17.2
+MERMAID_SHA256 := 581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8
+MERMAID_JS := build/docs/mermaid-$(MERMAID).min.js
+$(MERMAID_JS):
+	@command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null; \
+	  else echo "npm is missing: it fetches Mermaid for the manual" >&2; exit 1; fi; }
+	rm -rf build/docs/pack && mkdir -p build/docs/pack
+	cd build/docs/pack && npm pack --silent "mermaid@$(MERMAID)" >/dev/null
+	tar -xzf "build/docs/pack/mermaid-$(MERMAID).tgz" -C build/docs/pack package/dist/mermaid.min.js
+	echo "$(MERMAID_SHA256)  build/docs/pack/package/dist/mermaid.min.js" | sha256sum -c --quiet
+	mv build/docs/pack/package/dist/mermaid.min.js $@
+	rm -rf build/docs/pack
+
+mermaid: $(MERMAID_JS)
+
 lint: venv
 	$(VENV)/bin/ruff check fsm offload diagrams tests docs
 	$(VENV)/bin/ruff format --check fsm offload diagrams tests docs
@@ -39,11 +66,11 @@ lint: venv
 types: venv
 	$(VENV)/bin/mypy --strict -p kvlife.fsm -p kvlife.offload -p kvlife.diagrams
 
-pytest: venv dot
+pytest: venv dot browser mermaid
 	$(PY) -m pytest -q
 
 # The manual must build without a warning.
-docs: venv
+docs: venv mermaid
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
 test: lint types pytest docs
@@ -62,6 +89,12 @@ bench: venv
 	$(VENV)/bin/kvlife bench fsm
 	$(VENV)/bin/kvlife bench offload
 	$(VENV)/bin/kvlife bench audit
+
+# The report page's screenshot in the manual (docs/report.png), from a demo log.
+screenshots: venv dot browser
+	$(VENV)/bin/kvlife demo --requests 60 --no-progress --out build/shot >/dev/null
+	$(VENV)/bin/kvlife audit report build/shot/audit.jsonl -o build/shot/report.html
+	$(PY) tests/screenshot.py build/shot/report.html docs/report.png
 
 # Regenerate the committed lifecycle diagrams from the table.
 diagrams: venv dot

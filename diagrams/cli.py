@@ -7,6 +7,7 @@ Subcommands::
     kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
     kvlife audit stats LOG [--json]
     kvlife audit why LOG (--rid RID | --serial N [--segment S])
+    kvlife audit report LOG -o FILE.html [--accept-table D]
     kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
 
@@ -137,6 +138,21 @@ def _parser() -> _Parser:
     why.add_argument(
         "--segment", type=_natural, default=0, help="the segment of --serial (default 0)"
     )
+    report = audit_sub.add_parser(
+        "report",
+        help="write one self-contained HTML page about a log",
+        description="Write a self-contained HTML page: the log-annotated diagram, the "
+        "timeline, and a sortable, filterable table of lifecycles with each one's history.",
+    )
+    report.add_argument("log")
+    report.add_argument("-o", "--output", required=True, metavar="FILE", help="the .html page")
+    report.add_argument(
+        "--accept-table",
+        action="append",
+        default=[],
+        metavar="DIGEST",
+        help="include segments written with this transition table digest too",
+    )
     timeline = audit_sub.add_parser(
         "timeline",
         help="draw a log's timeline (PNG or SVG)",
@@ -161,7 +177,7 @@ def _parser() -> _Parser:
     bench.add_argument("which", nargs="?", choices=["fsm", "offload", "audit"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     parser.set_defaults(usage_of=parser)
-    for command in (demo, diagram, audit, bench, check, stats, why, timeline):
+    for command in (demo, diagram, audit, bench, check, stats, why, report, timeline):
         command.set_defaults(usage_of=command)
     return parser
 
@@ -408,9 +424,40 @@ def _timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from kvlife.diagrams.report import build_report
+
+    if Path(args.output).is_dir():
+        raise UsageError(f"kvlife: {args.output} is a directory; give a file name")
+    _reader(args.log)  # a missing or foreign path is a usage error before any work
+    readers: list[AuditReader] = []
+
+    def events() -> AuditReader:
+        readers.append(_reader(args.log))
+        return readers[-1]
+
+    page, data = _reading(
+        args.log,
+        lambda: build_report(events, title=Path(args.log).name, accept_tables=args.accept_table),
+    )
+    _write_file(args.output, page.encode("utf-8"))
+    listed = len(data.lifecycles)
+    print(
+        f"{args.output}: {data.records} records, {listed} of {data.total} lifecycles listed "
+        f"({len(page.encode()) / 1024:.0f} KiB)"
+    )
+    problems = readers[-1].problem_count if readers else 0
+    if problems:
+        print(_problems_line(args.log, readers[-1]), file=sys.stderr)
+        return 1
+    return 0
+
+
 def _audit(args: argparse.Namespace) -> int:
     if args.audit_command == "why":
         return _why(args)
+    if args.audit_command == "report":
+        return _report(args)
     if args.audit_command == "timeline":
         return _timeline(args)
     reader = _reader(args.log)

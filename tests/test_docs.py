@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,3 +168,25 @@ def test_the_site_publishes_no_build_files(site: Path) -> None:
     published = {p.name for p in site.rglob("*") if p.is_file()}
     assert "hooks.py" not in published
     assert {"lifecycle.svg", "lifecycle.mmd"} <= published
+
+
+def test_the_site_renders_mermaid_with_no_network(site: Path, browser: Any) -> None:
+    page = browser.new_page()
+    fetched: list[str] = []
+
+    def offline(route: Any) -> None:
+        fetched.append(route.request.url)
+        route.abort()
+
+    page.route(re.compile(r"^https?://"), offline)  # any network request fails
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto((site / "diagrams" / "index.html").as_uri())
+    # Material draws the diagram in a closed shadow root: its size shows it was drawn
+    page.wait_for_function(
+        "document.querySelector('div.mermaid')?.getBoundingClientRect().height > 100",
+        timeout=30_000,
+    )
+    assert page.evaluate("typeof mermaid") == "object"  # the site's own copy
+    assert fetched == [] and errors == []
+    page.close()

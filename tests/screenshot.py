@@ -1,0 +1,34 @@
+"""Take the report page's screenshot for the manual: ``make screenshots``.
+
+Usage: ``python tests/screenshot.py REPORT.html OUT.png`` -- opens the page in headless
+Chromium, filters the table to one rid, selects its first lifecycle and captures the table
+and the history.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from playwright.sync_api import sync_playwright
+
+
+def main(report: Path, out: Path, rid: str = "req-7") -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        raise SystemExit("screenshot.py: no Chromium (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(report.resolve().as_uri())
+        page.fill("#rid-filter", rid)
+        page.locator("#lifecycles tbody tr").last.click()
+        page.locator("h2", has_text="Lifecycles").scroll_into_view_if_needed()
+        page.evaluate("document.querySelector('#filters').scrollIntoView()")
+        page.screenshot(path=str(out))
+        browser.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))

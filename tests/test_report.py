@@ -1,0 +1,162 @@
+"""``kvlife audit report``: the self-contained HTML page, checked as data and, when
+Chromium is here (``make test`` installs Debian's as root), in a headless browser."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlife.diagrams.cli import main
+from kvlife.diagrams.report import build_report, gather
+from kvlife.fsm import AuditRecord, JsonLinesSink, LifecycleRegistry, MemorySink
+from tests.strategies import Req
+
+HOSTILE = '</script><img src=x onerror="window.pwned=1">&amp;'
+
+
+def _records() -> list[AuditRecord]:
+    """req-1 reused with a copy in flight, a stale delivery, an abort, a hostile rid."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    old, new = Req("req-1"), Req("req-1")
+    ticket = registry.start_offload(registry.register(old), tokens=16)
+    registry.finish(old)
+    registry.register(new)
+    registry.complete(ticket)
+    registry.deliver(ticket)  # stale: refused on #0
+    registry.complete(registry.start_offload(new), ok=False)
+    registry.abort(new)
+    for i in range(2, 12):
+        registry.register(Req(f"req-{i}"))
+    registry.register(Req(HOSTILE))
+    return sink.records()
+
+
+def test_gather_tells_each_lifecycle() -> None:
+    data = gather(_records())
+    by_serial = {e.serial: e for e in data.lifecycles}
+    assert data.total == len(data.lifecycles) == 13 and data.records == len(_records())
+    old, new = by_serial[0], by_serial[1]
+    assert (old.rid, old.outcome, old.copies, old.acks) == ("req-1", "finished", 1, 1)
+    assert old.refusals == 1
+    assert old.end is not None and old.state == ""
+    assert old.time["finished_pending"] > 0 and old.time["offloading"] > 0
+    assert (new.outcome, new.copies, new.fails, new.end is not None) == ("aborted", 1, 1, True)
+    assert [h[1] for h in old.history] == ["register", "start_offload", "finish", "ack", "ack"]
+    assert old.history[-1][4] is False and old.history[-1][5] == "stale_instance"
+    live = by_serial[12]
+    assert (live.rid, live.outcome, live.end) == (HOSTILE, "live", None)
+
+
+def test_gather_caps_the_table_and_counts_the_rest() -> None:
+    data = gather(_records(), max_lifecycles=5)
+    assert len(data.lifecycles) == 5 and data.total == 13
+
+
+def test_the_data_cannot_close_its_script_element() -> None:
+    text = gather(_records()).to_json()
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert HOSTILE in {row["rid"] for row in json.loads(text)["lifecycles"]}
+
+
+def _page(tmp_path: Path) -> Path:
+    log = tmp_path / "audit.jsonl"
+    with JsonLinesSink(log, fsync="never") as sink:
+        registry = LifecycleRegistry(sinks=[sink])
+        old, new = Req("req-1"), Req("req-1")
+        ticket = registry.start_offload(registry.register(old), tokens=16)
+        registry.finish(old)
+        registry.register(new)
+        registry.complete(ticket)
+        registry.deliver(ticket)
+        for i in range(2, 12):
+            registry.register(Req(f"req-{i}"))
+        registry.register(Req(HOSTILE))
+    out = tmp_path / "report.html"
+    assert main(["audit", "report", str(log), "-o", str(out)]) == 0
+    return out
+
+
+def test_the_page_is_self_contained(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    page = _page(tmp_path).read_text(encoding="utf-8")
+    assert "13 of 13 lifecycles listed" in capsys.readouterr().out
+    assert "<svg" in page and page.count("<script") == 2  # the data and the code, inline
+    assert not re.search(r"<(script|img|link|iframe)[^>]*\s(src|href)=", page)
+    assert not re.search(r"url\(\s*['\"]?https?:", page)
+    assert HOSTILE not in page  # only as escaped JSON
+
+
+def test_report_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "report", str(tmp_path / "none.jsonl"), "-o", "x.html"]) == 2
+    assert capsys.readouterr().err == f"kvlife: no such audit log: {tmp_path / 'none.jsonl'}\n"
+    log = tmp_path / "a.jsonl"
+    with JsonLinesSink(log, fsync="never"):
+        pass
+    assert main(["audit", "report", str(log), "-o", "/nonexistent/r.html"]) == 2
+    assert "cannot write /nonexistent/r.html" in capsys.readouterr().err
+
+
+def test_build_report_reads_each_pass_afresh() -> None:
+    calls = []
+
+    def events() -> list[AuditRecord]:
+        calls.append(1)
+        return _records()
+
+    page, data = build_report(events, title="t")
+    assert len(calls) == 3 and data.total == 13 and page.startswith("<!DOCTYPE html>")
+
+
+def test_the_page_works_in_a_browser(browser: Any, tmp_path: Path) -> None:
+    path = _page(tmp_path)
+    page = browser.new_page()
+    errors: list[str] = []
+    requests: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("request", lambda r: requests.append(r.url))
+    page.goto(path.as_uri())
+    assert errors == [] and requests == [path.as_uri()]  # nothing fetched, nothing failed
+    assert page.evaluate("window.pwned") is None  # the hostile rid ran nothing
+    rows = page.locator("#lifecycles tbody tr")
+    assert rows.count() == 13
+    assert page.locator("#lifecycles tbody td", has_text=HOSTILE).count() == 1  # as text
+
+    page.fill("#rid-filter", "req-1")  # req-1, req-10, req-11
+    assert page.locator("#count").text_content() == "showing 4 of 13 lifecycles"
+    assert {rows.nth(i).locator("td").first.text_content() for i in range(4)} == {
+        "req-1",
+        "req-10",
+        "req-11",
+    }
+    page.select_option("#outcome-filter", "finished")
+    assert rows.count() == 1
+    page.select_option("#outcome-filter", "")
+    page.check("#refused-filter")
+    assert rows.count() == 1 and rows.first.locator("td").nth(1).text_content() == "0"
+    page.uncheck("#refused-filter")
+    page.fill("#rid-filter", "")
+
+    def rids() -> list[str]:
+        return [rows.nth(i).locator("td").first.text_content() for i in range(rows.count())]
+
+    page.click("th[data-key=rid]")  # natural order: req-2 before req-10
+    ascending = rids()
+    ordered = ["req-1", "req-1", *(f"req-{i}" for i in range(2, 12))]
+    assert [rid for rid in ascending if rid.startswith("req-")] == ordered
+    page.click("th[data-key=rid]")  # and back
+    assert rids() != ascending and next(r for r in rids() if r.startswith("req-")) == "req-11"
+
+    page.fill("#rid-filter", "req-1")
+    rows.filter(has_text="finished").first.click()
+    history = page.locator("#history")
+    assert history.locator("h2").text_content().startswith("History of req-1 #0: finished")
+    steps = history.locator("tr")
+    assert steps.count() == 1 + 5  # a header and five records
+    assert "stale_instance" in steps.nth(5).text_content()
+    assert errors == []
+    page.close()
