@@ -57,7 +57,8 @@ class _Entry:
 
 @dataclass
 class ReportData:
-    """What the page shows, gathered in one pass over the log."""
+    """What the page shows, gathered in one pass over the log. ``total`` counts the
+    lifecycles registered in the log plus those listed that began before it."""
 
     lifecycles: list[_Entry]
     total: int
@@ -114,13 +115,13 @@ def gather(source: Iterable[Event], *, max_lifecycles: int = MAX_LIFECYCLES) -> 
         key = (segment, r.serial)
         entry = entries.get(key)
         if entry is None:
-            if not r.ok and r.trigger != "register":
-                continue  # a refusal for an instance not in the table
-            total += 1
-            if len(entries) >= max_lifecycles:
-                continue
+            registered = r.trigger == "register" and r.ok
+            total += registered
+            if (not r.ok and not registered) or len(entries) >= max_lifecycles:
+                continue  # a refusal for an instance not listed, or past the cap
+            total += not registered  # listed, though it began before the log did
             entry = entries[key] = _Entry(r.rid or "", r.serial, segment, t)
-            entry.state, entry.since = (r.src or "", t) if r.src else ("", t)
+            entry.state = r.src or ""
         if len(entry.history) < MAX_HISTORY:
             entry.history.append(
                 [

@@ -32,7 +32,5 @@ def on_files(files: Files, config: Any) -> Files:
                 use_directory_urls=config["use_directory_urls"],
             )
         )
-    files.append(
-        File.generated(config, MERMAID_JS, abs_src_path=str(_mermaid_bundle()))
-    )
+    files.append(File.generated(config, MERMAID_JS, abs_src_path=str(_mermaid_bundle())))
     return files
