@@ -20,7 +20,7 @@ $(PY):
 # The directories are prerequisites: strict editable mode links files, so new modules need a reinstall.
 $(STAMP): $(PY) pyproject.toml fsm/ offload/ diagrams/
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[test,plot,docs]" --config-settings editable_mode=strict
+	$(PIP) install --quiet -e ".[test,plot,docs,metrics]" --config-settings editable_mode=strict
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -232,6 +232,20 @@ class Row:
     ratio: float
 
 
+def _metrics_registry() -> LifecycleRegistry | None:
+    """A registry with Prometheus metrics attached (the ``metrics`` extra), else None."""
+    try:
+        from prometheus_client import CollectorRegistry
+
+        from kvlife.fsm.metrics import PrometheusMetrics
+    except ModuleNotFoundError:
+        print("(prometheus_client is not installed: no metrics row)", file=sys.stderr)
+        return None
+    registry = LifecycleRegistry()
+    PrometheusMetrics(registry, CollectorRegistry())
+    return registry
+
+
 def measure(
     rounds: int = 15, batch: int = 2000, slow_batch: int = 100, keep_files: bool = False
 ) -> list[Row]:
@@ -249,6 +263,9 @@ def measure(
         "kvlife + JSON lines (fsync never)": LifecycleRegistry(sinks=[sink_never]),
         "kvlife + JSON lines (fsync per batch)": LifecycleRegistry(sinks=[sink_batch]),
     }
+    metrics = _metrics_registry()
+    if metrics is not None:
+        registries["kvlife + Prometheus metrics"] = metrics
     setups: dict[str, tuple[Callable[[], None], int]] = {
         "seed-style dicts (baseline)": (lambda: run_seed(SeedBookkeeping(), reqs), batch),
     }
@@ -531,6 +548,13 @@ def format_table(
         target = f"  <= {limit:.2f} {_verdict(r.ratio, limit)}" if limit is not None else ""
         lines.append(f"{r.name:<{width}}  {r.median_us:>10.2f}  {r.ratio:>12.2f}{target}")
     kv = next(r for r in rows if r.name == "kvlife, no audit")
+    metrics = next((r for r in rows if r.name == "kvlife + Prometheus metrics"), None)
+    if metrics is not None:
+        extra = max(metrics.median_us - kv.median_us, 0.0)
+        lines.append(
+            f"Prometheus metrics cost {extra / RECORDS:.3f} us per record, building the "
+            f"record included ({extra:.1f} us per lifecycle)"
+        )
     quiet = next((r for r in rows if r.name == "kvlife + disabled LoggingSink"), None)
     if quiet is not None:
         per_record = max(quiet.median_us - kv.median_us, 0.0) / RECORDS

@@ -28,6 +28,8 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         "kvlife + disabled LoggingSink",
         "a disabled LoggingSink costs",
         "kvlife + JSON lines (fsync never)",
+        "kvlife + Prometheus metrics",
+        "Prometheus metrics cost",
         "transitions static machine",
         "transitions Machine per request",
         "bytes per live lifecycle",
