@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -83,6 +83,17 @@ class ThroughputRow:
     @property
     def ratio(self) -> float:
         return self.manager_gbs / self.baseline_gbs
+
+
+CPU_TOKENS: Final = (1024, 4096)
+"""Token counts measured by default on CPU."""
+CPU_LAYERS: Final = 16
+"""Layers by default on CPU (64 KiB per token): the largest setting allocates 1 GiB, and
+the process stays under 2 GB."""
+CUDA_TOKENS: Final = (1024, 4096, 16384)
+"""Token counts measured by default on CUDA."""
+CUDA_LAYERS: Final = 32
+"""Layers by default on CUDA (128 KiB per token)."""
 
 
 def bench_device(text: str) -> torch.device:
@@ -299,8 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
-    tokens = args.tokens or ([1024, 4096, 16384] if device.type == "cuda" else [1024, 4096])
-    layers = args.layers if args.layers is not None else (32 if device.type == "cuda" else 16)
+    cuda = device.type == "cuda"
+    tokens = args.tokens or list(CUDA_TOKENS if cuda else CPU_TOKENS)
+    layers = args.layers if args.layers is not None else (CUDA_LAYERS if cuda else CPU_LAYERS)
     if any(t <= 0 or t % 16 for t in tokens) or args.reps < 1 or layers < 1:
         parser.error("token counts must be positive multiples of 16; reps and layers positive")
     if args.threads is not None and (args.threads < 1 or device.type == "cuda"):

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlife.offload.bench import main, measure_delivery, measure_poll, measure_throughput
+from kvlife.offload.bench import (
+    CPU_LAYERS,
+    CPU_TOKENS,
+    main,
+    measure_delivery,
+    measure_poll,
+    measure_throughput,
+    peak_bytes,
+)
 
 
 def test_throughput_row_on_cpu() -> None:
@@ -18,10 +26,21 @@ def test_poll_measurement_sees_nothing_done() -> None:
     assert measure_poll(torch.device("cpu"), inflight=500, polls=5) >= 0
 
 
-def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--device", "cpu", "--tokens", "32", "--reps", "1", "--layers", "1"]) == 0
-    out = capsys.readouterr().out
+def test_main_prints_the_table_and_its_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device", "cpu", "--tokens", "32", "1k", "--reps", "1", "--layers", "1"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
     assert "contiguous copy_" in out and "none done" in out and "100,000 done in one poll" in out
+    assert "   1024 " in out and "allocates about" in out
+    assert "measuring 32 tokens x 2 rounds ..." in captured.err
+    assert "measuring 1024 tokens x 2 rounds ..." in captured.err
+
+
+def test_the_default_cpu_settings_fit_2_gb() -> None:
+    # tensors at most 1.25 GiB, leaving room for torch and Python under 2 GB (1.48 GB RSS
+    # measured with /usr/bin/time on the defaults)
+    assert max(peak_bytes(n, CPU_LAYERS) for n in CPU_TOKENS) <= 1.25 * 2**30
+    assert 1024 in CPU_TOKENS and 4096 in CPU_TOKENS  # the sizes the targets name
 
 
 def test_delivery_measures_both_cases() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 from kvlife.diagrams import build_timeline, plot_timeline, timeline_rows
@@ -104,3 +106,23 @@ def test_the_plot_caps_rows_cuts_long_rids_and_says_what_it_left_out(tmp_path: P
     svg = out.read_text()
     assert "x" * 23 + "…" in svg and "x" * 25 not in svg
     assert "200 of 601 lifecycles and 2 of 2 rids shown" in svg
+
+
+def test_a_microsecond_of_finished_pending_is_drawn_a_few_pixels_wide(tmp_path: Path) -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    old = Req("a")
+    ticket = registry.start_offload(registry.register(old))
+    registry.finish(old)
+    registry.complete(ticket)  # finished_pending for a few microseconds
+    later = Req("b")
+    registry.register(later)
+    time.sleep(0.2)  # a log 200 ms long: a microsecond is far below one pixel
+    registry.finish(later)
+    out = tmp_path / "t.svg"
+    plot_timeline(sink.records(), out)
+    svg = out.read_text()
+    # the finished_pending span: outlined, and at least 4 px wide
+    (path,) = re.findall(r'<path id="[^"]+" d="([^"]+)"\s+style="stroke: #a63603', svg)
+    xs = [float(x) for x in re.findall(r"[ML] ([\d.]+) ", path)]
+    assert max(xs) - min(xs) >= 4, path
