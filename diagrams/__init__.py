@@ -2,8 +2,8 @@
 
 * [`lifecycle_dot()`][kvlife.diagrams.lifecycle.lifecycle_dot] /
   [`lifecycle_mermaid()`][kvlife.diagrams.lifecycle.lifecycle_mermaid]: the table through
-  ``transitions``'
-  GraphMachine (committed as ``lifecycle.dot``, ``.svg`` and ``.mmd`` beside this module).
+  ``transitions``' GraphMachine (committed as ``lifecycle.dot``, ``.svg`` and ``.mmd``
+  beside this module).
 * [`log_graph()`][kvlife.diagrams.log_graph.log_graph]: the same diagram with each edge's count and
   the refusals of a log.
 * [`plot_timeline()`][kvlife.diagrams.timeline.plot_timeline]: one row per lifecycle instance,

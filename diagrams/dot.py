@@ -1,11 +1,11 @@
 """DOT helpers: escaping user-controlled text, and running Graphviz's ``dot``.
 
 Every string that comes from a user (rids, file names) goes through
-[`dot_text()`][kvlife.diagrams.dot.dot_text]
-before it reaches a DOT source: non-printable characters are shown as escapes (a newline in
-a rid is drawn as the two characters ``\\n``, not as a line break), and the result is
-marked so that the ``graphviz`` package neither treats ``<...>`` as an HTML label nor lets
-``\\N``, ``\\G``, ``\\l`` act as DOT escape sequences.
+[`dot_text()`][kvlife.diagrams.dot.dot_text] before it reaches a DOT source: non-printable
+characters are shown as escapes (a newline in a rid is drawn as the two characters ``\\n``,
+not as a line break), and the result is marked so that the ``graphviz`` package neither
+treats ``<...>`` as an HTML label nor lets ``\\N``, ``\\G``, ``\\l`` act as DOT escape
+sequences.
 """
 
 from __future__ import annotations

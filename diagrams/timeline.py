@@ -169,15 +169,15 @@ def plot_timeline(
 ) -> int:
     """Draw the timeline to ``path`` (PNG or SVG by suffix); return the rows drawn.
 
-    Rows are grouped by rid in natural order (``req-2`` before ``req-10``), then segment
-    and serial, so the instances that reused a rid sit one under the other and overlaps
-    show. At most ``max_rows`` rows are drawn (never more than
+    Rows are grouped by rid in natural order (``req-2`` before ``req-10``), then segment and
+    serial, so the instances that reused a rid sit one under the other and overlaps show. At
+    most ``max_rows`` rows are drawn (never more than
     [`MAX_ROWS`][kvlife.diagrams.timeline.MAX_ROWS]), picked as
-    [`build_timeline()`][kvlife.diagrams.timeline.build_timeline] says; the title says
-    what was left out, and ``rids`` draws just the rids you name. Every span and refusal is
-    drawn at least a few pixels wide, so a short ``finished_pending`` after a rid reuse
-    shows at any zoom. Rids are cut to 24 characters. Raises ``ModuleNotFoundError``
-    with an install hint without matplotlib.
+    [`build_timeline()`][kvlife.diagrams.timeline.build_timeline] says; the title says what
+    was left out, and ``rids`` draws just the rids you name. Every span and refusal is drawn
+    at least a few pixels wide, so a short ``finished_pending`` after a rid reuse shows at
+    any zoom. Rids are cut to 24 characters. Raises ``ModuleNotFoundError`` with an install
+    hint without matplotlib.
     """
     try:
         import matplotlib

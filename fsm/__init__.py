@@ -1,19 +1,18 @@
 """kvlife.fsm: per-request lifecycle state machines for KV-cache offload.
 
 The pure core of kvlife (no torch, no graphviz): the one transition table
-([`kvlife.fsm.table`][kvlife.fsm.table]), the identity registry with its lifecycles and tickets
-([`kvlife.fsm.registry`][kvlife.fsm.registry]), the typed errors
-([`kvlife.fsm.errors`][kvlife.fsm.errors]) and the audit
-log ([`kvlife.fsm.audit`][kvlife.fsm.audit]).
+([`kvlife.fsm.table`][kvlife.fsm.table]), the identity registry with its lifecycles and
+tickets ([`kvlife.fsm.registry`][kvlife.fsm.registry]), the typed errors
+([`kvlife.fsm.errors`][kvlife.fsm.errors]) and the audit log
+([`kvlife.fsm.audit`][kvlife.fsm.audit]).
 
 Typical use in a scheduler::
 
-    registry = LifecycleRegistry(sinks=[MemorySink()])
-    lc = registry.register(req)              # rid from req.rid
-    ticket = registry.start_offload(req, tokens=16)
-    ...                                      # the copy's CUDA event completes
-    registry.complete(ticket)                # ack; ok=False for a failed copy
-    registry.finish(req)                     # released once no copy is in flight
+    registry = LifecycleRegistry(sinks=[MemorySink()]) lc = registry.register(req)
+    # rid from req.rid ticket = registry.start_offload(req, tokens=16) ...
+    # the copy's CUDA event completes registry.complete(ticket)                # ack;
+    ok=False for a failed copy registry.finish(req)                     # released once no
+    copy is in flight
 """
 
 from __future__ import annotations

@@ -4,14 +4,13 @@ This module gathers the audit API in one place; the parts live in
 [`kvlife.fsm.records`][kvlife.fsm.records] (what a log holds),
 [`kvlife.fsm.sinks`][kvlife.fsm.sinks] (where records go),
 [`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard] (what a registry does when a sink fails),
-[`kvlife.fsm.reader`][kvlife.fsm.reader] (reading) and [`kvlife.fsm.checker`][kvlife.fsm.checker]
-(replaying).
+[`kvlife.fsm.reader`][kvlife.fsm.reader] (reading) and
+[`kvlife.fsm.checker`][kvlife.fsm.checker] (replaying).
 
 A registry with no sink attached builds no record at all. With sinks attached, every
 accepted and every refused transition (and every registration) becomes one
-[`AuditRecord`][kvlife.fsm.records.AuditRecord], handed to each sink in ``seq`` order, after the
-transition was
-applied whole; a failing sink never changes what the registry does.
+[`AuditRecord`][kvlife.fsm.records.AuditRecord], handed to each sink in ``seq`` order, after
+the transition was applied whole; a failing sink never changes what the registry does.
 """
 
 from __future__ import annotations

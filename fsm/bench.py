@@ -408,9 +408,8 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
     - ``**detail``: the keyword dict CPython builds for every call of a method that
       takes ``**detail`` (an empty one too), against the same method without it;
     - ``clock read``, ``record build``, ``ring append``: what every audit record costs
-      at least (``time.monotonic_ns()``, an [`AuditRecord`][kvlife.fsm.records.AuditRecord] of 12
-      fields, a
-      ``deque.append``), against the loop alone.
+      at least (``time.monotonic_ns()``, an [`AuditRecord`][kvlife.fsm.records.AuditRecord]
+      of 12 fields, a ``deque.append``), against the loop alone.
     """
     registry = LifecycleRegistry()
     get_ident = threading.get_ident

@@ -1,11 +1,10 @@
 """Replaying an audit log against the transition table, in one streaming pass.
 
 [`AuditChecker`][kvlife.fsm.checker.AuditChecker] takes the reader's events one at a time
-([`AuditChecker.feed()`][kvlife.fsm.checker.AuditChecker.feed])
-and keeps only what is open at that point of the log: the unreleased lifecycles, the
-copies in flight, and one byte per serial and per copy number seen (to tell "released"
-and "completed" from "never seen"). A log of any length is checked in memory bounded by
-its busiest moment.
+([`AuditChecker.feed()`][kvlife.fsm.checker.AuditChecker.feed]) and keeps only what is open
+at that point of the log: the unreleased lifecycles, the copies in flight, and one byte per
+serial and per copy number seen (to tell "released" and "completed" from "never seen"). A
+log of any length is checked in memory bounded by its busiest moment.
 
 Rules, per segment (each segment is its own serial and ``seq`` space): ``seq`` is
 gap-free, except where a [`LostRecords`][kvlife.fsm.records.LostRecords] marker says a failing

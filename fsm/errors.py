@@ -1,11 +1,11 @@
 """kvlife's exceptions, split by who is at fault.
 
-Every refused transition raises a subclass of [`LifecycleError`][kvlife.fsm.errors.LifecycleError]
-that carries the
-data of the refusal as attributes (``serial``, ``rid``, ``state``, ``trigger``,
-``reason``, ``op``) and **changes nothing**: no state, no counter, no ticket, no record of
-the registry is modified, except that the refusal itself is counted in
-``statistics().refusals`` and written to the audit sinks.
+Every refused transition raises a subclass of
+[`LifecycleError`][kvlife.fsm.errors.LifecycleError] that carries the data of the refusal as
+attributes (``serial``, ``rid``, ``state``, ``trigger``, ``reason``, ``op``) and **changes
+nothing**: no state, no counter, no ticket, no record of the registry is modified, except
+that the refusal itself is counted in ``statistics().refusals`` and written to the audit
+sinks.
 
 ``reason`` is one of the closed set in [`Reason`][kvlife.fsm.errors.Reason], the same string the
 audit log uses.
@@ -132,9 +132,9 @@ class DuplicateRegistrationError(LifecycleError):
 class TableDefinitionError(ValueError):
     """A transition table failed the definition checks when it was built.
 
-    Raised by [`kvlife.fsm.table.build_lifecycle_table()`][kvlife.fsm.table.build_lifecycle_table];
-    the message names the check
-    and the offending states or edges. Nothing is built.
+    Raised by
+    [`kvlife.fsm.table.build_lifecycle_table()`][kvlife.fsm.table.build_lifecycle_table];
+    the message names the check and the offending states or edges. Nothing is built.
     """
 
 

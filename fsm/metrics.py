@@ -1,5 +1,5 @@
-"""Prometheus metrics for a running server (the ``metrics`` extra:
-``pip install 'kvlife[metrics]'``, which brings ``prometheus_client``).
+"""Prometheus metrics for a running server (the ``metrics`` extra: ``pip install
+'kvlife[metrics]'``, which brings ``prometheus_client``).
 
 [`PrometheusMetrics`][kvlife.fsm.metrics.PrometheusMetrics] is an audit sink and a
 Prometheus collector at once. As a sink it keeps plain counters on the registry's thread

@@ -1,13 +1,12 @@
 """Reading audit logs: one streaming reader under everything that reads a log.
 
-[`AuditReader`][kvlife.fsm.reader.AuditReader] walks a log (a file, or a rotated set ``PATH.N ...
-PATH.1 PATH``)
-line by line and yields what each line is -- a [`Segment`][kvlife.fsm.reader.Segment] when a
-writer's segment
-begins, an [`AuditRecord`][kvlife.fsm.records.AuditRecord], or a
-[`LostRecords`][kvlife.fsm.records.LostRecords] marker -- decoding records with msgspec's typed
-decoder. Memory does not grow with the log: only the current line is held, plus at most
-[`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS] problem reports.
+[`AuditReader`][kvlife.fsm.reader.AuditReader] walks a log (a file, or a rotated set
+``PATH.N ... PATH.1 PATH``) line by line and yields what each line is -- a
+[`Segment`][kvlife.fsm.reader.Segment] when a writer's segment begins, an
+[`AuditRecord`][kvlife.fsm.records.AuditRecord], or a
+[`LostRecords`][kvlife.fsm.records.LostRecords] marker -- decoding records with msgspec's
+typed decoder. Memory does not grow with the log: only the current line is held, plus at
+most [`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS] problem reports.
 
 Crash tolerance: a torn last line (a crash mid-write) is skipped and its size reported in
 ``torn_tail``; a complete line in the middle that is not a valid record is reported in
@@ -16,9 +15,8 @@ a kvlife header is refused with [`AuditFormatError`][kvlife.fsm.reader.AuditForm
 an audit log.
 
 [`read_audit()`][kvlife.fsm.reader.read_audit] reads a whole log into an
-[`AuditLog`][kvlife.fsm.reader.AuditLog] in memory, for small logs
-and tests; tools that may meet big logs iterate an [`AuditReader`][kvlife.fsm.reader.AuditReader]
-instead.
+[`AuditLog`][kvlife.fsm.reader.AuditLog] in memory, for small logs and tests; tools that may
+meet big logs iterate an [`AuditReader`][kvlife.fsm.reader.AuditReader] instead.
 """
 
 from __future__ import annotations
@@ -111,18 +109,17 @@ class AuditReader:
 
     Args:
         source: a path (with ``rotated=True``, its rotated set, see
-            [`audit_files()`][kvlife.fsm.reader.audit_files])
-            or a sequence of paths read in the given order.
+            [`audit_files()`][kvlife.fsm.reader.audit_files]) or a sequence of paths read in
+            the given order.
         rotated: take ``PATH``'s rotated backups too (only for a single path).
         strict: raise [`AuditFormatError`][kvlife.fsm.reader.AuditFormatError] at the first problem
-            instead of
-            reporting it (torn tails are not problems).
+            instead of reporting it (torn tails are not problems).
         progress: called as ``progress(bytes_read, total_bytes)`` about every 4 MiB.
 
-    After (or during) iteration: ``torn_tail`` (bytes skipped after the last newline of
-    each file, summed), ``problems`` (the first [`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS]),
-    ``problem_count``,
-    ``records``, ``segments``, ``files``.
+    After (or during) iteration: ``torn_tail`` (bytes skipped after the last newline of each
+    file, summed), ``problems`` (the first
+    [`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS]), ``problem_count``, ``records``,
+    ``segments``, ``files``.
 
     Raises (while iterating):
         FileNotFoundError, IsADirectoryError, PermissionError: a file cannot be opened.

@@ -1,14 +1,12 @@
 """What an audit log holds: records, headers and lost-record markers, and their encoding.
 
-An audit log is JSON lines. Each writer (one sink of one registry) starts a *segment*
-with an [`AuditHeader`][kvlife.fsm.records.AuditHeader]; a size-rotated file continues its segment
-in the next file
-with a header of the same ``segment`` id and the next ``part``. Then come
-[`AuditRecord`][kvlife.fsm.records.AuditRecord] lines (one per accepted or refused transition,
-``seq`` gap-free per
-segment) and, only after a sink failed, [`LostRecords`][kvlife.fsm.records.LostRecords] markers
-naming the ``seq``
-range that could not be written.
+An audit log is JSON lines. Each writer (one sink of one registry) starts a *segment* with
+an [`AuditHeader`][kvlife.fsm.records.AuditHeader]; a size-rotated file continues its
+segment in the next file with a header of the same ``segment`` id and the next ``part``.
+Then come [`AuditRecord`][kvlife.fsm.records.AuditRecord] lines (one per accepted or refused
+transition, ``seq`` gap-free per segment) and, only after a sink failed,
+[`LostRecords`][kvlife.fsm.records.LostRecords] markers naming the ``seq`` range that could
+not be written.
 
 Decoding is typed (msgspec): a line is a record only if every field has the schema's
 type and value set, so the reader validates at C speed.

@@ -1,13 +1,11 @@
 """Lifecycles, tickets and the identity registry (design §3).
 
-One [`LifecycleRegistry`][kvlife.fsm.registry.LifecycleRegistry] owns every lifecycle of one offload
-manager. It is the only
-maker of [`Lifecycle`][kvlife.fsm.registry.Lifecycle] objects (``register``) and of
-[`Ticket`][kvlife.fsm.registry.Ticket] objects
+One [`LifecycleRegistry`][kvlife.fsm.registry.LifecycleRegistry] owns every lifecycle of one
+offload manager. It is the only maker of [`Lifecycle`][kvlife.fsm.registry.Lifecycle]
+objects (``register``) and of [`Ticket`][kvlife.fsm.registry.Ticket] objects
 (``start_offload``). Every change of a lifecycle goes through one of its methods, which
-looks the change up in the compiled table of [`kvlife.fsm.table`][kvlife.fsm.table] and either
-applies
-it whole or refuses it with a typed error that changed nothing.
+looks the change up in the compiled table of [`kvlife.fsm.table`][kvlife.fsm.table] and
+either applies it whole or refuses it with a typed error that changed nothing.
 
 Identity: a request is found by ``id()`` in a dict whose entries exist only while the
 registry holds a strong reference to the request, so the id cannot be recycled under the
@@ -80,10 +78,11 @@ ReleaseHook = Callable[["Lifecycle", Any], None]
 class Lifecycle:
     """The lifecycle of one request instance: its state, copies in flight and outcome.
 
-    Made only by [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register];
-    every attribute is read-only and
-    every change goes through the registry. A lifecycle that reached ``released`` stays
-    readable (its final state and outcome) but holds no reference to its request.
+    Made only by
+    [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]; every
+    attribute is read-only and every change goes through the registry. A lifecycle that
+    reached ``released`` stays readable (its final state and outcome) but holds no reference
+    to its request.
     """
 
     __slots__ = (
@@ -173,8 +172,7 @@ class Ticket:
 
     Deliver it exactly once, with
     [`LifecycleRegistry.complete()`][kvlife.fsm.registry.LifecycleRegistry.complete] (or
-    ``deliver``),
-    when the copy's completion event is done (``ok=True``) or the copy failed
+    ``deliver``), when the copy's completion event is done (``ok=True``) or the copy failed
     (``ok=False``). Tickets are immutable and made only by the registry.
     """
 
@@ -636,11 +634,10 @@ class LifecycleRegistry:
     def start_offload(self, target: object, **detail: DetailValue) -> Ticket:
         """Record that a copy of ``target``'s KV was launched; return its ticket.
 
-        ``target`` is the request object or its [`Lifecycle`][kvlife.fsm.registry.Lifecycle].
-        ``detail`` (small
-        scalars: tokens, bytes, pages) goes into the audit record. Call this only after
-        the copy's completion event was recorded. On any error no ticket exists and
-        nothing changed.
+        ``target`` is the request object or its
+        [`Lifecycle`][kvlife.fsm.registry.Lifecycle]. ``detail`` (small scalars: tokens,
+        bytes, pages) goes into the audit record. Call this only after the copy's completion
+        event was recorded. On any error no ticket exists and nothing changed.
 
         Raises:
             UnknownRequestError: ``target`` is not registered here (or was released).
@@ -753,8 +750,8 @@ class LifecycleRegistry:
 
     def deliver(self, ticket: Ticket, ok: bool = True, **detail: DetailValue) -> Reason | None:
         """Like [`complete()`][kvlife.fsm.registry.LifecycleRegistry.complete] but for the
-        completion pump: a refusal is counted and
-        audited and its reason returned instead of raised. Returns ``None`` when applied.
+        completion pump: a refusal is counted and audited and its reason returned instead of
+        raised. Returns ``None`` when applied.
 
         Raises:
             TypeError: ``ticket`` is not a Ticket or ``ok`` is not a bool (a bug in the

@@ -8,9 +8,8 @@ not taken: the registry keeps it in a bounded backlog and offers it again (see
 
 * [`MemorySink`][kvlife.fsm.sinks.MemorySink] -- an in-memory ring of the newest records.
 * [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink] -- a JSON-lines file: header per segment, fsync
-  policy, owner-only
-  permissions, size-based rotation, flushed at interpreter exit and when collected, never
-  a partial line in the middle of the file.
+  policy, owner-only permissions, size-based rotation, flushed at interpreter exit and when
+  collected, never a partial line in the middle of the file.
 * [`LoggingSink`][kvlife.fsm.sinks.LoggingSink] -- one stdlib ``logging`` call per record.
 """
 
@@ -44,8 +43,8 @@ class AuditSinkError(OSError):
 
 class AuditSinkClosedError(AuditSinkError, ValueError):
     """A record was given to a sink after
-    [`JsonLinesSink.close()`][kvlife.fsm.sinks.JsonLinesSink.close] (a ``ValueError``
-    too, like writing to a closed file)."""
+    [`JsonLinesSink.close()`][kvlife.fsm.sinks.JsonLinesSink.close] (a ``ValueError`` too,
+    like writing to a closed file)."""
 
 
 def _is_int(value: object) -> bool:
@@ -149,8 +148,7 @@ _Item = AuditRecord | LostRecords
 
 class _JsonFile:
     """The open file of a [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink]: everything its
-    exit-time flush needs,
-    and no reference to the sink, so the sink can be collected."""
+    exit-time flush needs, and no reference to the sink, so the sink can be collected."""
 
     def __init__(self, path: Path, fsync: FsyncPolicy, max_bytes: int | None, backups: int) -> None:
         self.path = path
@@ -396,9 +394,9 @@ class LoggingSink:
     """Send each record to a stdlib logger as one JSON line.
 
     While the logger is not enabled for the sink's level, a registry builds no record for
-    it: the registry asks ``active()`` (whether the logger is enabled for the sink's
-    level) once per registration (so enabling the logger
-    takes effect from the next registered request on), not once per record.
+    it: the registry asks ``active()`` (whether the logger is enabled for the sink's level)
+    once per registration (so enabling the logger takes effect from the next registered
+    request on), not once per record.
     """
 
     def __init__(self, logger: logging.Logger | str = "kvlife.audit", level: int = logging.INFO):

@@ -1,12 +1,11 @@
 """The lifecycle transition table: the one place where transitions are decided.
 
-Rule 1 (after h11's ``_state.py``): everything that affects which transition a trigger
-takes lives here, as data. [`LIFECYCLE_EDGES`][kvlife.fsm.table.LIFECYCLE_EDGES] is the
-table of the design (docs/design.md §2);
+Rule 1 (after h11's ``_state.py``): everything that affects which transition a trigger takes
+lives here, as data. [`LIFECYCLE_EDGES`][kvlife.fsm.table.LIFECYCLE_EDGES] is the table of
+the design (docs/design.md §2);
 [`build_lifecycle_table()`][kvlife.fsm.table.build_lifecycle_table] checks its definition,
-builds it into a ``transitions``
-machine (the reference engine, also used for the diagrams) and compiles that machine into
-the tuple-indexed table the hot path runs.
+builds it into a ``transitions`` machine (the reference engine, also used for the diagrams)
+and compiles that machine into the tuple-indexed table the hot path runs.
 
 Guards: ``ack`` and ``fail`` complete one in-flight copy. Their guards are evaluated on the
 in-flight count *before* the completion: ``more_in_flight`` is ``inflight > 1``,
@@ -121,9 +120,8 @@ class _GuardModel:
 
 Row = tuple[tuple[int, int] | None, ...]
 """Next state for one trigger, indexed by the source state's index in
-[`STATES`][kvlife.fsm.table.STATES]:
-``None`` when refused, else ``(dst if more in flight, dst if last in flight)`` (the
-two are equal for unguarded edges).
+[`STATES`][kvlife.fsm.table.STATES]: ``None`` when refused, else ``(dst if more in flight,
+dst if last in flight)`` (the two are equal for unguarded edges).
 """
 
 

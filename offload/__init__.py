@@ -1,15 +1,12 @@
 """kvlife.offload: real KV offload to (pinned) host memory on torch.
 
 [`KVLayout`][kvlife.offload.layout.KVLayout] describes the engine's device KV pool;
-[`HostPagePool`][kvlife.offload.host_pool.HostPagePool] holds host
-pages shaped after it; [`CopyEngine`][kvlife.offload.copy_engine.CopyEngine] gathers token slots on
-the device and copies
-them into host pages (side streams and CUDA events on a GPU, synchronous on CPU);
-[`CompletionQueue`][kvlife.offload.completion.CompletionQueue] delivers each copy's ticket when its
-event is done (agreed over
-``torch.distributed`` under tensor parallelism);
-[`OffloadManager`][kvlife.offload.manager.OffloadManager] is what a
-scheduler calls.
+[`HostPagePool`][kvlife.offload.host_pool.HostPagePool] holds host pages shaped after it;
+[`CopyEngine`][kvlife.offload.copy_engine.CopyEngine] gathers token slots on the device and
+copies them into host pages (side streams and CUDA events on a GPU, synchronous on CPU);
+[`CompletionQueue`][kvlife.offload.completion.CompletionQueue] delivers each copy's ticket
+when its event is done (agreed over ``torch.distributed`` under tensor parallelism);
+[`OffloadManager`][kvlife.offload.manager.OffloadManager] is what a scheduler calls.
 """
 
 from __future__ import annotations

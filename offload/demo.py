@@ -1,13 +1,12 @@
 """The main job: a realistic decode workload offloading KV through kvlife.
 
 A scheduler admits requests with random prompt and output lengths into a device KV pool of
-real torch tensors, decodes one token per running request per step, offloads committed
-pages through an [`OffloadManager`][kvlife.offload.manager.OffloadManager], aborts some requests,
-and reuses
-request ids at once. On CPU, copies are held back and released in random order over four
-streams (on CUDA they complete asynchronously on their own). A small, labelled share of
-faults is injected: copies that fail, and a buggy component that re-delivers old tickets.
-Everything is audited; the result is a summary and an audit log.
+real torch tensors, decodes one token per running request per step, offloads committed pages
+through an [`OffloadManager`][kvlife.offload.manager.OffloadManager], aborts some requests,
+and reuses request ids at once. On CPU, copies are held back and released in random order
+over four streams (on CUDA they complete asynchronously on their own). A small, labelled
+share of faults is injected: copies that fail, and a buggy component that re-delivers old
+tickets. Everything is audited; the result is a summary and an audit log.
 
 Run it through ``kvlife demo`` (which also draws the diagrams) or `run_workload()`.
 """

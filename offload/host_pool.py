@@ -168,8 +168,8 @@ class HostPagePool:
         return self.tensor[first : first + count]
 
     def read_tokens(self, pages: Sequence[int] | HostPages, tokens: int) -> torch.Tensor:
-        """Copy out the first ``tokens`` tokens held by ``pages`` as
-        ``[components, tokens, elems]`` (for checks and restores)."""
+        """Copy out the first ``tokens`` tokens held by ``pages`` as ``[components, tokens,
+        elems]`` (for checks and restores)."""
         indices = list(pages.indices if isinstance(pages, HostPages) else pages)
         data = self.tensor[indices]  # [pages, components, page_size, elems]
         components, elems = self.layout.components, self.layout.elems

@@ -8,10 +8,10 @@ Wiring, per scheduler step::
     manager.finish(req) / manager.abort(req)
 
 The engine answers four questions about a request through
-[`KVSource`][kvlife.offload.manager.KVSource]: how many
-tokens have final KV, their token ids, their device slots, and -- called *by kvlife* --
-"you may hand this request's device slots back now". kvlife calls ``release_slots`` only
-when no copy that reads them is in flight (design §7.1).
+[`KVSource`][kvlife.offload.manager.KVSource]: how many tokens have final KV, their token
+ids, their device slots, and -- called *by kvlife* -- "you may hand this request's device
+slots back now". kvlife calls ``release_slots`` only when no copy that reads them is in
+flight (design §7.1).
 
 Host pages: each copy gets its pages before it is launched; a copy that fails frees its
 pages; an aborted request's pages are freed on release; a finished request's pages pass to
@@ -176,7 +176,8 @@ class OffloadManager:
 
     def register(self, req: Any, rid: str | None = None) -> Lifecycle:
         """Register an admitted request (see
-        [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register])."""
+        [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]).
+        """
         lc = self.registry.register(req, rid)
         self._progress[lc.serial] = _Progress(req)
         return lc
