@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -24,6 +24,26 @@ $(STAMP): $(PY) pyproject.toml fsm/ offload/ diagrams/
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# vLLM's scheduler side on CPU, in an environment of its own: CPU torch, then vLLM and the
+# packages it imports from a committed pin list, all with --no-deps (a plain
+# `pip install vllm` would pull a CUDA torch and about 9 GB), then kvlife itself.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvlife-installed
+$(VLLM_STAMP): tests/engines/vllm-pins.txt pyproject.toml fsm/ offload/ diagrams/
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	@$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || \
+	  $(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r tests/engines/vllm-pins.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps "vllm==0.33.0"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
+	@touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+test-vllm: vllm-venv
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/engines/test_vllm.py
 
 # Graphviz's `dot` renders SVG/PNG; installed through apt-get when missing and we are root.
 dot:
@@ -73,7 +93,7 @@ pytest: venv dot browser mermaid
 docs: venv mermaid
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
-test: lint types pytest docs
+test: lint types pytest docs test-vllm
 
 # Long runs, not in CI: the soak, and the model-based tests with the slow profile.
 soak: venv
@@ -101,4 +121,4 @@ diagrams: venv dot
 	$(PY) -c "from kvlife.diagrams import write_lifecycle_diagrams as w; print(*w(), sep='\n')"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site
