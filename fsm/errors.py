@@ -2,10 +2,10 @@
 
 Every refused transition raises a subclass of
 [`LifecycleError`][kvlife.fsm.errors.LifecycleError] that carries the data of the refusal as
-attributes (``serial``, ``rid``, ``state``, ``trigger``, ``reason``, ``op``) and **changes
-nothing**: no state, no counter, no ticket, no record of the registry is modified, except
-that the refusal itself is counted in ``statistics().refusals`` and written to the audit
-sinks.
+attributes (``serial``, ``rid``, ``state``, ``trigger``, ``reason``, ``op``) and
+**changes nothing**: no state, no counter, no ticket, no record of the registry is modified,
+except that the refusal itself is counted in ``statistics().refusals`` and written to the
+audit sinks.
 
 ``reason`` is one of the closed set in [`Reason`][kvlife.fsm.errors.Reason], the same string the
 audit log uses.
