@@ -10,7 +10,10 @@ xfail: if vLLM fixes it, the test says so.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
@@ -30,3 +33,110 @@ def test_vllms_offloading_connector_dies_on_a_late_store_after_an_id_reuse() -> 
     scheduler.add_request(make_request("0", first=5000))  # the id is reused at once
     step(scheduler)
     step(scheduler, completed=jobs)  # the old store completes: KeyError in the scheduler
+
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvlife.fsm import AuditReader, State, check_audit  # noqa: E402
+from tests.engines.vllm_harness import Engine  # noqa: E402
+
+
+def _free_blocks(engine: Engine) -> int:
+    return int(engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def test_stores_delay_the_free_until_the_last_copy_is_over(tmp_path: Any) -> None:
+    audit = tmp_path / "kvlife.jsonl"
+    engine = Engine(audit_log=str(audit))
+    free_at_start = _free_blocks(engine)
+    request = make_request("a", prompt=40, max_tokens=2)
+    engine.scheduler.add_request(request)
+    engine.hold_all = True
+    engine.step()  # prefill: 40 tokens, two full blocks -> one store
+    assert [len(s.block_ids) for s in engine.stores] == [2]
+    (store,) = engine.stores
+    engine.step()  # the last token: finished with the store in flight
+    lc = engine.connector.registry.lifecycles()[0]
+    assert request.is_finished() and lc.state is State.FINISHED_PENDING
+    assert "a" in engine.scheduler.requests  # vLLM keeps the blocks for the copy
+    assert _free_blocks(engine) < free_at_start
+    engine.hold_all = False
+    engine.step(release=[store.job_id])  # the copy is over: the lifecycle is released
+    assert lc.state is State.RELEASED
+    engine.step()  # the worker reports "a" finished sending; vLLM frees the blocks
+    assert "a" not in engine.scheduler.requests and _free_blocks(engine) == free_at_start
+    for block, page in zip(store.block_ids, store.pages, strict=True):  # bytes, exactly
+        assert torch.equal(engine.host_block(page), engine.device_block(block))
+    engine.connector.registry.flush()
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 1, report.violations
+
+
+def test_the_id_reuse_race_is_harmless_with_kvlife() -> None:
+    engine = Engine()
+    old = make_request("0", max_tokens=2)
+    engine.scheduler.add_request(old)
+    engine.hold_all = True
+    engine.step()
+    (store,) = engine.stores
+    engine.step()  # "0" finished, its store in flight: vLLM keeps the id
+    new = make_request("0", first=5000)
+    with pytest.raises(AssertionError):  # vLLM's own duplicate-id refusal holds it off
+        engine.scheduler.add_request(new)
+    engine.hold_all = False
+    engine.step(release=[store.job_id])  # the old copy lands: the old lifecycle alone
+    engine.step()  # "0" reported finished sending: its blocks are freed
+    engine.scheduler.add_request(new)  # now the id is free
+    engine.step()
+    new_lc = engine.connector.registry.lifecycle(new)
+    before = (new_lc.state, new_lc.inflight, new_lc.copies_started)
+    engine.step(release=[store.job_id])  # the old job's completion, late and again
+    engine.step(release=[store.job_id])
+    assert (new_lc.state, new_lc.inflight, new_lc.copies_started) == before
+    stats = engine.connector.registry.statistics()
+    assert stats.refusals["stale_instance"] == 2 and stats.released == 1
+
+
+def test_an_abort_with_a_store_in_flight_releases_after_the_copy() -> None:
+    engine = Engine()
+    request = make_request("a", max_tokens=50)
+    engine.scheduler.add_request(request)
+    engine.hold_all = True
+    engine.step()
+    (store,) = engine.stores
+    engine.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    lc = engine.connector.registry.lifecycles()[0]
+    assert lc.state is State.FINISHED_PENDING and lc.outcome == "aborted"
+    engine.hold_all = False
+    engine.step(release=[store.job_id])
+    assert lc.state is State.RELEASED
+    engine.step()
+    assert "a" not in engine.scheduler.requests
+    assert engine.connector.free_host_pages == 64  # every host page back
+
+
+def test_a_failed_store_is_a_fail_and_gives_its_pages_back() -> None:
+    engine = Engine()
+    engine.scheduler.add_request(make_request("a", max_tokens=2))
+    engine.fail = {0}
+    engine.step()
+    lc = engine.connector.registry.lifecycles()[0]
+    assert lc.copies_started == 1 and lc.inflight == 0 and lc.state is State.ALLOCATED
+    assert engine.connector.free_host_pages == 64
+    engine.step()
+    assert lc.state is State.RELEASED
+    assert not any(engine.connector.registry.statistics().refusals.values())
+
+
+def test_every_worker_must_report_a_store() -> None:
+    engine = Engine(tensor_parallel=2)  # two workers: each reports its own copy
+    engine.scheduler.add_request(make_request("a", max_tokens=3))
+    engine.hold_all = True
+    engine.step()
+    (store,) = engine.stores
+    engine.hold_all = False
+    lc = engine.connector.registry.lifecycles()[0]
+    engine.step(release=[store.job_id])  # one worker
+    assert lc.inflight == 1
+    engine.step(release=[store.job_id])  # the other, a step later
+    assert lc.inflight == 0

@@ -25,9 +25,11 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -43,6 +45,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from kvlife.offload.engines.vllm import KVLifeConnector
 
 BLOCK = 16
 #: The token every scheduled request samples.
@@ -65,6 +69,7 @@ def make_scheduler(
     extra: dict[str, Any] | None = None,
     *,
     blocks: int = 128,
+    tensor_parallel: int = 1,
 ) -> Scheduler:
     model_config = ModelConfig(
         model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
@@ -87,6 +92,7 @@ def make_scheduler(
             kv_connector_extra_config=extra or {},
         ),
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=12, head_size=64, dtype=torch.float16)
     page = spec.page_size_bytes
@@ -134,3 +140,95 @@ def step(scheduler: Scheduler, completed: Iterable[int] = ()) -> Any:
     )
     scheduler.update_from_output(out, output)
     return out
+
+
+KVLIFE = "kvlife.offload.engines.vllm"
+LAYERS, HEADS, HEAD_DIM = 2, 2, 8
+
+
+class Engine:
+    """vLLM's real scheduler with the kvlife connector on both sides, and a stand-in model
+    runner: CPU KV caches shaped like vLLM's (NHD), a forward pass that writes a value
+    derived from (request, position) into each scheduled token's slots, and the worker
+    connector called as vLLM's model runner calls it. ``hold`` keeps store completions
+    from being reported (a copy still in flight) until ``release``."""
+
+    def __init__(
+        self, *, blocks: int = 64, host_pages: int = 64, tensor_parallel: int = 1, **extra: Any
+    ) -> None:
+        config = {"host_pages": host_pages, **extra}
+        self.scheduler = make_scheduler(
+            "KVLifeConnector", KVLIFE, config, blocks=blocks, tensor_parallel=tensor_parallel
+        )
+        self.connector = self.scheduler.connector
+        self.worker = KVLifeConnector(
+            self.scheduler.vllm_config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config
+        )
+        shape = (2, blocks, BLOCK, HEADS, HEAD_DIM)
+        self.kv = {f"layer.{i}": torch.zeros(shape, dtype=torch.float16) for i in range(LAYERS)}
+        self.worker.register_kv_caches(self.kv)
+        self.held: dict[int, int] = {}  # job id -> 1 (done), held back
+        self.hold_all = False
+        self.stores: list[Any] = []  # every StoreJob the scheduler sent
+        self.fail: set[int] = set()  # job ids the worker reports failed
+
+    def value(self, req_id: str, position: int) -> float:
+        return float((hash(req_id) % 97) * 1000 + position % 997)
+
+    def step(self, release: Iterable[int] = ()) -> Any:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        self.stores += meta.stores
+        self._forward(out)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.handle_preemptions(meta)
+        self.worker.wait_for_save()
+        sending, _ = self.worker.get_finished(out.finished_req_ids)
+        wmeta = self.worker.build_connector_worker_meta()
+        self.worker.clear_connector_metadata()
+        for job_id in list(wmeta.done):
+            if self.hold_all or job_id in self.held:
+                self.held[job_id] = wmeta.done.pop(job_id)
+        for job_id in list(wmeta.done):
+            if job_id in self.fail:
+                wmeta.failed[job_id] = wmeta.done.pop(job_id)
+        for job_id in release:
+            wmeta.done[job_id] = self.held.pop(job_id, 1)
+        req_ids = list(out.num_scheduled_tokens)
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[TOKEN] for _ in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending, kv_connector_worker_meta=wmeta
+            ),
+        )
+        self.scheduler.update_from_output(out, output)
+        return out
+
+    def _forward(self, out: Any) -> None:
+        blocks: dict[str, list[int]] = {}
+        for new in out.scheduled_new_reqs:
+            blocks[new.req_id] = list(new.block_ids[0])
+            self._write(new.req_id, blocks[new.req_id], new.num_computed_tokens, out)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self.scheduler.requests[req_id]
+            ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            self._write(req_id, list(ids), cached.num_computed_tokens[i], out)
+            del request
+
+    def _write(self, req_id: str, block_ids: list[int], start: int, out: Any) -> None:
+        for position in range(start, start + out.num_scheduled_tokens[req_id]):
+            block, offset = block_ids[position // BLOCK], position % BLOCK
+            for tensor in self.kv.values():
+                tensor[:, block, offset] = self.value(req_id, position)
+
+    def host_block(self, page: int) -> torch.Tensor:
+        """Host page ``page`` as the worker holds it: [components, BLOCK, elems]."""
+        return self.worker.host_pages.page_view(page, 1)[0]
+
+    def device_block(self, block: int) -> torch.Tensor:
+        """Device block ``block`` in the host page's order: K0, V0, K1, V1, ..."""
+        parts = [t[c, block].reshape(BLOCK, -1) for t in self.kv.values() for c in (0, 1)]
+        return torch.stack(parts)
