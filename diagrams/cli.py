@@ -181,37 +181,24 @@ def _parser() -> _Parser:
     return parser
 
 
-def _seed(text: str) -> int:
-    """An argparse ``type``: a seed torch takes (0 .. 2**63 - 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 2**63 - 1, got {text}")
-    return value
+def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[low, high]`` (no upper bound when ``None``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
 
 
-def _natural(text: str) -> int:
-    """An argparse ``type``: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
-
-
-def _positive(text: str) -> int:
-    """An argparse ``type``: a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+_seed = _int_in(0, 2**63 - 1, "a seed between 0 and 2**63 - 1")  # what torch takes
+_natural = _int_in(0, None, "an integer >= 0")
+_positive = _int_in(1, None, "a positive integer")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,8 @@ from typing import Final
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.log_graph import log_graph
 from kvlife.diagrams.timeline import plot_timeline
-from kvlife.fsm.audit import AuditRecord, Event, Segment
+from kvlife.fsm.audit import Event
+from kvlife.fsm.reader import segment_records
 from kvlife.fsm.table import State
 
 MAX_LIFECYCLES: Final = 5000
@@ -96,16 +97,9 @@ def gather(source: Iterable[Event], *, max_lifecycles: int = MAX_LIFECYCLES) -> 
     """Read the log once into the table's rows (times in ms from the first record)."""
     entries: dict[tuple[int, int], _Entry] = {}
     total = records = 0
-    segment = 0
     t0: int | None = None
     t = 0.0
-    for event in source:
-        if type(event) is Segment:
-            segment = event.index
-            continue
-        if type(event) is not AuditRecord:
-            continue
-        r = event
+    for segment, r in segment_records(source):
         records += 1
         if t0 is None:
             t0 = r.t_ns

@@ -36,6 +36,7 @@ from kvlife.fsm.reader import (
     Segment,
     audit_files,
     read_audit,
+    segment_records,
 )
 from kvlife.fsm.records import (
     RECORD_FIELDS,
@@ -100,5 +101,6 @@ __all__ = [
     "make_header",
     "read_audit",
     "record_from_dict",
+    "segment_records",
     "trim_torn_tail",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlife.fsm.reader import Event, Segment
+from kvlife.fsm.reader import Event, segment_records
 from kvlife.fsm.records import REGISTER, AuditRecord
 
 MAX_STORIES = 20
@@ -59,13 +59,7 @@ class RidHistory:
 def collect(source: Iterable[Event], rid: str) -> RidHistory:
     """Read ``source`` once, keeping the records of ``rid`` only."""
     history = RidHistory(rid)
-    segment = 0
-    for event in source:
-        if type(event) is Segment:
-            segment = event.index
-            continue
-        if type(event) is not AuditRecord:
-            continue
+    for segment, event in segment_records(source):
         if history.t0 is None:
             history.t0 = event.t_ns
         if event.rid != rid:
@@ -86,17 +80,9 @@ def collect(source: Iterable[Event], rid: str) -> RidHistory:
 
 def find_rid(source: Iterable[Event], serial: int, segment: int = 0) -> str | None:
     """The rid of lifecycle ``serial`` in ``segment``, or ``None`` if the log has none."""
-    current = 0
-    for event in source:
-        if type(event) is Segment:
-            current = event.index
-        elif (
-            type(event) is AuditRecord
-            and event.serial == serial
-            and current == segment
-            and event.rid is not None
-        ):
-            return event.rid
+    for current, record in segment_records(source):
+        if record.serial == serial and current == segment and record.rid is not None:
+            return record.rid
     return None
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -81,6 +81,19 @@ class Segment:
 
 
 Event = Segment | AuditRecord | LostRecords
+
+
+def segment_records(events: Iterable[Event]) -> Iterator[tuple[int, AuditRecord]]:
+    """The records of a stream of events, each with the index of its segment (a
+    segment is its own serial space); headers and lost markers are skipped."""
+    segment = 0
+    for event in events:
+        if type(event) is AuditRecord:
+            yield segment, event
+        elif type(event) is Segment:
+            segment = event.index
+
+
 Progress = Callable[[int, int], None]
 
 

@@ -17,6 +17,7 @@ from kvlife.fsm.audit import (
     Segment,
     audit_files,
     check_audit,
+    segment_records,
 )
 from tests.strategies import Req
 
@@ -45,6 +46,16 @@ def test_events_are_segments_then_records_in_file_order(tmp_path: Path) -> None:
     assert [s.index for s in segments] == [0, 1]
     records = [e for e in events if isinstance(e, AuditRecord)]
     assert len(records) == 5 * 6 and records[18].seq == 0
+
+
+def test_segment_records_tags_each_record_with_its_segment(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    _write(path, 3)
+    _write(path, 2)
+    tagged = list(segment_records(AuditReader(path)))
+    assert [segment for segment, _ in tagged] == [0] * 18 + [1] * 12
+    assert all(type(record) is AuditRecord for _, record in tagged)
+    assert tagged[18][1].seq == 0  # the second writer's first record
 
 
 def test_a_rotated_set_is_read_oldest_first(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ from tests.strategies import Req
 HOSTILE = '</script><img src=x onerror="window.pwned=1">&amp;'
 
 
-def _records() -> list[AuditRecord]:
-    """req-1 reused with a copy in flight, a stale delivery, an abort, a hostile rid."""
-    sink = MemorySink()
+def _history(sink: object, *, end_new: bool = True) -> None:
+    """req-1 reused with a copy in flight and a stale delivery; the new req-1 has a failed
+    copy and is aborted (unless ``end_new`` is false: then it stays live); req-2 to
+    req-11 and a hostile rid stay live."""
     registry = LifecycleRegistry(sinks=[sink])
     old, new = Req("req-1"), Req("req-1")
     ticket = registry.start_offload(registry.register(old), tokens=16)
@@ -28,11 +29,17 @@ def _records() -> list[AuditRecord]:
     registry.register(new)
     registry.complete(ticket)
     registry.deliver(ticket)  # stale: refused on #0
-    registry.complete(registry.start_offload(new), ok=False)
-    registry.abort(new)
+    if end_new:
+        registry.complete(registry.start_offload(new), ok=False)
+        registry.abort(new)
     for i in range(2, 12):
         registry.register(Req(f"req-{i}"))
     registry.register(Req(HOSTILE))
+
+
+def _records() -> list[AuditRecord]:
+    sink = MemorySink()
+    _history(sink)
     return sink.records()
 
 
@@ -66,16 +73,7 @@ def test_the_data_cannot_close_its_script_element() -> None:
 def _page(tmp_path: Path) -> Path:
     log = tmp_path / "audit.jsonl"
     with JsonLinesSink(log, fsync="never") as sink:
-        registry = LifecycleRegistry(sinks=[sink])
-        old, new = Req("req-1"), Req("req-1")
-        ticket = registry.start_offload(registry.register(old), tokens=16)
-        registry.finish(old)
-        registry.register(new)
-        registry.complete(ticket)
-        registry.deliver(ticket)
-        for i in range(2, 12):
-            registry.register(Req(f"req-{i}"))
-        registry.register(Req(HOSTILE))
+        _history(sink, end_new=False)
     out = tmp_path / "report.html"
     assert main(["audit", "report", str(log), "-o", str(out)]) == 0
     return out

@@ -50,11 +50,8 @@ def test_stores_delay_the_free_until_the_last_copy_is_over(tmp_path: Any) -> Non
     engine = Engine(audit_log=str(audit))
     free_at_start = _free_blocks(engine)
     request = make_request("a", prompt=40, max_tokens=2)
-    engine.scheduler.add_request(request)
-    engine.hold_all = True
-    engine.step()  # prefill: 40 tokens, two full blocks -> one store
-    assert [len(s.block_ids) for s in engine.stores] == [2]
-    (store,) = engine.stores
+    store = engine.prefill_holding_its_store(request)  # 40 tokens: two full blocks
+    assert len(store.block_ids) == 2
     engine.step()  # the last token: finished with the store in flight
     lc = engine.connector.registry.lifecycles()[0]
     assert request.is_finished() and lc.state is State.FINISHED_PENDING
@@ -74,11 +71,7 @@ def test_stores_delay_the_free_until_the_last_copy_is_over(tmp_path: Any) -> Non
 
 def test_the_id_reuse_race_is_harmless_with_kvlife() -> None:
     engine = Engine()
-    old = make_request("0", max_tokens=2)
-    engine.scheduler.add_request(old)
-    engine.hold_all = True
-    engine.step()
-    (store,) = engine.stores
+    store = engine.prefill_holding_its_store(make_request("0", max_tokens=2))
     engine.step()  # "0" finished, its store in flight: vLLM keeps the id
     new = make_request("0", first=5000)
     with pytest.raises(AssertionError):  # vLLM's own duplicate-id refusal holds it off
@@ -99,11 +92,7 @@ def test_the_id_reuse_race_is_harmless_with_kvlife() -> None:
 
 def test_an_abort_with_a_store_in_flight_releases_after_the_copy() -> None:
     engine = Engine()
-    request = make_request("a", max_tokens=50)
-    engine.scheduler.add_request(request)
-    engine.hold_all = True
-    engine.step()
-    (store,) = engine.stores
+    store = engine.prefill_holding_its_store(make_request("a", max_tokens=50))
     engine.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     lc = engine.connector.registry.lifecycles()[0]
     assert lc.state is State.FINISHED_PENDING and lc.outcome == "aborted"
@@ -130,10 +119,7 @@ def test_a_failed_store_is_a_fail_and_gives_its_pages_back() -> None:
 
 def test_every_worker_must_report_a_store() -> None:
     engine = Engine(tensor_parallel=2)  # two workers: each reports its own copy
-    engine.scheduler.add_request(make_request("a", max_tokens=3))
-    engine.hold_all = True
-    engine.step()
-    (store,) = engine.stores
+    store = engine.prefill_holding_its_store(make_request("a", max_tokens=3))
     engine.hold_all = False
     lc = engine.connector.registry.lifecycles()[0]
     engine.step(release=[store.job_id])  # one worker

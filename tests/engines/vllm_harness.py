@@ -172,6 +172,16 @@ class Engine:
         self.stores: list[Any] = []  # every StoreJob the scheduler sent
         self.fail: set[int] = set()  # job ids the worker reports failed
 
+    def prefill_holding_its_store(self, request: Request) -> Any:
+        """Admit ``request`` and run its prefill; its one store's completion is held back
+        (the copy is in flight as far as the scheduler knows). Returns the store."""
+        self.scheduler.add_request(request)
+        self.hold_all = True
+        before = len(self.stores)
+        self.step()
+        (store,) = self.stores[before:]
+        return store
+
     def value(self, req_id: str, position: int) -> float:
         return float((hash(req_id) % 97) * 1000 + position % 997)
 
