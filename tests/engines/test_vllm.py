@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
@@ -62,8 +61,7 @@ def test_stores_delay_the_free_until_the_last_copy_is_over(tmp_path: Any) -> Non
     assert lc.state is State.RELEASED
     engine.step()  # the worker reports "a" finished sending; vLLM frees the blocks
     assert "a" not in engine.scheduler.requests and _free_blocks(engine) == free_at_start
-    for block, page in zip(store.block_ids, store.pages, strict=True):  # bytes, exactly
-        assert torch.equal(engine.host_block(page), engine.device_block(block))
+    engine.assert_host_copies_exact([store])
     engine.connector.registry.flush()
     report = check_audit(AuditReader(audit), expect_released=True)
     assert report.ok and report.lifecycles == 1, report.violations
@@ -126,3 +124,35 @@ def test_every_worker_must_report_a_store() -> None:
     assert lc.inflight == 1
     engine.step(release=[store.job_id])  # the other, a step later
     assert lc.inflight == 0
+
+
+def test_a_preemption_names_the_stores_that_read_its_blocks(tmp_path: Any) -> None:
+    audit = tmp_path / "kvlife.jsonl"
+    engine = Engine(blocks=8, audit_log=str(audit))  # room for 128 tokens: two requests
+    free_at_start = _free_blocks(engine)
+    engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=60))
+    engine.scheduler.add_request(make_request("b", prompt=40, max_tokens=60, first=3000))
+    engine.hold_all = True
+    for _ in range(40):
+        out = engine.step()
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == {"b"}
+    meta = out.kv_connector_metadata
+    in_flight_of_b = {
+        job_id
+        for job_id, job in engine.connector._scheduler.jobs.items()
+        if job.ticket.lifecycle.rid == "b"
+    }
+    assert in_flight_of_b and meta.preempted_jobs == in_flight_of_b
+    engine.hold_all = False
+    engine.step(release=list(engine.held))  # every copy lands
+    for _ in range(200):  # both finish; b resumes and is recomputed
+        engine.step()
+        if not engine.scheduler.requests:
+            break
+    assert not engine.scheduler.requests and _free_blocks(engine) == free_at_start
+    engine.assert_host_copies_exact(engine.stores)
+    engine.connector.registry.flush()
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 2, report.violations

@@ -171,6 +171,7 @@ class Engine:
         self.hold_all = False
         self.stores: list[Any] = []  # every StoreJob the scheduler sent
         self.fail: set[int] = set()  # job ids the worker reports failed
+        self.expected: dict[int, list[torch.Tensor]] = {}  # job id -> device blocks at launch
 
     def prefill_holding_its_store(self, request: Request) -> Any:
         """Admit ``request`` and run its prefill; its one store's completion is held back
@@ -190,6 +191,8 @@ class Engine:
         meta = out.kv_connector_metadata
         self.stores += meta.stores
         self._forward(out)
+        for store in meta.stores:  # what each store must copy, as the device holds it now
+            self.expected[store.job_id] = [self.device_block(b).clone() for b in store.block_ids]
         self.worker.bind_connector_metadata(meta)
         self.worker.handle_preemptions(meta)
         self.worker.wait_for_save()
@@ -233,6 +236,12 @@ class Engine:
             block, offset = block_ids[position // BLOCK], position % BLOCK
             for tensor in self.kv.values():
                 tensor[:, block, offset] = self.value(req_id, position)
+
+    def assert_host_copies_exact(self, stores: Iterable[Any]) -> None:
+        """Each store's host pages hold exactly the device blocks it was given."""
+        for store in stores:
+            for page, block in zip(store.pages, self.expected[store.job_id], strict=True):
+                assert torch.equal(self.host_block(page), block), (store.job_id, page)
 
     def host_block(self, page: int) -> torch.Tensor:
         """Host page ``page`` as the worker holds it: [components, BLOCK, elems]."""
