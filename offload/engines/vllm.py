@@ -1,4 +1,4 @@
-"""kvlife as a vLLM KV connector (vLLM 0.33.0, the ``vllm`` extra): the store path.
+"""kvlife as a vLLM KV connector (vLLM 0.33.0, the ``vllm`` extra): stores and loads.
 
 Enable it with one config, no patch to vLLM::
 
@@ -26,8 +26,16 @@ Worker side: ``register_kv_caches`` takes vLLM's per-layer caches in the ``NHD``
 ``CopyEngine`` into a ``HostPagePool`` of ``host_pages`` blocks, and the worker reports
 finished and failed job ids.
 
-Not yet here: loading offloaded blocks back (a prefix cache); host pages are freed when
-their lifecycle is released.
+Loads: when a lifecycle that *finished* is released, its whole stored blocks join a host
+prefix cache keyed by vLLM's block hashes (an aborted one's pages are freed).
+``get_num_new_matched_tokens`` reports the cached blocks that follow what vLLM computed
+(never the block of the last prompt token: vLLM computes one token itself), and the load
+into the blocks vLLM then allocates is a copy on the request's own lifecycle, with a
+ticket like a store: a late load completion after an abort or an id reuse completes that
+instance's copy and nothing else. A page being loaded is pinned; new stores evict the
+least recently used cached pages that no load reads, and a store that would need a pinned
+page is skipped. A load that fails reports its blocks through
+``get_block_ids_with_load_errors`` so that vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -79,10 +87,21 @@ class StoreJob:
 
 
 @dataclass
+class LoadJob:
+    """One load: host pages back into the device blocks vLLM allocated for a hit."""
+
+    job_id: int
+    req_id: str
+    block_ids: list[int]
+    pages: list[int]
+
+
+@dataclass
 class KVLifeConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
     stores: list[StoreJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
     #: Request ids whose delayed free may happen now: workers report them as finished.
     released: set[str] = field(default_factory=set)
     #: Stores of preempted requests: workers finish them before the blocks are reused.
@@ -115,7 +134,8 @@ class _Progress:
     req_id: str
     block_ids: list[int] = field(default_factory=list)
     stored_blocks: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # host pages of its stores
+    hashes: dict[int, Any] = field(default_factory=dict)  # page -> block hash, once acked
     jobs: set[int] = field(default_factory=set)
     delayed_free: bool = False
 
@@ -124,6 +144,8 @@ class _Progress:
 class _Job:
     ticket: Ticket
     pages: list[int]
+    first_block: int = 0
+    load: bool = False
     done: int = 0
     failed: int = 0
 
@@ -146,6 +168,13 @@ class _SchedulerSide:
         self.over: OrderedDict[int, Ticket] = OrderedDict()
         self.to_report: set[str] = set()
         self.skipped_stores = 0  # stores not made for want of host pages
+        # The host prefix cache: pages of finished requests' full blocks by block hash,
+        # least recently used first. A page some load reads is pinned, never evicted.
+        self.cache: OrderedDict[Any, int] = OrderedDict()
+        self.page_hash: dict[int, Any] = {}  # cached page -> its block hash
+        self.pins: dict[int, int] = {}  # page -> loads in flight that read it
+        self.hits: dict[str, tuple[int, list[int]]] = {}  # req id -> (first block, pages)
+        self.pending_loads: list[LoadJob] = []
 
     # vLLM shows a request
     def on_new_request(self, request: Request) -> None:
@@ -161,8 +190,9 @@ class _SchedulerSide:
         return lc, self.progress[lc.serial]
 
     def build_meta(self, out: SchedulerOutput) -> KVLifeConnectorMetadata:
-        meta = KVLifeConnectorMetadata(released=self.to_report)
+        meta = KVLifeConnectorMetadata(released=self.to_report, loads=self.pending_loads)
         self.to_report = set()
+        self.pending_loads = []
         for preempted in out.preempted_req_ids or ():
             found = self._lifecycle(preempted)
             if found is not None:
@@ -198,17 +228,66 @@ class _SchedulerSide:
         count = full - prog.stored_blocks
         if count < self.stride or lc.state is State.FINISHED_PENDING:
             return
-        if count > len(self.free_pages):
+        pages = self._alloc_pages(count)
+        if pages is None:
             self.skipped_stores += 1
             return
-        pages = [self.free_pages.pop() for _ in range(count)]
         blocks = prog.block_ids[prog.stored_blocks : full]
         ticket = self.registry.start_offload(lc, blocks=count, first_block=prog.stored_blocks)
-        self.jobs[ticket.op] = _Job(ticket, pages)
+        self.jobs[ticket.op] = _Job(ticket, pages, first_block=prog.stored_blocks)
         prog.jobs.add(ticket.op)
         prog.pages += pages
         prog.stored_blocks = full
         meta.stores.append(StoreJob(ticket.op, blocks, pages))
+
+    def _alloc_pages(self, count: int) -> list[int] | None:
+        """``count`` free pages, evicting the least recently used cached pages that no
+        load reads when needed; ``None`` (nothing evicted) when there are not enough."""
+        short = count - len(self.free_pages)
+        if short > 0:
+            victims = [h for h, page in self.cache.items() if not self.pins.get(page)][:short]
+            if len(victims) < short:
+                return None
+            for block_hash in victims:
+                page = self.cache.pop(block_hash)
+                del self.page_hash[page]
+                self.free_pages.append(page)
+        return [self.free_pages.pop() for _ in range(count)]
+
+    # the load path
+    def lookup(self, request: Request, num_computed_tokens: int) -> int:
+        """Blocks of ``request`` past ``num_computed_tokens`` that the host cache holds,
+        from the first on and at most up to the block before its last token (vLLM must
+        compute one token itself). Changes nothing but the lookup's own note."""
+        hashes = request.block_hashes
+        first = num_computed_tokens // self.block_size
+        last = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        pages = []
+        for block_hash in hashes[first:last]:
+            page = self.cache.get(block_hash)
+            if page is None:
+                break
+            pages.append(page)
+        self.hits[request.request_id] = (first, pages)
+        return len(pages)
+
+    def load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for a hit: load the host pages into them."""
+        first, pages = self.hits.pop(request.request_id, (0, []))
+        count = num_external_tokens // self.block_size
+        if count == 0:
+            return
+        pages = pages[:count]
+        block_ids = [block.block_id for block in blocks.blocks[0][first : first + count]]
+        lc = self.registry.lifecycle(request, audit_as=Trigger.START_OFFLOAD)
+        ticket = self.registry.start_offload(lc, kind="load", blocks=count, first_block=first)
+        for page in pages:
+            self.pins[page] = self.pins.get(page, 0) + 1
+            self.cache.move_to_end(self.page_hash[page])
+        self.jobs[ticket.op] = _Job(ticket, pages, first_block=first, load=True)
+        self.progress[lc.serial].stored_blocks = first + count  # already on the host
+        self.progress[lc.serial].jobs.add(ticket.op)
+        self.pending_loads.append(LoadJob(ticket.op, request.request_id, block_ids, pages))
 
     # workers report
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -244,10 +323,19 @@ class _SchedulerSide:
         prog = self.progress.get(lc.serial)
         if prog is not None:
             prog.jobs.discard(job_id)
-            if job.failed:  # the host copy is incomplete: give its pages back
-                for page in job.pages:
-                    prog.pages.remove(page)
-                self.free_pages += job.pages
+        if job.load:  # the cached pages are no longer read
+            for page in job.pages:
+                self.pins[page] -= 1
+                if not self.pins[page]:
+                    del self.pins[page]
+        elif job.failed and prog is not None:  # the host copy is incomplete: pages back
+            for page in job.pages:
+                prog.pages.remove(page)
+            self.free_pages += job.pages
+        elif prog is not None and lc.req is not None:  # the copy is whole: name its blocks
+            hashes = lc.req.block_hashes
+            for i, page in enumerate(job.pages):
+                prog.hashes[page] = hashes[job.first_block + i]
         self.registry.deliver(job.ticket, job.failed == 0, job=job_id)
 
     def request_finished(self, request: Request) -> bool:
@@ -267,7 +355,13 @@ class _SchedulerSide:
 
     def _released(self, lc: Lifecycle, request: Any) -> None:
         prog = self.progress.pop(lc.serial)
-        self.free_pages += prog.pages  # no prefix cache yet: host copies are dropped
+        for page in prog.pages:  # a finished request's whole copies join the host cache
+            block_hash = prog.hashes.get(page)
+            if lc.outcome == "finished" and block_hash is not None and block_hash not in self.cache:
+                self.cache[block_hash] = page
+                self.page_hash[page] = block_hash
+            else:  # aborted, or the same content is cached already
+                self.free_pages.append(page)
         if prog.delayed_free:
             self.to_report.add(prog.req_id)
 
@@ -280,7 +374,12 @@ class _WorkerSide:
         self.host: HostPagePool | None = None
         self.inflight: dict[int, CopyJob] = {}
         self.failed: set[int] = set()
+        self.loaded: set[int] = set()  # load jobs done since the last report
+        self.loading: dict[int, tuple[torch.cuda.Event | None, str]] = {}
+        self.load_errors: set[int] = set()
         self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.blocks: list[torch.Tensor] = []  # per component: [blocks, block_size, heads, dim]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
@@ -309,6 +408,7 @@ class _WorkerSide:
             for component in (tensor[0], tensor[1]):
                 view = component.view(blocks * block_size, heads, head_dim)  # no copy
                 kv.append(view)
+                self.blocks.append(component)
         self.host = HostPagePool(layout, self.pages, pin_memory=first.is_cuda)
         self.copier = CopyEngine(layout, kv, self.host)
 
@@ -335,8 +435,11 @@ class _WorkerSide:
                 job.event.synchronize()
 
     def worker_meta(self) -> KVLifeWorkerMetadata:
-        meta = KVLifeWorkerMetadata(failed=dict.fromkeys(self.failed, 1))
-        self.failed = set()
+        self._poll_loads()
+        meta = KVLifeWorkerMetadata(
+            done=dict.fromkeys(self.loaded, 1), failed=dict.fromkeys(self.failed, 1)
+        )
+        self.failed, self.loaded = set(), set()
         for job_id, job in list(self.inflight.items()):
             if job.query():
                 del self.inflight[job_id]
@@ -346,9 +449,47 @@ class _WorkerSide:
                     meta.failed[job_id] = 1
         return meta
 
-    def get_finished(self) -> set[str] | None:
+    def load(self, meta: KVLifeConnectorMetadata) -> None:
+        """Copy each load's host pages into its device blocks (before the forward pass
+        that reads them; synchronous on the CPU, ordered on the current stream on CUDA)."""
+        host = self.host
+        if host is None or not meta.loads:
+            return
+        for load in meta.loads:
+            try:
+                for page, block in zip(load.pages, load.block_ids, strict=True):
+                    staged = host.page_view(page, 1)[0]  # [components, block_size, elems]
+                    for c, device in enumerate(self.blocks):
+                        device[block].copy_(staged[c].view_as(device[block]), non_blocking=True)
+            except Exception:  # its blocks are recomputed by vLLM
+                logger.exception("kvlife: load job %d failed", load.job_id)
+                self.failed.add(load.job_id)
+                self.load_errors.update(load.block_ids)
+            else:
+                event = None
+                if self.blocks and self.blocks[0].is_cuda:  # done when the stream got there
+                    event = torch.cuda.Event()
+                    event.record()
+                self.loading[load.job_id] = (event, load.req_id)
+                continue
+            self.finished_recving.add(load.req_id)
+
+    def _poll_loads(self) -> None:
+        for job_id, (event, req_id) in list(self.loading.items()):
+            if event is None or event.query():
+                del self.loading[job_id]
+                self.loaded.add(job_id)
+                self.finished_recving.add(req_id)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._poll_loads()
         sending, self.finished_sending = self.finished_sending, set()
-        return sending or None
+        recving, self.finished_recving = self.finished_recving, set()
+        return sending or None, recving or None
 
 
 class KVLifeConnector(KVConnectorBase_V1):
@@ -418,12 +559,14 @@ class KVLifeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return 0, False  # no load path yet
+        blocks = self._scheduler_side().lookup(request, num_computed_tokens)
+        tokens = blocks * self._scheduler_side().block_size
+        return tokens, tokens > 0  # loads are asynchronous
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        return None  # block ids come with the scheduler output
+        self._scheduler_side().load(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)
@@ -445,7 +588,9 @@ class KVLifeConnector(KVConnectorBase_V1):
             self._worker_side().wait_for(kv_connector_metadata.preempted_jobs)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return None  # no load path yet
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVLifeConnectorMetadata):
+            self._worker_side().load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -461,7 +606,10 @@ class KVLifeConnector(KVConnectorBase_V1):
             self._worker_side().save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker_side().get_finished(), None
+        return self._worker_side().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker_side().worker_meta()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
@@ -156,3 +157,80 @@ def test_a_preemption_names_the_stores_that_read_its_blocks(tmp_path: Any) -> No
     engine.connector.registry.flush()
     report = check_audit(AuditReader(audit), expect_released=True)
     assert report.ok and report.lifecycles == 2, report.violations
+
+
+def _cached_prefix(engine: Engine, prompt: int = 48) -> Any:
+    """Run request "a" of ``prompt`` tokens to its end, so that its full blocks are in the
+    host cache, then clear vLLM's own prefix cache so that only kvlife can supply them."""
+    engine.scheduler.add_request(make_request("a", prompt=prompt, max_tokens=2))
+    engine.run_until_idle()
+    assert engine.scheduler.reset_prefix_cache()
+    return [s for s in engine.stores]
+
+
+def test_a_finished_requests_blocks_are_loaded_back_for_the_same_prefix() -> None:
+    engine = Engine()
+    stores = _cached_prefix(engine)
+    assert sum(len(s.block_ids) for s in stores) == 3  # 50 tokens: three full blocks
+    b = make_request("b", prompt=48, max_tokens=2)  # the same 48 prompt tokens
+    engine.scheduler.add_request(b)
+    out = engine.step()  # a hit of two blocks (vLLM computes the 48th token itself)
+    (load,) = out.kv_connector_metadata.loads
+    assert load.req_id == "b" and len(load.block_ids) == 2
+    lc = engine.connector.registry.lifecycle(b)
+    assert lc.copies_started == 1  # the load was a copy on b's own lifecycle (done: CPU)
+    loaded = [engine.device_block(block).clone() for block in load.block_ids]
+    stored = {p: engine.expected[s.job_id][i] for s in stores for i, p in enumerate(s.pages)}
+    for page, block in zip(load.pages, loaded, strict=True):  # a's bytes, now b's blocks
+        assert torch.equal(engine.host_block(page), block)
+        assert torch.equal(block, stored[page])
+    engine.run_until_idle()
+    assert b.num_computed_tokens >= 48 and lc.state is State.RELEASED
+    assert not engine.connector._scheduler.pins  # nothing pinned once loads are over
+
+
+def test_a_different_prompt_is_a_miss() -> None:
+    engine = Engine()
+    _cached_prefix(engine)
+    engine.scheduler.add_request(make_request("c", prompt=48, max_tokens=2, first=7000))
+    out = engine.step()
+    assert out.kv_connector_metadata.loads == []
+
+
+def test_an_abort_while_loading_releases_only_after_the_load() -> None:
+    engine = Engine()
+    _cached_prefix(engine)
+    b = make_request("b", prompt=48, max_tokens=2)
+    engine.scheduler.add_request(b)
+    engine.hold_all = True  # the load does not finish yet
+    out = engine.step()
+    assert len(out.kv_connector_metadata.loads) == 1
+    lc = engine.connector.registry.lifecycle(b)
+    engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert lc.state is State.FINISHED_PENDING and "b" in engine.scheduler.requests
+    assert engine.connector._scheduler.pins  # the pages it reads cannot be evicted
+    engine.run_until_idle()  # the late load completion: b alone is released, then freed
+    assert lc.state is State.RELEASED and not engine.connector._scheduler.pins
+    assert not engine.scheduler.requests
+
+
+def test_a_page_being_loaded_is_never_evicted_and_an_evicted_page_is_a_miss() -> None:
+    engine = Engine(host_pages=4)
+    _cached_prefix(engine)  # three cached pages, one free
+    b = make_request("b", prompt=48, max_tokens=2)
+    engine.scheduler.add_request(b)
+    engine.hold_all = True
+    engine.step()  # b's load pins two pages
+    sched = engine.connector._scheduler
+    pinned = set(sched.pins)
+    engine.scheduler.add_request(make_request("d", prompt=48, max_tokens=40, first=7000))
+    engine.step()  # d wants three pages: one free and one evictable are not enough
+    assert sched.skipped_stores >= 1 and set(sched.pins) == pinned
+    assert all(page in sched.cache.values() for page in pinned)
+    engine.run_until_idle()  # now d's stores evict what no load reads
+    engine.scheduler.reset_prefix_cache()
+    e = make_request("e", prompt=48, max_tokens=2)
+    engine.scheduler.add_request(e)
+    out = engine.step()
+    hit = sum(len(load.block_ids) for load in out.kv_connector_metadata.loads)
+    assert hit < 2  # a's first blocks were evicted for d's: a miss from there on

@@ -171,6 +171,8 @@ class Engine:
         self.held: dict[int, int] = {}  # job id -> 1 (done), held back
         self.hold_all = False
         self.stores: list[Any] = []  # every StoreJob the scheduler sent
+        self.loads: list[Any] = []  # every LoadJob the scheduler sent
+        self.held_recving: set[str] = set()  # loads done but not reported (hold_all)
         self.fail: set[int] = set()  # job ids the worker reports failed
         self.expected: dict[int, list[torch.Tensor]] = {}  # job id -> device blocks at launch
 
@@ -191,16 +193,22 @@ class Engine:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         self.stores += meta.stores
+        self.loads += meta.loads
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # before the forward pass, as the model runner does
         self._forward(out)
         for store in meta.stores:  # what each store must copy, as the device holds it now
             self.expected[store.job_id] = [self.device_block(b).clone() for b in store.block_ids]
-        self.worker.bind_connector_metadata(meta)
         self.worker.handle_preemptions(meta)
         self.worker.wait_for_save()
         # CPU copies run at launch: each store's host pages hold its blocks now, before
         # any page is freed and reused by a later store
         self.assert_host_copies_exact(meta.stores)
-        sending, _ = self.worker.get_finished(out.finished_req_ids)
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        recving = set(recving or ())
+        if self.hold_all:
+            self.held_recving |= recving
+            recving = set()
         wmeta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         for job_id in list(wmeta.done):
@@ -211,17 +219,30 @@ class Engine:
                 wmeta.failed[job_id] = wmeta.done.pop(job_id)
         for job_id in release:
             wmeta.done[job_id] = self.held.pop(job_id, 1)
+            recving |= {load.req_id for load in self.loads if load.job_id == job_id}
+        self.held_recving -= recving
         req_ids = list(out.num_scheduled_tokens)
         output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=[[TOKEN] for _ in req_ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, kv_connector_worker_meta=wmeta
+                finished_sending=sending,
+                finished_recving=recving or None,
+                kv_connector_worker_meta=wmeta,
             ),
         )
         self.scheduler.update_from_output(out, output)
         return out
+
+    def run_until_idle(self, steps: int = 200) -> None:
+        """Step until vLLM holds no request (every free reported, every copy reported)."""
+        self.hold_all = False
+        for _ in range(steps):
+            self.step(release=list(self.held))
+            if not self.scheduler.requests:
+                return
+        raise AssertionError(f"still busy after {steps} steps: {list(self.scheduler.requests)}")
 
     def _forward(self, out: Any) -> None:
         blocks: dict[str, list[int]] = {}
