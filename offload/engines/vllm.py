@@ -54,7 +54,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleRegistry, State, Ticket, Trigger
+from kvlife.fsm import (
+    JsonLinesSink,
+    Lifecycle,
+    LifecycleRegistry,
+    State,
+    Ticket,
+    Trigger,
+    UnknownRequestError,
+)
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_pool import HostPagePool, HostPages
 from kvlife.offload.layout import KVLayout, LayoutError
@@ -259,6 +267,8 @@ class _SchedulerSide:
         """Blocks of ``request`` past ``num_computed_tokens`` that the host cache holds,
         from the first on and at most up to the block before its last token (vLLM must
         compute one token itself). Changes nothing but the lookup's own note."""
+        if request not in self.registry:
+            return 0  # not shown to the connector: no lifecycle to load on
         hashes = request.block_hashes
         first = num_computed_tokens // self.block_size
         last = min(len(hashes), (request.num_tokens - 1) // self.block_size)
@@ -339,7 +349,11 @@ class _SchedulerSide:
         self.registry.deliver(job.ticket, job.failed == 0, job=job_id)
 
     def request_finished(self, request: Request) -> bool:
-        lc = self.registry.lifecycle(request, audit_as=Trigger.FINISH)
+        try:
+            lc = self.registry.lifecycle(request, audit_as=Trigger.FINISH)
+        except UnknownRequestError:  # counted and audited; never raised into vLLM
+            logger.warning("kvlife: vLLM finished %r, which it never showed", request)
+            return False
         rid: str = request.request_id
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         if self.requests.get(rid) is request:

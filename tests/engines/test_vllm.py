@@ -234,3 +234,11 @@ def test_a_page_being_loaded_is_never_evicted_and_an_evicted_page_is_a_miss() ->
     out = engine.step()
     hit = sum(len(load.block_ids) for load in out.kv_connector_metadata.loads)
     assert hit < 2  # a's first blocks were evicted for d's: a miss from there on
+
+
+def test_a_request_the_connector_never_saw_is_refused_not_raised() -> None:
+    engine = Engine()
+    stranger = make_request("x")
+    assert engine.connector.get_num_new_matched_tokens(stranger, 0) == (0, False)
+    assert engine.connector.request_finished(stranger, []) == (False, None)
+    assert engine.connector.registry.statistics().refusals["unknown_request"] == 1
