@@ -37,7 +37,7 @@ def test_vllms_offloading_connector_dies_on_a_late_store_after_an_id_reuse() -> 
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvlife.fsm import AuditReader, State, check_audit  # noqa: E402
+from kvlife.fsm import AuditReader, State, check_audit, read_audit  # noqa: E402
 from tests.engines.vllm_harness import Engine  # noqa: E402
 
 
@@ -68,8 +68,9 @@ def test_stores_delay_the_free_until_the_last_copy_is_over(tmp_path: Any) -> Non
     assert report.ok and report.lifecycles == 1, report.violations
 
 
-def test_the_id_reuse_race_is_harmless_with_kvlife() -> None:
-    engine = Engine()
+def test_the_id_reuse_race_is_harmless_with_kvlife(tmp_path: Any) -> None:
+    audit = tmp_path / "kvlife.jsonl"
+    engine = Engine(audit_log=str(audit))
     store = engine.prefill_holding_its_store(make_request("0", max_tokens=2))
     engine.step()  # "0" finished, its store in flight: vLLM keeps the id
     new = make_request("0", first=5000)
@@ -87,6 +88,11 @@ def test_the_id_reuse_race_is_harmless_with_kvlife() -> None:
     assert (new_lc.state, new_lc.inflight, new_lc.copies_started) == before
     stats = engine.connector.registry.statistics()
     assert stats.refusals["stale_instance"] == 2 and stats.released == 1
+    engine.connector.registry.flush()
+    refused = [r for r in read_audit(audit).records if not r.ok]
+    assert [(r.trigger, r.reason, r.serial, r.op) for r in refused] == [
+        ("ack", "stale_instance", 0, store.job_id)
+    ] * 2  # each late delivery named the old lifecycle and its copy
 
 
 def test_an_abort_with_a_store_in_flight_releases_after_the_copy() -> None:
