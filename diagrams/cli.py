@@ -2,13 +2,14 @@
 
 Subcommands::
 
-    kvlife demo [--seed N] [--requests N] [--device cpu|cuda] [--out DIR] kvlife diagram
-    [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE] kvlife audit check LOG
-    [--json] [--expect-released] [--allow-lost] [--accept-table D] kvlife audit stats LOG
-    [--json] kvlife audit why LOG (--rid RID | --serial N [--segment S]) kvlife audit report
-    LOG -o FILE.html [--accept-table D] kvlife audit timeline LOG -o FILE.png|svg [--rid RID
-    ...] [--max-rows N] kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench
-    audit [...]
+    kvlife demo [--seed N] [--requests N] [--device cpu|cuda] [--out DIR]
+    kvlife diagram [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE]
+    kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
+    kvlife audit stats LOG [--json]
+    kvlife audit why LOG (--rid RID | --serial N [--segment S])
+    kvlife audit report LOG -o FILE.html [--accept-table D]
+    kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
+    kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
 
 Bare ``kvlife``, ``kvlife audit`` and ``kvlife bench`` print their usage (exit 2);
 ``kvlife --version`` prints the version. Usage errors print one line and exit 2, and so do

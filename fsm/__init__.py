@@ -8,11 +8,12 @@ tickets ([`kvlife.fsm.registry`][kvlife.fsm.registry]), the typed errors
 
 Typical use in a scheduler::
 
-    registry = LifecycleRegistry(sinks=[MemorySink()]) lc = registry.register(req)
-    # rid from req.rid ticket = registry.start_offload(req, tokens=16) ...
-    # the copy's CUDA event completes registry.complete(ticket)                # ack;
-    ok=False for a failed copy registry.finish(req)                     # released once no
-    copy is in flight
+    registry = LifecycleRegistry(sinks=[MemorySink()])
+    lc = registry.register(req)              # rid from req.rid
+    ticket = registry.start_offload(req, tokens=16)
+    ...                                      # the copy's CUDA event completes
+    registry.complete(ticket)                # ack; ok=False for a failed copy
+    registry.finish(req)                     # released once no copy is in flight
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Rule 1 (after h11's ``_state.py``): everything that affects which transition a trigger takes
 lives here, as data. [`LIFECYCLE_EDGES`][kvlife.fsm.table.LIFECYCLE_EDGES] is the table of
-the design (docs/design.md §2);
+design §2 (docs/design.md);
 [`build_lifecycle_table()`][kvlife.fsm.table.build_lifecycle_table] checks its definition,
 builds it into a ``transitions`` machine (the reference engine, also used for the diagrams)
 and compiles that machine into the tuple-indexed table the hot path runs.
@@ -94,7 +94,7 @@ LIFECYCLE_EDGES: Final[EdgeTable] = (
     Edge(_F, Trigger.FAIL, _F, _MORE),
     Edge(_F, Trigger.FAIL, _R, _LAST),
 )
-"""The lifecycle table of the design (§2). Released is terminal: it has no edges."""
+"""The lifecycle table of design §2. Released is terminal: it has no edges."""
 
 COMPLETION_TRIGGERS: Final = frozenset({Trigger.ACK, Trigger.FAIL})
 """The triggers that complete a copy; the only ones that may carry guards."""

@@ -19,7 +19,7 @@ START, ACK, FAIL, FINISH, ABORT = (
     Trigger.ABORT,
 )
 
-# The design's table (§2), written out independently: (state, trigger, inflight) -> dst.
+# The table of design §2, written out independently: (state, trigger, inflight) -> dst.
 CONTRACT = {
     (A, START): lambda n: O,
     (A, FINISH): lambda n: R,
