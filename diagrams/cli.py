@@ -81,13 +81,7 @@ def _parser() -> _Parser:
     diagram.add_argument("--format", choices=["dot", "svg", "png", "mermaid"], default="svg")
     diagram.add_argument("--from-log", metavar="LOG", help="annotate with this audit log")
     diagram.add_argument("-o", "--output", metavar="FILE", help="write here (default stdout)")
-    diagram.add_argument(
-        "--accept-table",
-        action="append",
-        default=[],
-        metavar="DIGEST",
-        help="draw a log written with this transition table digest too",
-    )
+    _accept_table(diagram, "draw a log written")
 
     audit = sub.add_parser(
         "audit",
@@ -112,13 +106,7 @@ def _parser() -> _Parser:
         action="store_true",
         help="records a failing sink reported as lost do not fail the check",
     )
-    check.add_argument(
-        "--accept-table",
-        action="append",
-        default=[],
-        metavar="DIGEST",
-        help="replay segments written with this transition table digest too",
-    )
+    _accept_table(check, "replay segments written")
     stats = audit_sub.add_parser(
         "stats", help="counts per trigger, reason and instance", description="Summarize LOG."
     )
@@ -146,13 +134,7 @@ def _parser() -> _Parser:
     )
     report.add_argument("log")
     report.add_argument("-o", "--output", required=True, metavar="FILE", help="the .html page")
-    report.add_argument(
-        "--accept-table",
-        action="append",
-        default=[],
-        metavar="DIGEST",
-        help="include segments written with this transition table digest too",
-    )
+    _accept_table(report, "include segments written")
     timeline = audit_sub.add_parser(
         "timeline",
         help="draw a log's timeline (PNG or SVG)",
@@ -180,6 +162,17 @@ def _parser() -> _Parser:
     for command in (demo, diagram, audit, bench, check, stats, why, report, timeline):
         command.set_defaults(usage_of=command)
     return parser
+
+
+def _accept_table(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--accept-table DIGEST`` (repeatable): take segments of another table too."""
+    parser.add_argument(
+        "--accept-table",
+        action="append",
+        default=[],
+        metavar="DIGEST",
+        help=f"{what} with this transition table digest too",
+    )
 
 
 def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:

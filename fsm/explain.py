@@ -9,6 +9,8 @@ for a completion that arrived after the rid was reused, which lifecycle's copy i
 
 from __future__ import annotations
 
+import sys
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -129,7 +131,21 @@ def _refusal(record: AuditRecord, lc: LifecycleHistory) -> str:
     return f"{record.trigger} is not allowed in state {record.src}: refused, nothing changed"
 
 
-def _story(history: RidHistory, lc: LifecycleHistory) -> list[str]:
+def _births(history: RidHistory) -> dict[int, list[tuple[int, int]]]:
+    """Per segment, (registration time, serial) of the rid's lifecycles, in time order: a
+    late completion's "reused by" is a range of it, found by bisection."""
+    births: dict[int, list[tuple[int, int]]] = {}
+    for lc in history.lifecycles.values():
+        if lc.registered_ns is not None:
+            births.setdefault(lc.segment, []).append((lc.registered_ns, lc.serial))
+    for entries in births.values():
+        entries.sort()
+    return births
+
+
+def _story(
+    history: RidHistory, lc: LifecycleHistory, births: dict[int, list[tuple[int, int]]]
+) -> list[str]:
     t0 = history.t0
     where = f" (segment {lc.segment})" if lc.segment else ""
     lines = [f"rid {lc.rid!r} lifecycle #{lc.serial}{where}"]
@@ -163,16 +179,12 @@ def _story(history: RidHistory, lc: LifecycleHistory) -> list[str]:
         if record.trigger == "start_offload" and record.op is not None:
             started[record.op] = record.t_ns
         elif record.trigger in ("ack", "fail") and record.op is not None:
-            newer = [
-                o
-                for o in history.lifecycles.values()
-                if o.segment == lc.segment
-                and o.serial > lc.serial
-                and o.registered_ns is not None
-                and started.get(record.op, record.t_ns) <= o.registered_ns <= record.t_ns
-            ]
+            segment_births = births.get(lc.segment, [])
+            since = bisect_left(segment_births, (started.get(record.op, record.t_ns), -1))
+            until = bisect_right(segment_births, (record.t_ns, sys.maxsize))
+            newer = [n for _, n in segment_births[since:until] if n > lc.serial]
             if newer:
-                names = ", ".join(f"#{o.serial}" for o in newer)
+                names = ", ".join(f"#{n}" for n in newer)
                 line += (
                     f"  <- late: the rid was reused by {names} while copy {record.op} was in "
                     f"flight; its ticket named #{lc.serial}, so it completed #{lc.serial} only"
@@ -217,8 +229,9 @@ def explain(
             f"rid {rid!r}: {len(history.lifecycles)} lifecycle(s) in the log"
             + (f", {len(history.unknown)} call(s) that found none" if history.unknown else "")
         )
+    births = _births(history)
     for lc in stories[:MAX_STORIES]:
-        lines += ["", *_story(history, lc)]
+        lines += ["", *_story(history, lc, births)]
     if len(stories) > MAX_STORIES:
         lines += ["", f"... {len(stories) - MAX_STORIES} more lifecycles of this rid"]
     if history.unknown and serial is None:

@@ -356,6 +356,7 @@ class _SchedulerSide:
             return False
         rid: str = request.request_id
         aborted = request.status == RequestStatus.FINISHED_ABORTED
+        self.hits.pop(rid, None)  # a lookup vLLM never allocated blocks for
         if self.requests.get(rid) is request:
             del self.requests[rid]
         if aborted:

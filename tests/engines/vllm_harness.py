@@ -245,16 +245,12 @@ class Engine:
         raise AssertionError(f"still busy after {steps} steps: {list(self.scheduler.requests)}")
 
     def _forward(self, out: Any) -> None:
-        blocks: dict[str, list[int]] = {}
         for new in out.scheduled_new_reqs:
-            blocks[new.req_id] = list(new.block_ids[0])
-            self._write(new.req_id, blocks[new.req_id], new.num_computed_tokens, out)
+            self._write(new.req_id, list(new.block_ids[0]), new.num_computed_tokens, out)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            request = self.scheduler.requests[req_id]
             ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             self._write(req_id, list(ids), cached.num_computed_tokens[i], out)
-            del request
 
     def _write(self, req_id: str, block_ids: list[int], start: int, out: Any) -> None:
         for position in range(start, start + out.num_scheduled_tokens[req_id]):
