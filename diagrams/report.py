@@ -349,17 +349,3 @@ render();
 </script>
 </body></html>
 """
-
-
-def write_report(
-    events: Callable[[], Iterable[Event]],
-    path: Path,
-    *,
-    title: str = "kvlife audit log",
-    accept_tables: Iterable[str] = (),
-) -> ReportData:
-    """Write the page to ``path``; return what its table holds. Nothing is written when
-    building the page fails."""
-    page, data = build_report(events, title=title, accept_tables=accept_tables)
-    path.write_text(page, encoding="utf-8")
-    return data
