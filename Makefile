@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm sglang-venv test-sglang dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -44,6 +44,27 @@ vllm-venv: $(VLLM_STAMP)
 
 test-vllm: vllm-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/engines/test_vllm.py
+
+# SGLang's decode offload manager and memory pools on CPU, the same way: CPU torch, then SGLang
+# 0.5.23 and what it imports from a committed pin list, all with --no-deps, then kvlife.
+# torchvision is the one package left out (PyPI's build links CUDA); the tests supply a
+# stand-in for it (tests/engines/standins/).
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvlife-installed
+$(SGLANG_STAMP): tests/engines/sglang-pins.txt pyproject.toml fsm/ offload/ diagrams/
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	@$(SGLANG_VENV)/bin/python -c "import torch" 2>/dev/null || \
+	  $(SGLANG_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -r tests/engines/sglang-pins.txt
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.23"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
+	@touch $(SGLANG_STAMP)
+
+sglang-venv: $(SGLANG_STAMP)
+
+test-sglang: sglang-venv
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_sglang.py
 
 # Graphviz's `dot` renders SVG/PNG; installed through apt-get when missing and we are root.
 dot:
@@ -93,7 +114,7 @@ pytest: venv dot browser mermaid
 docs: venv mermaid
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
-test: lint types pytest docs test-vllm
+test: lint types pytest docs test-vllm test-sglang
 
 # Long runs, not in CI: the soak, and the model-based tests with the slow profile.
 soak: venv
@@ -121,4 +142,4 @@ diagrams: venv dot
 	$(PY) -c "from kvlife.diagrams import write_lifecycle_diagrams as w; print(*w(), sep='\n')"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site

@@ -23,14 +23,18 @@ from kvlife.offload.host_pool import (
 )
 from kvlife.offload.layout import KVLayout, LayoutError
 from kvlife.offload.manager import (
+    Blake2bPageHasher,
     HostCopy,
     KVSource,
     OffloadManager,
     OffloadResult,
     OffloadStats,
+    PageHash,
+    PageHasher,
 )
 
 __all__ = [
+    "Blake2bPageHasher",
     "CompletionQueue",
     "CopyEngine",
     "CopyError",
@@ -49,4 +53,6 @@ __all__ = [
     "OffloadManager",
     "OffloadResult",
     "OffloadStats",
+    "PageHash",
+    "PageHasher",
 ]

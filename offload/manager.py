@@ -17,16 +17,24 @@ Host pages: each copy gets its pages before it is launched; a copy that fails fr
 pages; an aborted request's pages are freed on release; a finished request's pages pass to
 the ``on_release`` hooks in an [`OffloadResult`][kvlife.offload.manager.OffloadResult] (the hook
 owns them and returns them
-to the pool, ``manager.host.free(...)``, when done with them, e.g. after a backup).
+to the pool, ``manager.host.free(...)``, when done with them, e.g. after a backup). A
+copy hook ([`on_copy()`][kvlife.offload.manager.OffloadManager.on_copy]) may instead take
+each copy's pages as it completes (a backup that starts at once, as SGLang's does).
+
+Page hashes: each full page offloaded gets a prefix hash, ``H(previous page's hash, its
+token ids)``, so equal prefixes have equal hashes whichever request computed them. The
+hash function is pluggable ([`PageHasher`][kvlife.offload.manager.PageHasher]): an engine
+whose storage is keyed by its own hash chain (SGLang's HiCache) passes its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
@@ -60,6 +68,39 @@ class KVSource(Protocol):
         ...
 
 
+PageHash: TypeAlias = bytes | str
+"""A page's prefix hash: bytes for kvlife's own hasher, str (hex) for SGLang's."""
+
+
+class PageHasher(Protocol):
+    """How page hashes are chained (see the module's docstring)."""
+
+    def seed(self, req: Any) -> PageHash | None:
+        """The hash the request's first page chains from (``None``: no prior hash)."""
+        ...
+
+    def page(self, prior: PageHash | None, token_ids: Sequence[int]) -> PageHash:
+        """The hash of a full page of ``token_ids`` that follows a page hashed ``prior``."""
+        ...
+
+
+class Blake2bPageHasher:
+    """kvlife's default page hash: BLAKE2b-128 over the prior hash and the token ids as
+    64-bit integers; the chain starts from ``b""``."""
+
+    def seed(self, req: Any) -> bytes:
+        """Every chain starts from the empty hash."""
+        return b""
+
+    def page(self, prior: PageHash | None, token_ids: Sequence[int]) -> bytes:
+        """``blake2b(prior || int64 token ids, digest_size=16)``."""
+        if isinstance(prior, str):
+            prior = prior.encode()
+        h = hashlib.blake2b(prior or b"", digest_size=16)
+        h.update(array("q", token_ids).tobytes())
+        return h.digest()
+
+
 @dataclass(frozen=True)
 class HostCopy:
     """One completed (acked) copy: ``tokens`` tokens from ``first_token`` in ``pages``.
@@ -71,7 +112,7 @@ class HostCopy:
     first_token: int
     tokens: int
     pages: HostPages
-    hashes: tuple[bytes | None, ...]
+    hashes: tuple[PageHash | None, ...]
 
 
 @dataclass(frozen=True)
@@ -106,6 +147,7 @@ class OffloadStats:
     bytes_offloaded: int = 0
     skipped_no_host_memory: int = 0
     refused_deliveries: int = 0
+    copies_taken: int = 0
 
 
 @dataclass
@@ -114,13 +156,14 @@ class _Progress:
 
     req: Any
     launched: int = 0  # tokens whose copy was launched (acked, failed or in flight)
-    prev_hash: bytes = b""
+    prev_hash: PageHash | None = b""
     inflight: dict[int, HostCopy] = field(default_factory=dict)  # op -> copy
     acked: list[HostCopy] = field(default_factory=list)
     failed_at: int | None = None  # first token of the earliest failed copy
 
 
 ReleaseHook = Callable[[Any, OffloadResult], None]
+CopyHook = Callable[[Any, Lifecycle, HostCopy], bool]
 
 
 class OffloadManager:
@@ -132,6 +175,11 @@ class OffloadManager:
         stride_pages: offload once this many full pages are waiting (and at finish).
         registry: the lifecycle registry to use (a new one if ``None``).
         group: a ``torch.distributed`` group for tensor-parallel agreement.
+        page_hash: the [`PageHasher`][kvlife.offload.manager.PageHasher] (kvlife's
+            [`Blake2bPageHasher`][kvlife.offload.manager.Blake2bPageHasher] if ``None``).
+        whole_strides: offload only whole multiples of ``stride_pages`` pages at a step
+            (SGLang's decode offload chunks this way); by default every waiting full page
+            goes once ``stride_pages`` are waiting.
     """
 
     def __init__(
@@ -142,9 +190,18 @@ class OffloadManager:
         stride_pages: int = 4,
         registry: LifecycleRegistry | None = None,
         group: Any = None,
+        page_hash: PageHasher | None = None,
+        whole_strides: bool = False,
     ) -> None:
         if not isinstance(stride_pages, int) or stride_pages <= 0:
             raise ValueError(f"stride_pages must be a positive int, got {stride_pages!r}")
+        hasher = Blake2bPageHasher() if page_hash is None else page_hash
+        if not callable(getattr(hasher, "page", None)) or not callable(
+            getattr(hasher, "seed", None)
+        ):
+            raise TypeError(f"page_hash needs .seed(req) and .page(prior, ids), got {hasher!r}")
+        self.page_hash: PageHasher = hasher
+        self.whole_strides = bool(whole_strides)
         self.source = source
         self.copier = copier
         self.host = copier.host
@@ -155,6 +212,8 @@ class OffloadManager:
         self.stats = OffloadStats()
         self._progress: dict[int, _Progress] = {}
         self._hooks: list[ReleaseHook] = []
+        self._copy_hooks: list[CopyHook] = []
+        self._tickets: dict[int, Ticket] = {}  # op -> ticket of every copy in flight
         self.registry.on_release(self._released)
 
     def on_release(self, hook: ReleaseHook) -> ReleaseHook:
@@ -172,14 +231,52 @@ class OffloadManager:
         self._hooks.append(hook)
         return hook
 
+    def on_copy(self, hook: CopyHook) -> CopyHook:
+        """Call ``hook(req, lifecycle, copy)`` as each copy completes without error, before
+        its ticket is delivered. A hook that returns ``True`` *takes* the copy: it owns
+        ``copy.pages`` from then on (and frees them with ``manager.host.free``), and the
+        copy is not part of the request's
+        [`OffloadResult`][kvlife.offload.manager.OffloadResult]. At most one hook should
+        take a copy; hooks after the one that took it still see it. Usable as a decorator.
+
+        A hook that raises has not taken the copy: the manager keeps the pages, the other
+        hooks run, the ticket is delivered, and the first exception is raised from
+        ``poll`` after the other completed copies were delivered.
+        """
+        if not callable(hook):
+            raise TypeError(f"on_copy needs a callable, got {hook!r}")
+        self._copy_hooks.append(hook)
+        return hook
+
     # ------------------------------------------------------------------ scheduler calls
 
-    def register(self, req: Any, rid: str | None = None) -> Lifecycle:
+    def register(self, req: Any, rid: str | None = None, *, start: int = 0) -> Lifecycle:
         """Register an admitted request (see
         [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]).
+
+        ``start``: tokens before it are not offloaded by this manager (a prefill node
+        stored them already); it must be a whole number of pages, and those pages are
+        hashed (not copied) so that the hash chain of what is offloaded continues theirs.
+
+        Raises:
+            ValueError: ``start`` is negative or not a multiple of the page size, or the
+                engine gave the wrong number of token ids for it. Nothing registered.
+            (and what ``LifecycleRegistry.register`` raises; nothing registered then.)
         """
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ValueError(f"start must be a non-negative int, got {start!r}")
+        if start % self.page_size:
+            raise ValueError(
+                f"start={start} is not a whole number of pages of {self.page_size} tokens"
+            )
+        prev = self.page_hash.seed(req)
+        if start:
+            ids = self.source.token_ids(req, 0, start)
+            if len(ids) != start:
+                raise ValueError(f"token_ids gave {len(ids)} ids for {start} tokens")
+            _, prev = self._hash_pages(prev, ids)
         lc = self.registry.register(req, rid)
-        self._progress[lc.serial] = _Progress(req)
+        self._progress[lc.serial] = _Progress(req, launched=start, prev_hash=prev)
         return lc
 
     def step(self, req: Any) -> Ticket | None:
@@ -199,15 +296,21 @@ class OffloadManager:
             self._check_can(lc, Trigger.START_OFFLOAD)
         progress = self._progress[lc.serial]
         full_end = self.source.committed(req) // self.page_size * self.page_size
-        if (full_end - progress.launched) // self.page_size < self.stride_pages:
+        waiting = (full_end - progress.launched) // self.page_size
+        if waiting < self.stride_pages:
             return None
+        if self.whole_strides:
+            full_end = progress.launched + (
+                waiting // self.stride_pages * self.stride_pages * self.page_size
+            )
         return self._offload(lc, progress, full_end)
 
-    def finish(self, req: Any) -> Lifecycle:
+    def finish(self, req: Any, *, flush: bool = True) -> Lifecycle:
         """Flush the rest of ``req``'s committed tokens (a partial last page included),
         then finish. The lifecycle releases when every copy resolved; then kvlife calls
         ``release_slots`` and the hooks. If host memory is exhausted the flush is skipped
-        (counted) and the request finishes with what was offloaded.
+        (counted) and the request finishes with what was offloaded. With
+        ``flush=False`` nothing more is copied (what was not offloaded is dropped).
 
         Raises:
             UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
@@ -216,10 +319,11 @@ class OffloadManager:
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.FINISH)
         self._check_can(lc, Trigger.FINISH)
-        progress = self._progress[lc.serial]
-        committed = self.source.committed(req)
-        if committed > progress.launched:
-            self._offload(lc, progress, committed)
+        if flush:
+            progress = self._progress[lc.serial]
+            committed = self.source.committed(req)
+            if committed > progress.launched:
+                self._offload(lc, progress, committed)
         return self.registry.finish(lc)
 
     def abort(self, req: Any) -> Lifecycle:
@@ -245,6 +349,11 @@ class OffloadManager:
     def inflight(self) -> int:
         """Copies launched and not yet delivered."""
         return len(self.queue)
+
+    @property
+    def inflight_tickets(self) -> Mapping[int, Ticket]:
+        """The tickets of the copies in flight, by copy number (a read-only live view)."""
+        return MappingProxyType(self._tickets)
 
     # ------------------------------------------------------------------ internals
 
@@ -283,15 +392,17 @@ class OffloadManager:
         progress.launched = end
         progress.prev_hash = prev_hash
         progress.inflight[ticket.op] = HostCopy(start, tokens, pages, hashes)
+        self._tickets[ticket.op] = ticket
         self.stats.copies_launched += 1
         self.queue.push(job, lambda job: self._completed(ticket, job))
         return ticket
 
     def _hash_pages(
-        self, prev: bytes, ids: Sequence[int] | torch.Tensor
-    ) -> tuple[tuple[bytes | None, ...], bytes]:
-        hashes: list[bytes | None] = []
+        self, prev: PageHash | None, ids: Sequence[int] | torch.Tensor
+    ) -> tuple[tuple[PageHash | None, ...], PageHash | None]:
+        hashes: list[PageHash | None] = []
         size = self.page_size
+        page_hash = self.page_hash.page
         if isinstance(ids, torch.Tensor):  # engines often keep token ids in a tensor
             ids = ids.tolist()
         for first in range(0, len(ids), size):
@@ -299,22 +410,32 @@ class OffloadManager:
             if len(page) < size:
                 hashes.append(None)  # a partial page is not content-addressable yet
                 break
-            h = hashlib.blake2b(prev, digest_size=16)
-            h.update(array("q", page).tobytes())
-            prev = h.digest()
+            prev = page_hash(prev, page)
             hashes.append(prev)
         return tuple(hashes), prev
 
     def _completed(self, ticket: Ticket, job: CopyJob) -> None:
         lc = ticket.lifecycle
+        self._tickets.pop(ticket.op, None)
         progress = self._progress.get(lc.serial)
         copy = progress.inflight.pop(ticket.op, None) if progress is not None else None
         if progress is None or copy is None:  # pragma: no cover - a queue delivers once
             self.stats.refused_deliveries += 1
             return
         ok = job.error is None
+        first: Exception | None = None
         if ok:
-            progress.acked.append(copy)
+            taken = False
+            for hook in list(self._copy_hooks):
+                try:
+                    taken = bool(hook(progress.req, lc, copy)) or taken
+                except Exception as exc:  # the other hooks and the delivery still run
+                    if first is None:
+                        first = exc
+            if taken:
+                self.stats.copies_taken += 1
+            else:
+                progress.acked.append(copy)
             self.stats.copies_acked += 1
             self.stats.tokens_offloaded += copy.tokens
             self.stats.bytes_offloaded += copy.tokens * self.copier.layout.bytes_per_token
@@ -326,6 +447,8 @@ class OffloadManager:
         reason = self.registry.deliver(ticket, ok=ok)
         if reason is not None:  # pragma: no cover - only if the registry was driven behind our back
             self.stats.refused_deliveries += 1
+        if first is not None:
+            raise first
 
     def _released(self, lc: Lifecycle, req: Any) -> None:
         progress = self._progress.pop(lc.serial, None)

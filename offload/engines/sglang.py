@@ -1,0 +1,478 @@
+"""kvlife as SGLang's decode-side KV offload manager (SGLang 0.5.23, the ``sglang`` extra).
+
+A drop-in for ``sglang.srt.disaggregation.decode_kvcache_offload_manager.
+DecodeKVCacheOffloadManager``: same constructor, same scheduler-facing methods, so the one
+change is the assignment::
+
+    from kvlife.offload.engines.sglang import KVLifeDecodeOffloadManager
+
+    scheduler.decode_offload_manager = KVLifeDecodeOffloadManager(
+        req_to_token_pool=scheduler.req_to_token_pool,
+        token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator,
+        tp_group=scheduler.dp_tp_cpu_group,
+        tree_cache=scheduler.tree_cache,
+    )
+
+What it does the same way as SGLang's manager: a running request's KV past the prefill
+node's page-aligned prompt is copied to host memory in chunks of the offload stride
+(``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, default one page); each completed chunk is backed
+up to the HiCache storage backend (``--hicache-storage-backend``) under SGLang's own page
+hash chain (``get_hash_str`` from the request's namespace seed, continuing the prompt's
+pages), in SGLang's host page layout (``--hicache-mem-layout``), so prefill nodes reading
+that storage find the pages; host memory is freed when its backup is done; a finished
+request's device slots are released with SGLang's own calls once no copy reads them.
+
+What is different: every ``Req`` *object* has a kvlife lifecycle (identity, never rid or
+``==``), so a late completion of an old request changes nothing of a new one with the same
+rid, whatever ``Req.__eq__`` says; completions are polled (an event query), never waited
+on in the scheduler loop; tensor-parallel ranks agree on *completed copies* (kvlife's
+completion queue all-reduces the count of finished copies, MIN), not on queue lengths;
+every transition, refusal and late completion is in kvlife's audit log when the registry
+has a sink; and the lifecycle diagram is kvlife's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from sglang.srt.environ import envs
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_serving
+
+from kvlife.fsm import Lifecycle, LifecycleRegistry, UnknownRequestError
+from kvlife.fsm.table import Trigger
+from kvlife.offload.copy_engine import CopyEngine
+from kvlife.offload.host_pool import HostPagePool, HostPages
+from kvlife.offload.layout import KVLayout, LayoutError
+from kvlife.offload.manager import HostCopy, OffloadManager, PageHash
+
+logger = logging.getLogger(__name__)
+
+#: SGLang's host page layouts whose pages kvlife writes to storage byte for byte.
+PAGE_FORMATS = ("layer_first", "page_first")
+
+#: Storage backends that read pages from SGLang's own registered host pool (zero copy);
+#: kvlife's host pages are its own, so these are refused.
+ZERO_COPY_BACKENDS = frozenset(
+    {"hf3fs", "mooncake", "npu_memcache", "eic", "nixl", "simm", "mori", "tensorcast", "seaweedfs"}
+)
+
+
+def kv_layout(kv_pool: Any, page_size: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    """kvlife's [`KVLayout`][kvlife.offload.layout.KVLayout] of an SGLang device KV pool,
+    and the tensors to hand to a ``CopyEngine``.
+
+    ``MHATokenToKVPool`` (``k_buffer``/``v_buffer``: one ``[slots, heads, head_dim]``
+    tensor per layer) is a ``"per_layer"`` layout; ``MLATokenToKVPool`` (``kv_buffer``: one
+    ``[slots, 1, kv_cache_dim]`` per layer) an ``"mla"`` one. Slots include SGLang's padded
+    first page.
+
+    Raises:
+        LayoutError: any other pool class (subclasses too: their buffers differ, e.g. FP4
+            scales or DSA indexers), or buffers that are not alike and contiguous.
+    """
+    kind = type(kv_pool)
+    if kind is MHATokenToKVPool:
+        k_bufs, v_bufs = list(kv_pool.k_buffer), list(kv_pool.v_buffer)
+        tensors = [t for pair in zip(k_bufs, v_bufs, strict=True) for t in pair]
+        first = k_bufs[0]
+        if first.dim() != 3:
+            raise LayoutError(f"expected [slots, heads, head_dim] buffers, got {tuple(first.shape)}")
+        slots, heads, head_dim = first.shape
+        layout = KVLayout(
+            "per_layer", len(k_bufs), slots, heads, head_dim, first.dtype, page_size
+        )
+    elif kind is MLATokenToKVPool:
+        bufs = list(kv_pool.kv_buffer)
+        first = bufs[0]
+        if first.dim() != 3 or first.shape[1] != 1:
+            raise LayoutError(f"expected [slots, 1, kv_cache_dim] buffers, got {tuple(first.shape)}")
+        slots, _, dim = first.shape
+        tensors = [t.view(slots, dim) if t.is_contiguous() else t for t in bufs]
+        layout = KVLayout.mla(len(bufs), slots, dim, first.dtype, page_size)
+    else:
+        raise LayoutError(
+            f"kvlife cannot copy a {kind.__name__}: it copies SGLang's MHATokenToKVPool and "
+            "MLATokenToKVPool (not their subclasses); leave SGLang's own offload manager on"
+        )
+    layout.component_views(tensors)  # shape, dtype, device and contiguity, or LayoutError
+    return layout, tensors
+
+
+def storage_page(layout: KVLayout, host: HostPagePool, page: int, page_format: str) -> torch.Tensor:
+    """One host page as the flat tensor SGLang's host pool of ``page_format`` would hand its
+    storage backend for the same tokens (``get_data_page(..., flat=True)``).
+
+    Raises:
+        LayoutError: ``page_format`` is not one of ``PAGE_FORMATS``.
+    """
+    data = host.tensor[page]  # [components, page_size, elems]
+    ps = layout.page_size
+    if layout.kind == "mla":  # SGLang: layer_first [layers, ps, 1, dim], page_first [ps, layers, 1, dim]
+        if page_format == "layer_first":
+            return data.flatten()
+        if page_format == "page_first":
+            return data.permute(1, 0, 2).flatten()
+    else:  # kvlife: k0, v0, k1, v1, ...; SGLang: [2, layers, ps, ...] or [2, ps, layers, ...]
+        kv = data.view(layout.layers, 2, ps, layout.heads, layout.head_dim)
+        if page_format == "layer_first":
+            return kv.permute(1, 0, 2, 3, 4).flatten()
+        if page_format == "page_first":
+            return kv.permute(1, 2, 0, 3, 4).flatten()
+    raise LayoutError(
+        f"kvlife writes SGLang storage pages in {' or '.join(PAGE_FORMATS)} layout, "
+        f"not {page_format!r} (--hicache-mem-layout)"
+    )
+
+
+class SGLangPageHasher:
+    """SGLang's storage page hash chain (``get_hash_str``), from the request's namespace
+    seed (``storage_namespace_seed(req.extra_key, req.cache_salt)``)."""
+
+    def seed(self, req: Any) -> PageHash | None:
+        """``None`` (no prior) unless the request has an extra key or a cache salt."""
+        seed: str | None = storage_namespace_seed(req.extra_key, req.cache_salt)
+        return seed
+
+    def page(self, prior: PageHash | None, token_ids: Sequence[int]) -> PageHash:
+        """``get_hash_str(token_ids, prior)``: a hex string."""
+        if isinstance(prior, bytes):
+            prior = prior.hex()
+        digest: str = get_hash_str(list(token_ids), prior or None)
+        return digest
+
+
+class SGLangKVSource:
+    """kvlife's [`KVSource`][kvlife.offload.manager.KVSource] over SGLang's pools.
+
+    A request's tokens are ``origin_input_ids + output_ids[:-1]`` (the last sampled
+    token's KV is not computed yet), its slots the row ``req.kv.req_pool_idx`` of
+    ``req_to_token``; ``release_slots`` makes SGLang's own release calls, once.
+    """
+
+    def __init__(self, req_to_token_pool: Any, tree_cache: Any) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.tree_cache = tree_cache
+        self.released = 0  # rows handed back
+
+    def committed(self, req: Any) -> int:
+        """Prompt tokens plus every output token but the last."""
+        return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+    def token_ids(self, req: Any, start: int, end: int) -> Sequence[int]:
+        """Token ids in ``[start, end)`` (the prompt, then the outputs)."""
+        prompt = req.origin_input_ids
+        n = len(prompt)
+        if end <= n:
+            return array("q", prompt[start:end])
+        ids = array("q", prompt[start:]) if start < n else array("q")
+        ids.extend(req.output_ids[max(start - n, 0) : end - n])
+        return ids
+
+    def slots(self, req: Any, start: int, end: int) -> torch.Tensor:
+        """Device slots of tokens ``[start, end)``: the request's ``req_to_token`` row."""
+        row = req.kv.req_pool_idx
+        if row is None or row < 0:
+            raise ValueError(f"request {req.rid!r} holds no req_to_token row")
+        slots: torch.Tensor = self.req_to_token_pool.req_to_token[row, start:end]
+        return slots.to(torch.int64)
+
+    def release_slots(self, req: Any, lifecycle: Lifecycle) -> None:
+        """SGLang's release of a finished request: the request's own KV range back to the
+        allocator (``free_kv_row``), its tree lock, its ``req_to_token`` row, then
+        ``mark_kv_released``. A request that holds no row (already released) is left
+        alone."""
+        kv = req.kv
+        if kv.req_pool_idx is None or kv.req_pool_idx == -1:
+            return
+        self.tree_cache.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
+        self.tree_cache.unlock(req.lock)
+        req.lock = None
+        self.req_to_token_pool.free(req)
+        kv.mark_kv_released()
+        self.released += 1
+
+
+@dataclass
+class BackupStats:
+    """Counters of the storage backups."""
+
+    submitted: int = 0
+    pages_stored: int = 0
+    failed: int = 0
+    skipped: int = 0  # not this rank's to write (MLA: one writer)
+
+
+class _OngoingOffload(Mapping[int, Any]):
+    """``ongoing_offload`` as SGLang's scheduler reads it: copy number -> request, for the
+    copies in flight (a live, read-only view)."""
+
+    def __init__(self, manager: OffloadManager) -> None:
+        self._tickets = manager.inflight_tickets
+
+    def __getitem__(self, op: int) -> Any:
+        return self._tickets[op].lifecycle.req
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tickets)
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+
+class KVLifeDecodeOffloadManager:
+    """SGLang's decode-side KV offload manager, on kvlife lifecycles.
+
+    Args:
+        req_to_token_pool, token_to_kv_pool_allocator, tp_group, tree_cache: as for
+            SGLang's ``DecodeKVCacheOffloadManager``.
+        registry: the kvlife registry (give it an audit sink to get the audit log); a new
+            one, without a sink, if ``None``. It must be owned by the scheduler thread.
+        storage: the storage backend (anything with SGLang's ``batch_set(keys, values)``);
+            built from the server args' ``hicache_storage_backend`` if ``None``.
+        host_pages: host pages (of ``page_size`` tokens of every layer); if ``None``, the
+            server args' ``hicache_size`` (GB) or ``hicache_ratio`` times the device pool.
+        defer: CPU tests: copies run when their job is ``run()`` (see ``CopyEngine``).
+
+    Raises:
+        LayoutError: the device pool or the page layout is one kvlife cannot copy.
+        ValueError: the storage backend is missing, zero-copy, or its config is not JSON.
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool: Any,
+        token_to_kv_pool_allocator: Any,
+        tp_group: Any,
+        tree_cache: Any,
+        *,
+        registry: LifecycleRegistry | None = None,
+        storage: Any = None,
+        host_pages: int | None = None,
+        defer: bool = False,
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+        self.tp_group = tp_group
+        self.page_size = page_size = int(get_schedule().page_size)
+        stride = envs.SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE.get()
+        if stride is None or stride <= 0:
+            self.offload_stride = page_size
+        else:
+            self.offload_stride = max(page_size, stride // page_size * page_size)
+        self.tp_world_size = dist.get_world_size(group=tp_group) if tp_group is not None else 1
+        self.kv_cache = token_to_kv_pool_allocator.get_kvcache()
+        self.layout, tensors = kv_layout(self.kv_cache, page_size)
+        memory = get_memory()
+        self.page_format = str(memory.hicache_mem_layout)
+        if self.page_format not in PAGE_FORMATS:
+            raise LayoutError(
+                f"kvlife writes storage pages in {' or '.join(PAGE_FORMATS)} layout, not "
+                f"--hicache-mem-layout {self.page_format!r}"
+            )
+        if host_pages is None:
+            host_pages = self._host_pages_from_args(memory)
+        self.host = HostPagePool(self.layout, host_pages)
+        self.copier = CopyEngine(self.layout, tensors, self.host, defer=defer)
+        self.source = SGLangKVSource(req_to_token_pool, tree_cache)
+        group = tp_group if self.tp_world_size > 1 else None
+        self.kv = OffloadManager(
+            self.source,
+            self.copier,
+            stride_pages=self.offload_stride // page_size,
+            registry=registry,
+            group=group,
+            page_hash=SGLangPageHasher(),
+            whole_strides=True,
+        )
+        self.registry = self.kv.registry
+        self._writer = True
+        self.storage = storage if storage is not None else self._storage_from_args(memory)
+        self.backups = BackupStats()
+        self._backup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvlife-backup")
+        self._pending_backups: list[tuple[Future[bool], HostPages, str]] = []
+        self.kv.on_copy(self._back_up)
+        self.ongoing_offload: Mapping[int, Any] = _OngoingOffload(self.kv)
+        self._closed = False
+        logger.info("kvlife decode KV offload: %s, %d host pages", self.layout, host_pages)
+
+    # ------------------------------------------------------------------ SGLang's methods
+
+    def offload_kv_cache(self, req: Any) -> bool:
+        """Offload ``req``'s newly committed KV in whole strides; ``True`` when a copy was
+        launched. For a finished request that launched its last copy, the lifecycle is
+        finished here and released when the copies completed (SGLang's scheduler then
+        does not call ``finalize_release_on_finish``)."""
+        if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1 or not req.output_ids:
+            return False
+        lc = self._lifecycle(req)
+        if lc.outcome is not None:  # already finishing: nothing more is copied
+            return False
+        ticket = self.kv.step(req)
+        if ticket is None:
+            return False
+        if req.finished():
+            self._finish(req)
+        return True
+
+    def finalize_release_on_finish(self, req: Any) -> None:
+        """Finish (or, for an abort, abort) ``req``'s lifecycle: its slots are released now
+        if no copy reads them, else when the last one completes. A request already
+        released is refused and audited (no second release)."""
+        if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1:
+            try:  # a repeat or a request that never held KV: audited as a refused finish
+                self.registry.lifecycle(req, audit_as=Trigger.FINISH)
+            except UnknownRequestError:
+                return
+        lc = self._lifecycle(req)
+        if lc.outcome is None:
+            self._finish(req)
+
+    def check_offload_progress(self) -> None:
+        """Deliver the copies that completed on every TP rank (their chunks go to storage
+        and finished requests release), and free the host pages of the backups that were
+        done when the call began (as SGLang's manager counts its backup acks first).
+        Never waits."""
+        done = self._backups_done()
+        try:
+            self.kv.poll()
+        finally:
+            self._reap_backups(done)
+
+    def drain_before_retraction(self) -> None:
+        """Deliver what completed; refuse (``RuntimeError``, on every rank) while any rank
+        still has a copy reading device KV -- retraction frees that KV."""
+        self.check_offload_progress()
+        pending = torch.tensor([int(self.kv.inflight > 0)], dtype=torch.int)
+        if self.tp_world_size > 1:
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if pending.item():
+            raise RuntimeError(
+                "Decode KV offload copies are still pending on some rank; refusing to "
+                f"retract (local: {self.kv.inflight} copies in flight)."
+            )
+
+    def has_inflight_device_transfer(self) -> bool:
+        """Whether a device-to-host copy may still read device KV."""
+        return self.kv.inflight > 0
+
+    def release_host_resources(self) -> None:
+        """Shutdown: wait for the backups started, free their pages, stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._backup_thread.shutdown(wait=True)
+        self._reap_backups(len(self._pending_backups))
+
+    # ------------------------------------------------------------------ internals
+
+    def _lifecycle(self, req: Any) -> Lifecycle:
+        if req in self.registry:
+            return self.registry.lifecycle(req)
+        start = len(req.origin_input_ids) // self.page_size * self.page_size
+        return self.kv.register(req, req.rid, start=start)
+
+    def _finish(self, req: Any) -> None:
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            self.kv.abort(req)
+        else:
+            self.kv.finish(req, flush=False)
+
+    def _back_up(self, req: Any, lc: Lifecycle, copy: HostCopy) -> bool:
+        """A completed copy: its full pages go to storage on the backup thread."""
+        keys = [h for h in copy.hashes if isinstance(h, str)]
+        if not self._writer or len(keys) != len(copy.pages):
+            self.backups.skipped += 1
+            return False  # the manager keeps (and frees) the pages
+        future = self._backup_thread.submit(self._store, keys, copy.pages.indices)
+        self._pending_backups.append((future, copy.pages, lc.rid))
+        self.backups.submitted += 1
+        return True
+
+    def _store(self, keys: list[str], pages: Sequence[int]) -> bool:
+        values = [storage_page(self.layout, self.host, p, self.page_format) for p in pages]
+        return bool(self.storage.batch_set(keys, values))
+
+    def _backups_done(self) -> int:
+        """How many backups, from the oldest, are done."""
+        done = 0
+        for future, _, _ in self._pending_backups:
+            if not future.done():
+                break
+            done += 1
+        return done
+
+    def _reap_backups(self, done: int) -> None:
+        """Free the pages of the ``done`` oldest backups (all done) and count them."""
+        pending = self._pending_backups
+        for future, pages, rid in pending[:done]:
+            self.host.free(pages)
+            error = future.exception()
+            if error is None and future.result():
+                self.backups.pages_stored += len(pages)
+            else:
+                self.backups.failed += 1
+                logger.warning(
+                    "kvlife: storage backup of %d pages of %r failed: %s", len(pages), rid, error
+                )
+        del pending[:done]
+
+    def _host_pages_from_args(self, memory: Any) -> int:
+        per_page = self.layout.bytes_per_page
+        size_gb = float(getattr(memory, "hicache_size", 0) or 0)
+        if size_gb > 0:
+            pages = int(size_gb * 1e9) // per_page
+        else:
+            ratio = float(getattr(memory, "hicache_ratio", None) or 2.0)
+            pages = int(self.layout.slots * ratio) // self.page_size
+        if pages <= 0:
+            raise ValueError(f"the host pool would hold {pages} pages; set hicache_size")
+        return pages
+
+    def _storage_from_args(self, memory: Any) -> Any:
+        from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: PLC0415
+
+        name = memory.hicache_storage_backend
+        if not name:
+            raise ValueError(
+                "the decode offload manager backs pages up to HiCache storage: set "
+                "--hicache-storage-backend (or pass storage=...)"
+            )
+        if name in ZERO_COPY_BACKENDS:
+            raise ValueError(
+                f"storage backend {name!r} reads pages from SGLang's own registered host "
+                "pool (zero copy); kvlife's host pages are its own: use 'file' or a backend "
+                "with batch_set(keys, values)"
+            )
+        try:
+            extra = json.loads(memory.hicache_storage_backend_extra_config or "{}")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"Invalid hicache storage backend extra config JSON: {exc}") from exc
+        parallel = get_parallel()
+        config = HiCacheStorageConfig(
+            tp_rank=parallel.tp_rank,
+            tp_size=parallel.tp_size,
+            pp_rank=parallel.pp_rank,
+            pp_size=parallel.pp_size,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=self.layout.kind == "mla",
+            enable_storage_metrics=False,
+            is_page_first_layout=self.page_format == "page_first",
+            model_name=get_serving().served_model_name,
+            extra_config=extra,
+        )
+        self._writer = bool(config.is_storage_writer)
+        return StorageBackendFactory.create_backend(name, config, None)

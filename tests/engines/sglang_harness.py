@@ -1,0 +1,390 @@
+"""SGLang 0.5.23's real pools, requests and offload manager on CPU, for the drop-in's tests.
+
+Runs in ``.venv-sglang`` (``make sglang-venv``). What is substituted, and only here:
+
+* ``torchvision``: a stand-in module (``standins/torchvision``; PyPI's build links CUDA).
+  Put first on ``sys.path`` by this module, before SGLang is imported.
+* Inside SGLang, for its *own* manager only (kvlife's drop-in needs neither): its host
+  pool pins memory with ``cudaHostRegister`` (no CPU entry: "Torch not compiled with CUDA
+  enabled"), so registration is a no-op here; and its device-to-host transfer is a kernel
+  from ``sgl_kernel`` with no CPU build, so ``MHATokenToKVPoolHost.backup_from_device_all_layer``
+  becomes the same copy written with torch indexing for the two layouts used here.
+
+Everything else is SGLang's code: ``Req``, ``ReqToTokenPool``, ``MHATokenToKVPool``,
+``PagedTokenToKVPoolAllocator``, ``RadixCache`` (disabled, as a decode node runs it), the
+server-args publication, ``HiCacheController``, ``HiCacheFile`` storage and
+``DecodeKVCacheOffloadManager``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import warnings
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).with_name("standins")))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, SWIG, AWQ/GGUF)
+    warnings.simplefilter("ignore")
+    from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
+        DecodeKVCacheOffloadManager,
+    )
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+    from sglang.srt.mem_cache import pool_host
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.pool_host import common as pool_host_common
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+
+from kvlife.offload.engines.sglang import KVLifeDecodeOffloadManager  # noqa: E402
+
+__all__ = [
+    "FINISH_ABORT",
+    "FINISH_LENGTH",
+    "DecodeKVCacheOffloadManager",
+    "KVLifeDecodeOffloadManager",
+    "Req",
+    "pool_host",
+]
+
+PAGE = 4
+LAYERS = 3
+HEADS = 2
+HEAD_DIM = 8
+DTYPE = torch.float16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def init_dist() -> Any:
+    """A one-rank gloo group (SGLang's TP group on a decode node is a CPU group)."""
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def publish_args(
+    storage_dir: Path | str,
+    *,
+    layout: str = "page_first",
+    hicache_size_gb: float = 0.0,
+    stride: int | None = None,
+) -> None:
+    """Publish SGLang server args for a decode node with KV offload to ``HiCacheFile``."""
+    if stride is None:
+        os.environ.pop("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", None)
+    else:
+        os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(stride)
+    args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        page_size=PAGE,
+        disaggregation_mode="decode",
+        disaggregation_decode_enable_offload_kvcache=True,
+        hicache_storage_backend="file",
+        hicache_storage_backend_extra_config=f'{{"file_storage_path": "{storage_dir}"}}',
+        hicache_mem_layout=layout,
+        hicache_size=hicache_size_gb,
+    )
+    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+
+
+@contextmanager
+def sglang_on_cpu() -> Iterator[None]:
+    """The two substitutions SGLang's own manager needs on CPU (see the module doc)."""
+    register = pool_host_common._cuda_host_register
+    backup = MHATokenToKVPoolHost.backup_from_device_all_layer
+
+    def no_register(buffer: torch.Tensor, granularity: int | None = None) -> None:
+        return None
+
+    def cpu_backup(
+        self: Any, device_pool: Any, host_indices: Any, device_indices: Any, io_backend: Any
+    ) -> None:
+        host, dev = host_indices.long(), device_indices.long()
+        for layer in range(self.layer_num):
+            for host_buf, dev_buf in (
+                (self.k_buffer, device_pool.k_buffer[layer]),
+                (self.v_buffer, device_pool.v_buffer[layer]),
+            ):
+                if self.layout == "layer_first":
+                    host_buf[layer, host] = dev_buf[dev]
+                elif self.layout == "page_first":
+                    host_buf[host, layer] = dev_buf[dev]
+                else:  # pragma: no cover - the tests use these two
+                    raise NotImplementedError(self.layout)
+
+    pool_host_common._cuda_host_register = no_register
+    MHATokenToKVPoolHost.backup_from_device_all_layer = cpu_backup
+    try:
+        yield
+    finally:
+        pool_host_common._cuda_host_register = register
+        MHATokenToKVPoolHost.backup_from_device_all_layer = backup
+
+
+@dataclass
+class Release:
+    """One device release the engine saw: who, which row, which slots went back."""
+
+    rid: str
+    row: int
+    slots: tuple[int, ...]
+
+
+@dataclass
+class Pools:
+    """SGLang's device pools, with a log of every release made through them."""
+
+    r2t: Any
+    kv: Any
+    alloc: Any
+    tree: Any
+    gen: torch.Generator
+    releases: list[Release] = field(default_factory=list)
+    row_frees: list[tuple[str, int]] = field(default_factory=list)
+    owners: dict[int, str] = field(default_factory=dict)  # id(req.kv) -> rid
+
+    def slot_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """Device KV of ``slots`` as ``[2*layers, tokens, heads*head_dim]`` (k0, v0, k1...)."""
+        rows = []
+        for layer in range(self.kv.layer_num):
+            rows.append(self.kv.k_buffer[layer][slots].reshape(len(slots), -1))
+            rows.append(self.kv.v_buffer[layer][slots].reshape(len(slots), -1))
+        return torch.stack(rows)
+
+
+def make_pools(*, slots: int = 1024, rows: int = 32, context: int = 256, seed: int = 0) -> Pools:
+    """Real SGLang pools on CPU; the tree cache's releases and row frees are recorded."""
+    r2t = ReqToTokenPool(size=rows, max_context_len=context, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=slots,
+        page_size=PAGE,
+        dtype=DTYPE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    alloc = PagedTokenToKVPoolAllocator(
+        size=slots, page_size=PAGE, dtype=DTYPE, device="cpu", kvcache=kv, need_sort=False
+    )
+    tree = RadixCache(
+        CacheInitParams(
+            disable=True, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=PAGE
+        )
+    )
+    gen = torch.Generator().manual_seed(seed)
+    pools = Pools(r2t, kv, alloc, tree, gen)
+    free_kv_row = tree.free_kv_row
+    free_row = r2t.free
+
+    def logged_free_kv_row(kv_info: Any, ranges: list[tuple[int, int]]) -> None:
+        row = r2t.req_to_token[kv_info.req_pool_idx]
+        freed = tuple(s for a, b in ranges for s in row[a:b].tolist())
+        owner = pools.owners.get(id(kv_info), "<unknown>")
+        pools.releases.append(Release(owner, int(kv_info.req_pool_idx), freed))
+        free_kv_row(kv_info, ranges)
+
+    def logged_free(req: Any) -> None:
+        pools.row_frees.append((req.rid, int(req.kv.req_pool_idx)))
+        free_row(req)
+
+    tree.free_kv_row = logged_free_kv_row
+    r2t.free = logged_free
+    return pools
+
+
+def admit(
+    pools: Pools,
+    rid: str,
+    prompt: int,
+    max_new: int,
+    *,
+    req_class: type = Req,
+    first_token: int = 7,
+) -> Any:
+    """A decode node admitting a request from prefill: a row, slots for its whole length,
+    the prompt's KV written, and the first sampled token (from the prefill node)."""
+    ids = array("q", ((i * 31 + len(rid)) % 50_000 for i in range(prompt)))
+    req = req_class(rid, "", ids, SamplingParams(max_new_tokens=max_new))
+    if pools.r2t.alloc([req]) is None:
+        raise RuntimeError("no req_to_token row free")
+    length = -(-(prompt + max_new) // PAGE) * PAGE
+    slots = pools.alloc.alloc(length)
+    if slots is None:
+        pools.r2t.free_rows([req.kv.req_pool_idx])
+        raise RuntimeError("device KV pool exhausted")
+    pools.r2t.req_to_token[req.kv.req_pool_idx, :length] = slots.to(torch.int32)
+    req.kv.kv_allocated_len = length
+    write_kv(pools, req, 0, prompt)
+    req.kv.kv_committed_len = prompt
+    req.output_ids = array("q", [first_token])
+    pools.owners[id(req.kv)] = rid
+    return req
+
+
+def write_kv(pools: Pools, req: Any, start: int, end: int) -> None:
+    """The forward pass writing fresh KV for tokens ``[start, end)`` of ``req``."""
+    slots = pools.r2t.req_to_token[req.kv.req_pool_idx, start:end].long()
+    n = len(slots)
+    for bufs in (pools.kv.k_buffer, pools.kv.v_buffer):
+        for buf in bufs:
+            buf[slots] = torch.randn((n, HEADS, HEAD_DIM), generator=pools.gen).to(DTYPE)
+
+
+def decode(pools: Pools, req: Any, token: int) -> None:
+    """One decode step: the last token's KV is computed, a new token is sampled."""
+    done = len(req.origin_input_ids) + len(req.output_ids) - 1
+    write_kv(pools, req, done, done + 1)
+    req.kv.kv_committed_len = done + 1
+    req.output_ids.append(token)
+    if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+
+
+class RidKeyedReq(Req):  # type: ignore[misc]
+    """A ``Req`` that compares and hashes by rid (what keyed-by-rid bookkeeping assumes)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Req) and other.rid == self.rid
+
+    def __hash__(self) -> int:
+        return hash(self.rid)
+
+
+def sglang_manager(pools: Pools, storage_dir: Path | str, **args: Any) -> Any:
+    """SGLang 0.5.23's own ``DecodeKVCacheOffloadManager`` (inside ``sglang_on_cpu()``)."""
+    publish_args(storage_dir, **args)
+    return DecodeKVCacheOffloadManager(pools.r2t, pools.alloc, init_dist(), pools.tree)
+
+
+def kvlife_manager(pools: Pools, storage_dir: Path | str, **kwargs: Any) -> KVLifeDecodeOffloadManager:
+    """kvlife's drop-in, built exactly as the scheduler builds SGLang's."""
+    args = {k: kwargs.pop(k) for k in ("layout", "hicache_size_gb", "stride") if k in kwargs}
+    publish_args(storage_dir, **args)
+    return KVLifeDecodeOffloadManager(pools.r2t, pools.alloc, init_dist(), pools.tree, **kwargs)
+
+
+def settle_backups(manager: Any, timeout_s: float = 30.0) -> None:
+    """Wait until every storage backup started so far is done (either manager), so that
+    host memory is freed at the same scheduler step in both runs."""
+    deadline = time.monotonic() + timeout_s
+    if isinstance(manager, KVLifeDecodeOffloadManager):
+        for future, _, _ in list(manager._pending_backups):
+            future.result(timeout=max(deadline - time.monotonic(), 0.1))
+        return
+    cc = manager.cache_controller
+    while cc.ack_backup_queue.qsize() < len(manager.ongoing_backup):
+        if time.monotonic() > deadline:
+            raise TimeoutError("SGLang's backup thread did not finish")
+        time.sleep(0.001)
+
+
+def close(manager: Any) -> None:
+    """Stop a manager's storage threads."""
+    if isinstance(manager, KVLifeDecodeOffloadManager):
+        manager.release_host_resources()
+    else:
+        manager.cache_controller._stop_storage_threads()
+
+
+def storage_files(directory: Path | str) -> dict[str, bytes]:
+    """Every page file in a ``HiCacheFile`` directory: name -> bytes."""
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).glob("*.bin"))}
+
+
+
+@dataclass
+class Workload:
+    """What one run of ``run_workload`` did and saw."""
+
+    admitted: int = 0
+    aborted: int = 0
+    reused_rids: int = 0
+    offloads: int = 0
+    refused_offloads: int = 0  # offload_kv_cache returned False with a stride waiting
+    manager_s: list[float] = field(default_factory=list)  # per step, in manager calls
+
+
+def run_workload(
+    pools: Pools, manager: Any, *, seed: int, steps: int = 120, rids: int = 6
+) -> Workload:
+    """A seeded decode workload driven the way SGLang's scheduler drives its manager:
+    admissions (rids drawn from a few names, so they are reused), one decode per running
+    request per step with ``offload_kv_cache`` / ``finalize_release_on_finish`` as the
+    batch result processor calls them, aborts through ``finalize_release_on_finish``,
+    and ``check_offload_progress`` every step; backups are settled between steps so that
+    both managers free host memory at the same step."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    running: list[Any] = []
+    seen: set[str] = set()
+    out = Workload()
+    for step in range(steps + 200):
+        admitting = step < steps
+        if admitting and len(running) < 5 and rng.random() < 0.5:
+            names = [f"r{i}" for i in range(rids) if all(r.rid != f"r{i}" for r in running)]
+            if names:
+                rid = rng.choice(names)
+                out.reused_rids += rid in seen
+                seen.add(rid)
+                running.append(admit(pools, rid, rng.randint(3, 20), rng.randint(2, 24)))
+                out.admitted += 1
+        spent = 0.0
+        for req in list(running):
+            if admitting and rng.random() < 0.03:
+                req.finished_reason = FINISH_ABORT()
+                t0 = time.perf_counter()
+                manager.finalize_release_on_finish(req)
+                spent += time.perf_counter() - t0
+                running.remove(req)
+                out.aborted += 1
+                continue
+            decode(pools, req, rng.randrange(50_000))
+            t0 = time.perf_counter()
+            if not req.finished():
+                out.offloads += bool(manager.offload_kv_cache(req))
+            elif not manager.offload_kv_cache(req):
+                manager.finalize_release_on_finish(req)
+            else:
+                out.offloads += 1
+            spent += time.perf_counter() - t0
+            if req.finished():
+                running.remove(req)
+        t0 = time.perf_counter()
+        manager.check_offload_progress()
+        spent += time.perf_counter() - t0
+        out.manager_s.append(spent)
+        settle_backups(manager)
+        if not admitting and not running and not len(manager.ongoing_offload):
+            break
+    for _ in range(3):  # the last backups' host pages
+        manager.check_offload_progress()
+        settle_backups(manager)
+    return out
