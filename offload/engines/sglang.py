@@ -88,16 +88,18 @@ def kv_layout(kv_pool: Any, page_size: int) -> tuple[KVLayout, list[torch.Tensor
         tensors = [t for pair in zip(k_bufs, v_bufs, strict=True) for t in pair]
         first = k_bufs[0]
         if first.dim() != 3:
-            raise LayoutError(f"expected [slots, heads, head_dim] buffers, got {tuple(first.shape)}")
+            raise LayoutError(
+                f"expected [slots, heads, head_dim] buffers, got {tuple(first.shape)}"
+            )
         slots, heads, head_dim = first.shape
-        layout = KVLayout(
-            "per_layer", len(k_bufs), slots, heads, head_dim, first.dtype, page_size
-        )
+        layout = KVLayout("per_layer", len(k_bufs), slots, heads, head_dim, first.dtype, page_size)
     elif kind is MLATokenToKVPool:
         bufs = list(kv_pool.kv_buffer)
         first = bufs[0]
         if first.dim() != 3 or first.shape[1] != 1:
-            raise LayoutError(f"expected [slots, 1, kv_cache_dim] buffers, got {tuple(first.shape)}")
+            raise LayoutError(
+                f"expected [slots, 1, kv_cache_dim] buffers, got {tuple(first.shape)}"
+            )
         slots, _, dim = first.shape
         tensors = [t.view(slots, dim) if t.is_contiguous() else t for t in bufs]
         layout = KVLayout.mla(len(bufs), slots, dim, first.dtype, page_size)
@@ -119,7 +121,9 @@ def storage_page(layout: KVLayout, host: HostPagePool, page: int, page_format: s
     """
     data = host.tensor[page]  # [components, page_size, elems]
     ps = layout.page_size
-    if layout.kind == "mla":  # SGLang: layer_first [layers, ps, 1, dim], page_first [ps, layers, 1, dim]
+    if (
+        layout.kind == "mla"
+    ):  # SGLang: layer_first [layers, ps, 1, dim], page_first [ps, layers, 1, dim]
         if page_format == "layer_first":
             return data.flatten()
         if page_format == "page_first":

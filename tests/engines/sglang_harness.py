@@ -32,8 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).with_name("standins")))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, SWIG, AWQ/GGUF)
     warnings.simplefilter("ignore")
@@ -52,7 +52,7 @@ with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, SWIG, AWQ/G
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
 
-from kvlife.offload.engines.sglang import KVLifeDecodeOffloadManager  # noqa: E402
+from kvlife.offload.engines.sglang import KVLifeDecodeOffloadManager
 
 __all__ = [
     "FINISH_ABORT",
@@ -92,6 +92,7 @@ def publish_args(
     layout: str = "page_first",
     hicache_size_gb: float = 0.0,
     stride: int | None = None,
+    storage_backend: str = "file",
 ) -> None:
     """Publish SGLang server args for a decode node with KV offload to ``HiCacheFile``."""
     if stride is None:
@@ -104,10 +105,11 @@ def publish_args(
         page_size=PAGE,
         disaggregation_mode="decode",
         disaggregation_decode_enable_offload_kvcache=True,
-        hicache_storage_backend="file",
+        hicache_storage_backend=storage_backend,
         hicache_storage_backend_extra_config=f'{{"file_storage_path": "{storage_dir}"}}',
         hicache_mem_layout=layout,
         hicache_size=hicache_size_gb,
+        hicache_ratio=None if hicache_size_gb > 0 else 2.0,
     )
     publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
 
@@ -179,7 +181,9 @@ class Pools:
 
 def make_pools(*, slots: int = 1024, rows: int = 32, context: int = 256, seed: int = 0) -> Pools:
     """Real SGLang pools on CPU; the tree cache's releases and row frees are recorded."""
-    r2t = ReqToTokenPool(size=rows, max_context_len=context, device="cpu", enable_memory_saver=False)
+    r2t = ReqToTokenPool(
+        size=rows, max_context_len=context, device="cpu", enable_memory_saver=False
+    )
     kv = MHATokenToKVPool(
         size=slots,
         page_size=PAGE,
@@ -283,9 +287,12 @@ def sglang_manager(pools: Pools, storage_dir: Path | str, **args: Any) -> Any:
     return DecodeKVCacheOffloadManager(pools.r2t, pools.alloc, init_dist(), pools.tree)
 
 
-def kvlife_manager(pools: Pools, storage_dir: Path | str, **kwargs: Any) -> KVLifeDecodeOffloadManager:
+def kvlife_manager(
+    pools: Pools, storage_dir: Path | str, **kwargs: Any
+) -> KVLifeDecodeOffloadManager:
     """kvlife's drop-in, built exactly as the scheduler builds SGLang's."""
-    args = {k: kwargs.pop(k) for k in ("layout", "hicache_size_gb", "stride") if k in kwargs}
+    names = ("layout", "hicache_size_gb", "stride", "storage_backend")
+    args = {k: kwargs.pop(k) for k in names if k in kwargs}
     publish_args(storage_dir, **args)
     return KVLifeDecodeOffloadManager(pools.r2t, pools.alloc, init_dist(), pools.tree, **kwargs)
 
@@ -316,7 +323,6 @@ def close(manager: Any) -> None:
 def storage_files(directory: Path | str) -> dict[str, bytes]:
     """Every page file in a ``HiCacheFile`` directory: name -> bytes."""
     return {p.name: p.read_bytes() for p in sorted(Path(directory).glob("*.bin"))}
-
 
 
 @dataclass
