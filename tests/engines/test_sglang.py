@@ -396,9 +396,7 @@ def test_a_failed_backup_frees_its_host_pages(
         caplog.clear()
 
 
-def test_the_stride_and_the_prompt_come_from_sglangs_settings(
-    pools: Pools, tmp_path: Path
-) -> None:
+def test_the_stride_and_the_prompt_come_from_sglangs_settings(pools: Pools, tmp_path: Path) -> None:
     manager = kvlife_manager(pools, tmp_path, stride=10)  # rounded down to whole pages
     assert manager.offload_stride == 8
     jobs = _Jobs(manager).jobs
