@@ -25,7 +25,7 @@ from kvlife.fsm import (
     UnknownRequestError,
     check_audit,
 )
-from kvlife.offload import KVLayout, OffloadResult
+from kvlife.offload import Blake2bPageHasher, KVLayout, OffloadResult
 from tests.engine import FakeEngine, host_matches
 from tests.strategies import EqByRid, Req
 from tests.test_layout import LAYOUTS
@@ -443,3 +443,125 @@ def test_audit_detail_is_built_only_when_a_sink_is_attached() -> None:
     quiet.decode(req, 4)
     quiet.manager.step(req)
     assert calls == [{}]
+
+
+# ---------------------------------------------------------------------------- engine hooks
+
+
+class _SumHasher:
+    """A page hash an engine might bring: str hashes chained from a per-request seed."""
+
+    def seed(self, req: Any) -> str:
+        return f"seed:{req.rid}"
+
+    def page(self, prior: Any, token_ids: Any) -> str:
+        return f"{prior}|{sum(token_ids)}"
+
+
+def test_a_pluggable_page_hash_chains_from_its_seed() -> None:
+    engine = FakeEngine(SMALL, stride_pages=1)
+    engine.manager.page_hash = _SumHasher()
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 10)
+    engine.manager.finish(req)
+    engine.manager.poll()
+    [(_, result)] = engine.results
+    ids = engine.admissions[lc.serial].token_ids
+    pages = [sum(ids[0:4]), sum(ids[4:8])]
+    assert [h for c in result.copies for h in c.hashes] == [
+        f"seed:a|{pages[0]}",
+        f"seed:a|{pages[0]}|{pages[1]}",
+        None,  # the partial last page
+    ]
+    with pytest.raises(TypeError, match="seed"):
+        engine.manager.__class__(engine, engine.copier, page_hash=object())  # type: ignore[arg-type]
+
+
+def test_start_skips_pages_stored_elsewhere_and_continues_their_chain() -> None:
+    engine = FakeEngine(SMALL, stride_pages=1)
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 12)
+    decode_side = engine.manager.__class__(engine, engine.copier, stride_pages=1)
+    for bad in (6, -4, 4.0):
+        with pytest.raises(ValueError, match="start"):
+            decode_side.register(req, start=bad)  # type: ignore[arg-type]
+        assert req not in decode_side.registry  # nothing registered
+    decode_side.register(req, start=8)  # pages 0 and 1 were stored by "prefill"
+    copies: list[Any] = []
+    decode_side.on_copy(lambda r, lc, copy: copies.append(copy) or False)
+    assert decode_side.step(req) is not None
+    decode_side.poll()
+    [copy] = copies
+    assert (copy.first_token, copy.tokens) == (8, 4)
+    ids = engine.admissions[lc.serial].token_ids
+    prev = b""
+    for first in (0, 4, 8):
+        prev = Blake2bPageHasher().page(prev, ids[first : first + 4])
+    assert copy.hashes == (prev,)  # page 2's hash, chained through pages 0 and 1
+
+
+def test_whole_strides_offloads_multiples_of_the_stride_only() -> None:
+    engine = FakeEngine(SMALL, stride_pages=2)
+    engine.manager.whole_strides = True
+    req = Req("a")
+    engine.admit(req)
+    engine.decode(req, 21)  # 5 full pages waiting
+    ticket = engine.manager.step(req)
+    assert ticket is not None and engine.jobs[-1][0].tokens == 16  # 4 pages, not 5
+    engine.decode(req, 3)  # 6 full pages: 2 waiting
+    assert engine.manager.step(req) is not None and engine.jobs[-1][0].tokens == 8
+    engine.manager.finish(req, flush=False)  # the partial page is dropped
+    engine.manager.poll()
+    [(_, result)] = engine.results
+    assert result.tokens == 24 and engine.manager.stats.copies_launched == 2
+
+
+def test_a_copy_hook_may_take_the_pages_of_each_completed_copy() -> None:
+    engine = FakeEngine(SMALL, stride_pages=1, defer=True)
+    manager = engine.manager
+    taken: list[Any] = []
+    manager.on_copy(lambda req, lc, copy: taken.append((req, lc, copy)) or True)
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 8)
+    first = manager.step(req)
+    assert first is not None and dict(manager.inflight_tickets) == {first.op: first}
+    with pytest.raises(TypeError):
+        manager.inflight_tickets[99] = first  # type: ignore[index]
+    engine.jobs[-1][0].run()
+    manager.finish(req)
+    for job, _ in engine.jobs:
+        if job.deferred:
+            job.run()
+    manager.poll()
+    assert lc.state is R and not manager.inflight_tickets
+    [(_, result)] = engine.results
+    assert result.copies == () and manager.stats.copies_taken == 1  # the flush had no pages
+    [(got_req, got_lc, copy)] = taken
+    assert got_req is req and got_lc is lc and copy.tokens == 8
+    assert engine.host.in_use == len(copy.pages)  # the hook owns them now
+    engine.host.free(copy.pages)
+
+
+def test_a_copy_hook_that_raises_takes_nothing_and_delivery_goes_on() -> None:
+    engine = FakeEngine(SMALL, stride_pages=1)
+    seen: list[int] = []
+
+    def broken(req: Any, lc: Any, copy: Any) -> bool:
+        raise RuntimeError("backup queue full")
+
+    engine.manager.on_copy(broken)
+    engine.manager.on_copy(lambda req, lc, copy: seen.append(copy.tokens) or False)
+    with pytest.raises(TypeError):
+        engine.manager.on_copy("not callable")  # type: ignore[arg-type]
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 6)
+    engine.manager.finish(req)
+    with pytest.raises(RuntimeError, match="backup queue full"):
+        engine.manager.poll()
+    assert lc.state is R and seen == [6]  # delivered, released, the next hook ran
+    [(_, result)] = engine.results
+    assert result.tokens == 6 and engine.manager.stats.copies_taken == 0  # still the manager's
