@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm sglang-venv test-sglang dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm sglang-venv test-sglang bench-sglang dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -64,7 +64,11 @@ $(SGLANG_STAMP): tests/engines/sglang-pins.txt pyproject.toml fsm/ offload/ diag
 sglang-venv: $(SGLANG_STAMP)
 
 test-sglang: sglang-venv
-	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_sglang.py
+	$(SGLANG_VENV)/bin/python -m pytest -q tests/engines/test_sglang.py
+
+# The drop-in's scheduler-loop time against SGLang's own manager, same workload (a ratio).
+bench-sglang: sglang-venv
+	$(SGLANG_VENV)/bin/python -m tests.engines.sglang_bench
 
 # Graphviz's `dot` renders SVG/PNG; installed through apt-get when missing and we are root.
 dot:

@@ -405,3 +405,12 @@ def test_the_stride_and_the_prompt_come_from_sglangs_settings(pools: Pools, tmp_
     assert [job.tokens for job in jobs] == [8]
     assert manager.kv.inflight_tickets[next(iter(manager.ongoing_offload))].lifecycle.req is req
     close(manager)
+
+
+def test_the_scheduler_loop_benchmark_times_both_managers_on_the_same_steps() -> None:
+    from tests.engines.sglang_bench import main, measure  # noqa: PLC0415
+
+    got = measure(seed=1, steps=30, rounds=1)
+    assert got["steps"] >= 30 and got["sglang_us"] > 0 and got["kvlife_us"] > 0
+    assert got["ratio"] == pytest.approx(got["kvlife_us"] / got["sglang_us"])
+    assert main(["--steps", "10", "--rounds", "1"]) == 0
