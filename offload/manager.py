@@ -261,7 +261,9 @@ class OffloadManager:
         Raises:
             ValueError: ``start`` is negative or not a multiple of the page size, or the
                 engine gave the wrong number of token ids for it. Nothing registered.
-            (and what ``LifecycleRegistry.register`` raises; nothing registered then.)
+            DuplicateRegistrationError: ``req``'s lifecycle has not finished. This and
+                the other errors of ``LifecycleRegistry.register`` (``TypeError``,
+                ``RidConflictError``, ``WrongThreadError``) leave nothing registered.
         """
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ValueError(f"start must be a non-negative int, got {start!r}")

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from sglang.srt.environ import envs
+from sglang.srt.layers.dp_attention import is_dp_attention_enabled
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -239,8 +240,12 @@ class KVLifeDecodeOffloadManager:
     """SGLang's decode-side KV offload manager, on kvlife lifecycles.
 
     Args:
-        req_to_token_pool, token_to_kv_pool_allocator, tp_group, tree_cache: as for
-            SGLang's ``DecodeKVCacheOffloadManager``.
+        req_to_token_pool: SGLang's ``ReqToTokenPool`` (as for its own manager).
+        token_to_kv_pool_allocator: SGLang's allocator; its ``get_kvcache()`` is the
+            device pool copied from.
+        tp_group: the scheduler's TP CPU group (``dp_tp_cpu_group``); ranks agree on
+            completed copies over it.
+        tree_cache: the scheduler's tree cache; releases go through it.
         registry: the kvlife registry (give it an audit sink to get the audit log); a new
             one, without a sink, if ``None``. It must be owned by the scheduler thread.
         storage: the storage backend (anything with SGLang's ``batch_set(keys, values)``);
@@ -465,9 +470,22 @@ class KVLifeDecodeOffloadManager:
         except json.JSONDecodeError as exc:
             raise ValueError(f"Invalid hicache storage backend extra config JSON: {exc}") from exc
         parallel = get_parallel()
+        if getattr(parallel, "attn_dcp_size", 1) > 1:
+            raise ValueError(
+                "kvlife's decode offload does not shard storage pages for decode context "
+                "parallelism (attn_dcp_size > 1); leave SGLang's own manager on"
+            )
+        if is_dp_attention_enabled():  # storage keys are per attention-TP rank, as SGLang's
+            tp_rank, tp_size, dp_rank = (
+                parallel.attn_tp_rank,
+                parallel.attn_tp_size,
+                parallel.attn_dp_rank,
+            )
+        else:
+            tp_rank, tp_size, dp_rank = parallel.tp_rank, parallel.tp_size, 0
         config = HiCacheStorageConfig(
-            tp_rank=parallel.tp_rank,
-            tp_size=parallel.tp_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             pp_rank=parallel.pp_rank,
             pp_size=parallel.pp_size,
             attn_cp_rank=0,
@@ -476,6 +494,7 @@ class KVLifeDecodeOffloadManager:
             enable_storage_metrics=False,
             is_page_first_layout=self.page_format == "page_first",
             model_name=get_serving().served_model_name,
+            dp_rank=dp_rank,
             extra_config=extra,
         )
         self._writer = bool(config.is_storage_writer)
