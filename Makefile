@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm sglang-venv test-sglang bench-sglang dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -66,6 +66,25 @@ sglang-venv: $(SGLANG_STAMP)
 test-sglang: sglang-venv
 	$(SGLANG_VENV)/bin/python -m pytest -q tests/engines/test_sglang.py
 
+# SGLang 0.5.18, the last release whose own manager keys its state by rid: the original bug
+# on real code (a strict xfail) and the drop-in passing the same story, in one run.
+SGLANG18_VENV  := .venv-sglang-0.5.18
+SGLANG18_STAMP := $(SGLANG18_VENV)/.kvlife-installed
+$(SGLANG18_STAMP): tests/engines/sglang-0.5.18-pins.txt pyproject.toml fsm/ offload/ diagrams/
+	test -x $(SGLANG18_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG18_VENV)
+	$(SGLANG18_VENV)/bin/python -m pip install --quiet --upgrade pip
+	@$(SGLANG18_VENV)/bin/python -c "import torch" 2>/dev/null || \
+	  $(SGLANG18_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(SGLANG18_VENV)/bin/python -m pip install --quiet --no-deps -r tests/engines/sglang-0.5.18-pins.txt
+	$(SGLANG18_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.18"
+	$(SGLANG18_VENV)/bin/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
+	@touch $(SGLANG18_STAMP)
+
+sglang-0.5.18-venv: $(SGLANG18_STAMP)
+
+test-sglang-0.5.18: sglang-0.5.18-venv
+	$(SGLANG18_VENV)/bin/python -m pytest -q tests/engines/test_sglang_0_5_18.py
+
 # The drop-in's scheduler-loop time against SGLang's own manager, same workload (a ratio).
 bench-sglang: sglang-venv
 	$(SGLANG_VENV)/bin/python -m tests.engines.sglang_bench
@@ -118,7 +137,7 @@ pytest: venv dot browser mermaid
 docs: venv mermaid
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
-test: lint types pytest docs test-vllm test-sglang
+test: lint types pytest docs test-vllm test-sglang test-sglang-0.5.18
 
 # Long runs, not in CI: the soak, and the model-based tests with the slow profile.
 soak: venv
@@ -146,4 +165,4 @@ diagrams: venv dot
 	$(PY) -c "from kvlife.diagrams import write_lifecycle_diagrams as w; print(*w(), sep='\n')"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(SGLANG18_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site

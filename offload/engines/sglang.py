@@ -29,6 +29,11 @@ on in the scheduler loop; tensor-parallel ranks agree on *completed copies* (kvl
 completion queue all-reduces the count of finished copies, MIN), not on queue lengths;
 every transition, refusal and late completion is in kvlife's audit log when the registry
 has a sink; and the lifecycle diagram is kvlife's.
+
+SGLang 0.5.18 (the last release whose own manager keys its state by rid): its scheduler
+passes ``server_args`` to the manager, and so it does to this one; the request's row is on
+the ``Req``, the release makes 0.5.18's calls, and storage hashes start from no namespace
+seed, as 0.5.18's do.
 """
 
 from __future__ import annotations
@@ -45,10 +50,10 @@ import torch
 import torch.distributed as dist
 from sglang.srt.environ import envs
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, ReqKvInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_serving
 
 from kvlife.fsm import Lifecycle, LifecycleRegistry, UnknownRequestError
@@ -59,6 +64,21 @@ from kvlife.offload.layout import KVLayout, LayoutError
 from kvlife.offload.manager import HostCopy, OffloadManager, PageHash
 
 logger = logging.getLogger(__name__)
+
+try:
+    from sglang.srt.mem_cache.utils import storage_namespace_seed
+except ImportError:  # SGLang <= 0.5.18: storage chains start from no seed
+    storage_namespace_seed = None
+
+#: SGLang >= 0.5.19 keeps a request's ``req_to_token`` row on ``req.kv``; before, on ``req``.
+ROW_ON_KV = "req_pool_idx" in getattr(ReqKvInfo, "__dataclass_fields__", {})
+
+
+def request_row(req: Any) -> int | None:
+    """The request's ``req_to_token`` row (``None`` or -1: it holds none)."""
+    row: int | None = req.kv.req_pool_idx if ROW_ON_KV else req.req_pool_idx
+    return row
+
 
 #: SGLang's host page layouts whose pages kvlife writes to storage byte for byte.
 PAGE_FORMATS = ("layer_first", "page_first")
@@ -146,7 +166,10 @@ class SGLangPageHasher:
     seed (``storage_namespace_seed(req.extra_key, req.cache_salt)``)."""
 
     def seed(self, req: Any) -> PageHash | None:
-        """``None`` (no prior) unless the request has an extra key or a cache salt."""
+        """``None`` (no prior) unless the request has an extra key or a cache salt (and
+        always ``None`` on SGLang <= 0.5.18, which had no namespaces)."""
+        if storage_namespace_seed is None:
+            return None
         seed: str | None = storage_namespace_seed(req.extra_key, req.cache_salt)
         return seed
 
@@ -162,13 +185,17 @@ class SGLangKVSource:
     """kvlife's [`KVSource`][kvlife.offload.manager.KVSource] over SGLang's pools.
 
     A request's tokens are ``origin_input_ids + output_ids[:-1]`` (the last sampled
-    token's KV is not computed yet), its slots the row ``req.kv.req_pool_idx`` of
-    ``req_to_token``; ``release_slots`` makes SGLang's own release calls, once.
+    token's KV is not computed yet), its slots its row of ``req_to_token``;
+    ``release_slots`` makes the release calls of the installed SGLang's own manager, once.
     """
 
-    def __init__(self, req_to_token_pool: Any, tree_cache: Any) -> None:
+    def __init__(
+        self, req_to_token_pool: Any, tree_cache: Any, allocator: Any = None, page_size: int = 1
+    ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.tree_cache = tree_cache
+        self.allocator = allocator  # SGLang <= 0.5.18 frees through it
+        self.page_size = page_size
         self.released = 0  # rows handed back
 
     def committed(self, req: Any) -> int:
@@ -187,26 +214,45 @@ class SGLangKVSource:
 
     def slots(self, req: Any, start: int, end: int) -> torch.Tensor:
         """Device slots of tokens ``[start, end)``: the request's ``req_to_token`` row."""
-        row = req.kv.req_pool_idx
+        row = request_row(req)
         if row is None or row < 0:
             raise ValueError(f"request {req.rid!r} holds no req_to_token row")
         slots: torch.Tensor = self.req_to_token_pool.req_to_token[row, start:end]
         return slots.to(torch.int64)
 
     def release_slots(self, req: Any, lifecycle: Lifecycle) -> None:
-        """SGLang's release of a finished request: the request's own KV range back to the
-        allocator (``free_kv_row``), its tree lock, its ``req_to_token`` row, then
-        ``mark_kv_released``. A request that holds no row (already released) is left
-        alone."""
-        kv = req.kv
-        if kv.req_pool_idx is None or kv.req_pool_idx == -1:
+        """SGLang's release of a finished request. 0.5.23: the request's own KV range back
+        to the allocator (``free_kv_row``), its tree lock, its ``req_to_token`` row, then
+        ``mark_kv_released``. 0.5.18: the prompt's pages, the decoded range and any
+        over-allocation back to the allocator, the row, ``req.kv = None`` and the tree's
+        protected size. A request that holds no row (already released) is left alone."""
+        row = request_row(req)
+        if row is None or row == -1:
             return
-        self.tree_cache.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
-        self.tree_cache.unlock(req.lock)
-        req.lock = None
-        self.req_to_token_pool.free(req)
-        kv.mark_kv_released()
+        if ROW_ON_KV:
+            kv = req.kv
+            self.tree_cache.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
+            self.tree_cache.unlock(req.lock)
+            req.lock = None
+            self.req_to_token_pool.free(req)
+            kv.mark_kv_released()
+        else:
+            self._release_before_0_5_19(req, row)
         self.released += 1
+
+    def _release_before_0_5_19(self, req: Any, row: int) -> None:
+        tokens = self.req_to_token_pool.req_to_token[row]
+        prompt = len(req.origin_input_ids) // self.page_size * self.page_size
+        committed = req.effective_kv_committed_len()
+        if prompt > 0:
+            self.allocator.free(tokens[:prompt])
+        self.allocator.free(tokens[prompt:committed])
+        tail = -(-committed // self.page_size) * self.page_size
+        if tail < req.kv.kv_allocated_len:  # over-allocation (speculative decoding)
+            self.allocator.free(tokens[tail : req.kv.kv_allocated_len])
+        self.req_to_token_pool.free(req)
+        req.kv = None
+        self.tree_cache.protected_size_ -= len(req.prefix_indices)
 
 
 @dataclass
@@ -246,6 +292,8 @@ class KVLifeDecodeOffloadManager:
         tp_group: the scheduler's TP CPU group (``dp_tp_cpu_group``); ranks agree on
             completed copies over it.
         tree_cache: the scheduler's tree cache; releases go through it.
+        server_args: SGLang <= 0.5.18 passes its ``ServerArgs`` (the HiCache settings are
+            read from it); from 0.5.19 on the settings are SGLang's published ones.
         registry: the kvlife registry (give it an audit sink to get the audit log); a new
             one, without a sink, if ``None``. It must be owned by the scheduler thread.
         storage: the storage backend (anything with SGLang's ``batch_set(keys, values)``);
@@ -265,6 +313,7 @@ class KVLifeDecodeOffloadManager:
         token_to_kv_pool_allocator: Any,
         tp_group: Any,
         tree_cache: Any,
+        server_args: Any = None,
         *,
         registry: LifecycleRegistry | None = None,
         storage: Any = None,
@@ -284,7 +333,12 @@ class KVLifeDecodeOffloadManager:
         self.tp_world_size = dist.get_world_size(group=tp_group) if tp_group is not None else 1
         self.kv_cache = token_to_kv_pool_allocator.get_kvcache()
         self.layout, tensors = kv_layout(self.kv_cache, page_size)
-        memory = get_memory()
+        memory = server_args if server_args is not None else get_memory()
+        self._model_name = (
+            server_args.served_model_name
+            if server_args is not None
+            else get_serving().served_model_name
+        )
         self.page_format = str(memory.hicache_mem_layout)
         if self.page_format not in PAGE_FORMATS:
             raise LayoutError(
@@ -295,7 +349,9 @@ class KVLifeDecodeOffloadManager:
             host_pages = self._host_pages_from_args(memory)
         self.host = HostPagePool(self.layout, host_pages)
         self.copier = CopyEngine(self.layout, tensors, self.host, defer=defer)
-        self.source = SGLangKVSource(req_to_token_pool, tree_cache)
+        self.source = SGLangKVSource(
+            req_to_token_pool, tree_cache, token_to_kv_pool_allocator, page_size
+        )
         group = tp_group if self.tp_world_size > 1 else None
         self.kv = OffloadManager(
             self.source,
@@ -324,7 +380,8 @@ class KVLifeDecodeOffloadManager:
         launched. For a finished request that launched its last copy, the lifecycle is
         finished here and released when the copies completed (SGLang's scheduler then
         does not call ``finalize_release_on_finish``)."""
-        if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1 or not req.output_ids:
+        row = request_row(req)
+        if row is None or row == -1 or not req.output_ids:
             return False
         lc = self._lifecycle(req)
         if lc.outcome is not None:  # already finishing: nothing more is copied
@@ -340,7 +397,8 @@ class KVLifeDecodeOffloadManager:
         """Finish (or, for an abort, abort) ``req``'s lifecycle: its slots are released now
         if no copy reads them, else when the last one completes. A request already
         released is refused and audited (no second release)."""
-        if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1:
+        row = request_row(req)
+        if row is None or row == -1:
             try:  # a repeat or a request that never held KV: audited as a refused finish
                 self.registry.lifecycle(req, audit_as=Trigger.FINISH)
             except UnknownRequestError:
@@ -483,19 +541,21 @@ class KVLifeDecodeOffloadManager:
             )
         else:
             tp_rank, tp_size, dp_rank = parallel.tp_rank, parallel.tp_size, 0
-        config = HiCacheStorageConfig(
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            pp_rank=parallel.pp_rank,
-            pp_size=parallel.pp_size,
-            attn_cp_rank=0,
-            attn_cp_size=1,
-            is_mla_model=self.layout.kind == "mla",
-            enable_storage_metrics=False,
-            is_page_first_layout=self.page_format == "page_first",
-            model_name=get_serving().served_model_name,
-            dp_rank=dp_rank,
-            extra_config=extra,
-        )
-        self._writer = bool(config.is_storage_writer)
+        fields: dict[str, Any] = {
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "pp_rank": parallel.pp_rank,
+            "pp_size": parallel.pp_size,
+            "attn_cp_rank": 0,
+            "attn_cp_size": 1,
+            "is_mla_model": self.layout.kind == "mla",
+            "enable_storage_metrics": False,
+            "is_page_first_layout": self.page_format == "page_first",
+            "model_name": self._model_name,
+            "extra_config": extra,
+        }
+        if "dp_rank" in getattr(HiCacheStorageConfig, "__dataclass_fields__", {}):
+            fields["dp_rank"] = dp_rank  # SGLang >= 0.5.19
+        config = HiCacheStorageConfig(**fields)
+        self._writer = bool(getattr(config, "is_storage_writer", True))
         return StorageBackendFactory.create_backend(name, config, None)

@@ -40,7 +40,7 @@ with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, SWIG, AWQ/G
     from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
         DecodeKVCacheOffloadManager,
     )
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ReqKvInfo
     from sglang.srt.mem_cache import pool_host
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -48,19 +48,36 @@ with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, SWIG, AWQ/G
     from sglang.srt.mem_cache.pool_host import common as pool_host_common
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.radix_cache import RadixCache
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
+    from sglang.version import __version__ as SGLANG_VERSION
 
-from kvlife.offload.engines.sglang import KVLifeDecodeOffloadManager
+    try:
+        from sglang.srt.runtime_context import SpawnRanks
+    except ImportError:  # SGLang <= 0.5.18 publishes without launcher ranks
+        SpawnRanks = None
+
+from kvlife.offload.engines.sglang import (
+    ROW_ON_KV,
+    KVLifeDecodeOffloadManager,
+    request_row,
+)
+
+#: The manager's constructor takes the server args (SGLang <= 0.5.18).
+TAKES_SERVER_ARGS = not ROW_ON_KV
+_published: list[Any] = []  # the last ServerArgs published
+_rank_override: list[Any] = []  # SGLang <= 0.5.18: the rank override, entered once
 
 __all__ = [
     "FINISH_ABORT",
     "FINISH_LENGTH",
+    "SGLANG_VERSION",
     "DecodeKVCacheOffloadManager",
     "KVLifeDecodeOffloadManager",
     "Req",
     "pool_host",
+    "request_row",
 ]
 
 PAGE = 4
@@ -95,6 +112,8 @@ def publish_args(
     storage_backend: str = "file",
 ) -> None:
     """Publish SGLang server args for a decode node with KV offload to ``HiCacheFile``."""
+    # SGLang <= 0.5.18 reads HiCacheFile's directory from this variable only
+    os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(storage_dir)
     if stride is None:
         os.environ.pop("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", None)
     else:
@@ -111,7 +130,15 @@ def publish_args(
         hicache_size=hicache_size_gb,
         hicache_ratio=None if hicache_size_gb > 0 else 2.0,
     )
-    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    if SpawnRanks is None:
+        publish(args, role="test")
+        if not _rank_override:  # one rank, no SGLang TP group: say so (0.5.18 has no ranks=)
+            override = get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+            override.__enter__()
+            _rank_override.append(override)
+    else:
+        publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    _published[:] = [args]
 
 
 @contextmanager
@@ -167,8 +194,6 @@ class Pools:
     tree: Any
     gen: torch.Generator
     releases: list[Release] = field(default_factory=list)
-    row_frees: list[tuple[str, int]] = field(default_factory=list)
-    owners: dict[int, str] = field(default_factory=dict)  # id(req.kv) -> rid
 
     def slot_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """Device KV of ``slots`` as ``[2*layers, tokens, heads*head_dim]`` (k0, v0, k1...)."""
@@ -204,21 +229,14 @@ def make_pools(*, slots: int = 1024, rows: int = 32, context: int = 256, seed: i
     )
     gen = torch.Generator().manual_seed(seed)
     pools = Pools(r2t, kv, alloc, tree, gen)
-    free_kv_row = tree.free_kv_row
     free_row = r2t.free
 
-    def logged_free_kv_row(kv_info: Any, ranges: list[tuple[int, int]]) -> None:
-        row = r2t.req_to_token[kv_info.req_pool_idx]
-        freed = tuple(s for a, b in ranges for s in row[a:b].tolist())
-        owner = pools.owners.get(id(kv_info), "<unknown>")
-        pools.releases.append(Release(owner, int(kv_info.req_pool_idx), freed))
-        free_kv_row(kv_info, ranges)
-
-    def logged_free(req: Any) -> None:
-        pools.row_frees.append((req.rid, int(req.kv.req_pool_idx)))
+    def logged_free(req: Any) -> None:  # every release ends with the row; log what it held
+        row = request_row(req)
+        held = r2t.req_to_token[row, : req.kv.kv_allocated_len].tolist()
+        pools.releases.append(Release(req.rid, int(row), tuple(held)))
         free_row(req)
 
-    tree.free_kv_row = logged_free_kv_row
     r2t.free = logged_free
     return pools
 
@@ -241,20 +259,27 @@ def admit(
     length = -(-(prompt + max_new) // PAGE) * PAGE
     slots = pools.alloc.alloc(length)
     if slots is None:
-        pools.r2t.free_rows([req.kv.req_pool_idx])
         raise RuntimeError("device KV pool exhausted")
-    pools.r2t.req_to_token[req.kv.req_pool_idx, :length] = slots.to(torch.int32)
+    pools.r2t.req_to_token[request_row(req), :length] = slots.to(torch.int32)
+    if req.kv is None:  # SGLang <= 0.5.18 makes it at the first extend
+        req.kv = ReqKvInfo(kv_allocated_len=length, swa_evicted_seqlen=0)
     req.kv.kv_allocated_len = length
     write_kv(pools, req, 0, prompt)
-    req.kv.kv_committed_len = prompt
+    _set_committed(req, prompt)
     req.output_ids = array("q", [first_token])
-    pools.owners[id(req.kv)] = rid
     return req
+
+
+def _set_committed(req: Any, tokens: int) -> None:
+    if ROW_ON_KV:
+        req.kv.kv_committed_len = tokens
+    else:
+        req.kv_committed_len = tokens
 
 
 def write_kv(pools: Pools, req: Any, start: int, end: int) -> None:
     """The forward pass writing fresh KV for tokens ``[start, end)`` of ``req``."""
-    slots = pools.r2t.req_to_token[req.kv.req_pool_idx, start:end].long()
+    slots = pools.r2t.req_to_token[request_row(req), start:end].long()
     n = len(slots)
     for bufs in (pools.kv.k_buffer, pools.kv.v_buffer):
         for buf in bufs:
@@ -265,7 +290,7 @@ def decode(pools: Pools, req: Any, token: int) -> None:
     """One decode step: the last token's KV is computed, a new token is sampled."""
     done = len(req.origin_input_ids) + len(req.output_ids) - 1
     write_kv(pools, req, done, done + 1)
-    req.kv.kv_committed_len = done + 1
+    _set_committed(req, done + 1)
     req.output_ids.append(token)
     if len(req.output_ids) >= req.sampling_params.max_new_tokens:
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
@@ -282,9 +307,10 @@ class RidKeyedReq(Req):  # type: ignore[misc]
 
 
 def sglang_manager(pools: Pools, storage_dir: Path | str, **args: Any) -> Any:
-    """SGLang 0.5.23's own ``DecodeKVCacheOffloadManager`` (inside ``sglang_on_cpu()``)."""
+    """SGLang's own ``DecodeKVCacheOffloadManager`` (inside ``sglang_on_cpu()``)."""
     publish_args(storage_dir, **args)
-    return DecodeKVCacheOffloadManager(pools.r2t, pools.alloc, init_dist(), pools.tree)
+    extra = _published if TAKES_SERVER_ARGS else []
+    return DecodeKVCacheOffloadManager(pools.r2t, pools.alloc, init_dist(), pools.tree, *extra)
 
 
 def kvlife_manager(
@@ -294,7 +320,10 @@ def kvlife_manager(
     names = ("layout", "hicache_size_gb", "stride", "storage_backend")
     args = {k: kwargs.pop(k) for k in names if k in kwargs}
     publish_args(storage_dir, **args)
-    return KVLifeDecodeOffloadManager(pools.r2t, pools.alloc, init_dist(), pools.tree, **kwargs)
+    extra = _published if TAKES_SERVER_ARGS else []
+    return KVLifeDecodeOffloadManager(
+        pools.r2t, pools.alloc, init_dist(), pools.tree, *extra, **kwargs
+    )
 
 
 def settle_backups(manager: Any, timeout_s: float = 30.0) -> None:
@@ -394,3 +423,124 @@ def run_workload(
         manager.check_offload_progress()
         settle_backups(manager)
     return out
+
+
+# ---------------------------------------------------------------------------- the seed's story
+
+
+def decode_to_end(pools: Pools, manager: Any, req: Any, *, first: int = 100) -> None:
+    """Decode ``req`` until it finishes, calling the manager as SGLang's scheduler does."""
+    token = first
+    while not req.finished():
+        decode(pools, req, token)
+        token += 1
+        if not req.finished():
+            manager.offload_kv_cache(req)
+        elif not manager.offload_kv_cache(req):
+            manager.finalize_release_on_finish(req)
+
+
+def decode_steps(pools: Pools, manager: Any, req: Any, steps: int, *, first: int = 500) -> None:
+    """``steps`` decode steps of a request that does not finish in them."""
+    for i in range(steps):
+        decode(pools, req, first + i)
+        assert not req.finished()
+        manager.offload_kv_cache(req)
+
+
+class JobRecorder:
+    """Every copy the drop-in launches, in order (with ``defer=True``: held back until
+    ``run()``)."""
+
+    def __init__(self, manager: KVLifeDecodeOffloadManager) -> None:
+        self.jobs: list[Any] = []
+        launch = manager.copier.launch
+
+        def recording(slots: Any, pages: Any) -> Any:
+            job = launch(slots, pages)
+            self.jobs.append(job)
+            return job
+
+        manager.copier.launch = recording  # type: ignore[method-assign]
+
+
+def seed_scenario_on_kvlife(pools: Pools, tmp_path: Path, req_class: type) -> None:
+    """The seed's story on the drop-in: an old request finishes with its last chunk held
+    back, a new request with the same rid starts a chunk (held back too), and only the old
+    chunk completes. The old request must be released alone, once; the new one's progress
+    and in-flight count must be untouched."""
+    from kvlife.fsm import State  # noqa: PLC0415
+
+    free_at_start = pools.alloc.available_size()
+    manager = kvlife_manager(pools, tmp_path / "storage", defer=True)
+    jobs = JobRecorder(manager).jobs
+    old = admit(pools, "r", prompt=8, max_new=5, req_class=req_class)
+    decode_to_end(pools, manager, old)  # its one chunk, tokens 8..12, is held back
+    assert len(jobs) == 1
+    old_row, old_lc = request_row(old), manager.registry.lifecycle(old)
+    assert old_lc.state is State.FINISHED_PENDING
+    new = admit(pools, "r", prompt=8, max_new=9, req_class=req_class)  # the rid reused
+    if req_class is RidKeyedReq:
+        assert new == old and hash(new) == hash(old)
+    decode_steps(pools, manager, new, 5)  # its first chunk, tokens 8..12, also held back
+    assert len(jobs) == 2
+    new_lc = manager.registry.lifecycle(new)
+    assert new_lc is not old_lc and (new_lc.state, new_lc.inflight) == (State.OFFLOADING, 1)
+
+    jobs[0].run()  # only the old copy completes
+    manager.check_offload_progress()
+
+    assert [(r.rid, r.row) for r in pools.releases] == [("r", old_row)]  # alone, once
+    assert request_row(old) is None and old_lc.state is State.RELEASED
+    assert (new_lc.state, new_lc.inflight) == (State.OFFLOADING, 1)  # untouched
+    assert request_row(new) is not None and list(manager.ongoing_offload.values()) == [new]
+    assert manager.offload_kv_cache(new) is False  # its progress is its own: 12 launched
+
+    jobs[1].run()
+    decode_to_end(pools, manager, new, first=900)
+    assert len(jobs) == 3
+    jobs[2].run()
+    manager.check_offload_progress()
+    settle_backups(manager)
+    manager.check_offload_progress()
+    assert [r.row for r in pools.releases] == [old_row, pools.releases[1].row]
+    assert len(storage_files(tmp_path / "storage")) == 3  # old: 1 page; new: 2 (strides)
+    assert manager.host.available == manager.host.capacity
+    assert pools.alloc.available_size() == free_at_start  # every slot back, once
+    close(manager)
+
+
+class RequestsMixedUp(AssertionError):
+    """SGLang's manager applied one request's offload state to another."""
+
+
+def seed_scenario_on_sglang(pools: Pools, tmp_path: Path, req_class: type) -> None:
+    """The same story through SGLang's own manager. Its copies run at once on CPU; holding
+    a copy back is holding its ack back in the controller's queue."""
+    with sglang_on_cpu():
+        manager = sglang_manager(pools, tmp_path / "sglang")
+        acks = manager.cache_controller.ack_write_queue
+        old = admit(pools, "r", prompt=8, max_new=5, req_class=req_class)
+        decode_to_end(pools, manager, old)
+        old_row = request_row(old)
+        new = admit(pools, "r", prompt=8, max_new=9, req_class=req_class)
+        decode_steps(pools, manager, new, 5)
+        held = acks[1:]  # the new request's copy is held back
+        del acks[1:]
+        manager.check_offload_progress()
+        key = new if ROW_ON_KV else new.rid  # 0.5.19+: by Req; before: by rid
+        try:
+            released = [(r.rid, r.row) for r in pools.releases]
+            if released != [("r", old_row)] or request_row(old) is not None:
+                raise RequestsMixedUp(f"the old request was not released alone: {released}")
+            if request_row(new) is None:
+                raise RequestsMixedUp("the new request's row was released")
+            if len(held) != 1 or manager.offload_inflight.get(key) != 1:
+                raise RequestsMixedUp(
+                    f"the new request's first chunk is not in flight alone: {len(held)} "
+                    f"copies held, in-flight count {manager.offload_inflight.get(key)}"
+                )
+        finally:
+            acks.extend(held)
+            manager.check_offload_progress()
+            close(manager)

@@ -18,8 +18,11 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("runs in the SGLang environment: make test-sglang", allow_module_level=True)
 
 # isort: off
-import tests.engines.sglang_harness  # noqa: F401  (first: the stand-ins, SGLang's import warnings)
+import tests.engines.sglang_harness
 # isort: on
+
+if tests.engines.sglang_harness.SGLANG_VERSION != "0.5.23":
+    pytest.skip("these tests are for SGLang 0.5.23 (make test-sglang)", allow_module_level=True)
 
 from kvlife.fsm import (
     AuditReader,
@@ -31,7 +34,6 @@ from kvlife.fsm import (
 )
 from kvlife.offload import CopyEngine, HostPagePool, LayoutError, OffloadManager
 from kvlife.offload.engines.sglang import (
-    KVLifeDecodeOffloadManager,
     SGLangKVSource,
     kv_layout,
     storage_page,
@@ -39,55 +41,28 @@ from kvlife.offload.engines.sglang import (
 from tests.engines.sglang_harness import (
     FINISH_ABORT,
     PAGE,
+    JobRecorder,
     Pools,
     Release,
     Req,
+    RequestsMixedUp,
     RidKeyedReq,
     admit,
     close,
     decode,
+    decode_steps,
+    decode_to_end,
     kvlife_manager,
     make_pools,
+    request_row,
     run_workload,
+    seed_scenario_on_kvlife,
+    seed_scenario_on_sglang,
     settle_backups,
     sglang_manager,
     sglang_on_cpu,
     storage_files,
 )
-
-
-def _decode_to_end(pools: Pools, manager: Any, req: Any, *, first: int = 100) -> None:
-    """Decode ``req`` until it finishes, calling the manager as SGLang's scheduler does."""
-    token = first
-    while not req.finished():
-        decode(pools, req, token)
-        token += 1
-        if not req.finished():
-            manager.offload_kv_cache(req)
-        elif not manager.offload_kv_cache(req):
-            manager.finalize_release_on_finish(req)
-
-
-def _decode(pools: Pools, manager: Any, req: Any, steps: int, *, first: int = 500) -> None:
-    for i in range(steps):
-        decode(pools, req, first + i)
-        assert not req.finished()
-        manager.offload_kv_cache(req)
-
-
-class _Jobs:
-    """Every copy the drop-in launches, in order (its copies are deferred: held back)."""
-
-    def __init__(self, manager: KVLifeDecodeOffloadManager) -> None:
-        self.jobs: list[Any] = []
-        launch = manager.copier.launch
-
-        def recording(slots: Any, pages: Any) -> Any:
-            job = launch(slots, pages)
-            self.jobs.append(job)
-            return job
-
-        manager.copier.launch = recording  # type: ignore[method-assign]
 
 
 @pytest.fixture
@@ -112,7 +87,7 @@ def test_host_pages_equal_the_device_kv_byte_for_byte(pools: Pools) -> None:
     for t in range(19):
         decode(pools, req, 1000 + t)
         manager.step(req)
-    slots = pools.r2t.req_to_token[req.kv.req_pool_idx, : source.committed(req)].long()
+    slots = pools.r2t.req_to_token[request_row(req), : source.committed(req)].long()
     device = pools.slot_kv(slots)  # read before the release hands the slots back
     manager.finish(req)
     manager.poll()
@@ -188,81 +163,21 @@ def test_pools_and_layouts_kvlife_cannot_copy_are_refused(pools: Pools, tmp_path
 def test_a_late_completion_of_an_old_request_releases_it_alone(
     pools: Pools, tmp_path: Path, req_class: type
 ) -> None:
-    manager = kvlife_manager(pools, tmp_path / "storage", defer=True)
-    jobs = _Jobs(manager).jobs
-    old = admit(pools, "r", prompt=8, max_new=5, req_class=req_class)
-    _decode_to_end(pools, manager, old)  # its one chunk, tokens 8..12, is held back
-    assert len(jobs) == 1
-    old_row, old_lc = old.kv.req_pool_idx, manager.registry.lifecycle(old)
-    assert old_lc.state is State.FINISHED_PENDING
-    new = admit(pools, "r", prompt=8, max_new=9, req_class=req_class)  # the rid reused
-    if req_class is RidKeyedReq:
-        assert new == old and hash(new) == hash(old)
-    _decode(pools, manager, new, 5)  # its first chunk, tokens 8..12, also held back
-    assert len(jobs) == 2
-    new_lc = manager.registry.lifecycle(new)
-    assert new_lc is not old_lc and (new_lc.state, new_lc.inflight) == (State.OFFLOADING, 1)
-
-    jobs[0].run()  # only the old copy completes
-    manager.check_offload_progress()
-
-    assert [r.row for r in pools.releases] == [old_row]  # the old one, alone, once
-    assert pools.row_frees == [("r", old_row)] and old.kv.req_pool_idx is None
-    assert old_lc.state is State.RELEASED
-    assert (new_lc.state, new_lc.inflight) == (State.OFFLOADING, 1)  # untouched
-    assert new.kv.req_pool_idx is not None and list(manager.ongoing_offload.values()) == [new]
-    assert manager.offload_kv_cache(new) is False  # its progress is its own: 12 launched
-
-    jobs[1].run()
-    _decode_to_end(pools, manager, new, first=900)
-    assert len(jobs) == 3
-    jobs[2].run()
-    manager.check_offload_progress()
-    settle_backups(manager)
-    manager.check_offload_progress()
-    assert [r.row for r in pools.releases] == [old_row, pools.releases[1].row]
-    assert len(storage_files(tmp_path / "storage")) == 3  # old: 1 page; new: 2 (strides)
-    assert manager.host.available == manager.host.capacity
-    close(manager)
-
-
-def _sglang_seed_scenario(pools: Pools, tmp_path: Path, req_class: type) -> None:
-    """The same story through SGLang 0.5.23's own manager. Its copies run at once on CPU;
-    holding a copy back is holding its ack back in the controller's queue."""
-    with sglang_on_cpu():
-        manager = sglang_manager(pools, tmp_path / "sglang")
-        acks = manager.cache_controller.ack_write_queue
-        old = admit(pools, "r", prompt=8, max_new=5, req_class=req_class)
-        _decode_to_end(pools, manager, old)
-        old_row = old.kv.req_pool_idx
-        new = admit(pools, "r", prompt=8, max_new=9, req_class=req_class)
-        _decode(pools, manager, new, 5)
-        held = acks[1:]  # the new request's copy is held back
-        del acks[1:]
-        manager.check_offload_progress()
-        try:
-            assert [r.row for r in pools.releases] == [old_row]
-            assert old.kv.req_pool_idx is None and new.kv.req_pool_idx is not None
-            # the new request's first chunk was launched and is still in flight
-            assert len(held) == 1 and manager.offload_inflight.get(new) == 1
-        finally:
-            acks.extend(held)
-            manager.check_offload_progress()
-            close(manager)
+    seed_scenario_on_kvlife(pools, tmp_path, req_class)
 
 
 def test_sglang_0_5_23s_own_manager_keeps_a_plain_req_apart(pools: Pools, tmp_path: Path) -> None:
-    _sglang_seed_scenario(pools, tmp_path, Req)
+    seed_scenario_on_sglang(pools, tmp_path, Req)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="SGLang keys its state by Req ==")
+@pytest.mark.xfail(strict=True, raises=RequestsMixedUp, reason="SGLang keys its state by Req ==")
 def test_sglang_0_5_23s_own_manager_mixes_up_reqs_equal_by_rid(
     pools: Pools, tmp_path: Path
 ) -> None:
     # Its WeakKeyDictionary holds one entry for both: the in-flight counts merge, so the
     # old request is still "in flight" after its copy completed and is never released
     # (its row and slots leak), and the new one's progress is the old one's.
-    _sglang_seed_scenario(pools, tmp_path, RidKeyedReq)
+    seed_scenario_on_sglang(pools, tmp_path, RidKeyedReq)
 
 
 # ---------------------------------------------------------------------------- differential
@@ -302,8 +217,9 @@ def test_same_workload_same_storage_and_releases_as_sglangs_manager(
     assert len(stored) > 50
     assert storage_files(tmp_path / "kvlife") == stored  # same pages, same bytes, same names
     assert ours_pools.releases == theirs_pools.releases  # same slots back, same order
-    assert ours_pools.row_frees == theirs_pools.row_frees
     assert len(ours_pools.releases) == ours_run.admitted
+    full = make_pools().alloc.available_size()
+    assert ours_pools.alloc.available_size() == theirs_pools.alloc.available_size() == full
     assert ours.kv.stats.skipped_no_host_memory > 0  # host memory ran out, in both
     assert ours.host.available == ours.host.capacity and not ours.registry.lifecycles()
 
@@ -313,9 +229,9 @@ def test_same_workload_same_storage_and_releases_as_sglangs_manager(
 
 def test_an_abort_with_a_copy_in_flight_releases_after_it(pools: Pools, tmp_path: Path) -> None:
     manager = kvlife_manager(pools, tmp_path / "storage", defer=True)
-    jobs = _Jobs(manager).jobs
+    jobs = JobRecorder(manager).jobs
     req = admit(pools, "a", prompt=8, max_new=20)
-    _decode(pools, manager, req, 5)
+    decode_steps(pools, manager, req, 5)
     req.finished_reason = FINISH_ABORT()
     manager.finalize_release_on_finish(req)
     lc = manager.registry.lifecycles()[0]
@@ -338,10 +254,10 @@ def test_a_second_finalize_is_refused_and_audited(pools: Pools, tmp_path: Path) 
     registry = LifecycleRegistry(sinks=[JsonLinesSink(log)])
     manager = kvlife_manager(pools, tmp_path / "storage", registry=registry)
     req = admit(pools, "a", prompt=5, max_new=3)
-    _decode_to_end(pools, manager, req)
-    assert len(pools.releases) == 1 and req.kv.req_pool_idx is None
+    decode_to_end(pools, manager, req)
+    assert len(pools.releases) == 1 and request_row(req) is None
     manager.finalize_release_on_finish(req)  # again: SGLang's abort path can do this
-    assert len(pools.releases) == 1 and len(pools.row_frees) == 1
+    assert len(pools.releases) == 1
     refusals = registry.statistics().refusals
     assert refusals["unknown_request"] == sum(refusals.values()) == 1
     close(manager)
@@ -387,7 +303,7 @@ def test_a_failed_backup_frees_its_host_pages(
         manager = kvlife_manager(pools, tmp_path, storage=storage, host_pages=8)
         req = admit(pools, "a", prompt=4, max_new=6)
         with caplog.at_level(logging.WARNING, logger="kvlife.offload.engines.sglang"):
-            _decode_to_end(pools, manager, req)
+            decode_to_end(pools, manager, req)
             manager.check_offload_progress()
             close(manager)
         assert storage.calls == manager.backups.submitted == manager.backups.failed == 1
@@ -399,9 +315,9 @@ def test_a_failed_backup_frees_its_host_pages(
 def test_the_stride_and_the_prompt_come_from_sglangs_settings(pools: Pools, tmp_path: Path) -> None:
     manager = kvlife_manager(pools, tmp_path, stride=10)  # rounded down to whole pages
     assert manager.offload_stride == 8
-    jobs = _Jobs(manager).jobs
+    jobs = JobRecorder(manager).jobs
     req = admit(pools, "a", prompt=10, max_new=30)  # pages 0-1 were stored by prefill
-    _decode(pools, manager, req, 10)  # 19 tokens committed: 8..16 is one stride
+    decode_steps(pools, manager, req, 10)  # 19 tokens committed: 8..16 is one stride
     assert [job.tokens for job in jobs] == [8]
     assert manager.kv.inflight_tickets[next(iter(manager.ongoing_offload))].lifecycle.req is req
     close(manager)

@@ -1,0 +1,45 @@
+"""The original bug on real code: SGLang 0.5.18's own decode offload manager keeps its
+state by rid, and the seed's story (an old request finishes with its last chunk in
+flight, a new request reuses the rid) goes wrong on it; the same story passes on kvlife's
+drop-in, built the way 0.5.18's scheduler builds its manager (with ``server_args``), in
+the same run. Runs in ``.venv-sglang-0.5.18`` (``make test-sglang-0.5.18``); anywhere else
+this module skips.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip(
+        "runs in SGLang 0.5.18's environment: make test-sglang-0.5.18", allow_module_level=True
+    )
+
+# isort: off
+import tests.engines.sglang_harness
+# isort: on
+
+if tests.engines.sglang_harness.SGLANG_VERSION != "0.5.18":
+    pytest.skip("these tests are for SGLang 0.5.18", allow_module_level=True)
+
+from tests.engines.sglang_harness import (
+    Req,
+    RequestsMixedUp,
+    make_pools,
+    seed_scenario_on_kvlife,
+    seed_scenario_on_sglang,
+)
+
+
+@pytest.mark.xfail(strict=True, raises=RequestsMixedUp, reason="SGLang 0.5.18 keys state by rid")
+def test_sglang_0_5_18s_own_manager_mixes_up_an_old_and_a_new_request(tmp_path: Path) -> None:
+    # The new request finds the old one's offload state under the rid: its first chunk
+    # counts as offloaded already and is never copied.
+    seed_scenario_on_sglang(make_pools(), tmp_path, Req)
+
+
+def test_the_drop_in_keeps_them_apart_on_sglang_0_5_18(tmp_path: Path) -> None:
+    seed_scenario_on_kvlife(make_pools(), tmp_path, Req)
