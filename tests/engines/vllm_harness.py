@@ -57,11 +57,17 @@ init_none_hash(sha256)
 _HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
+_MODEL_DIRS: list[tempfile.TemporaryDirectory[str]] = []  # one per process, removed at exit
+
+
 def _model_dir() -> str:
-    """facebook/opt-125m's config (transformers' OPTConfig defaults), no weights."""
-    path = tempfile.mkdtemp(prefix="kvlife-opt-")
-    OPTConfig().save_pretrained(path)
-    return path
+    """facebook/opt-125m's config (transformers' OPTConfig defaults), no weights: written
+    once per process into a directory that is removed when the process exits."""
+    if not _MODEL_DIRS:
+        directory = tempfile.TemporaryDirectory(prefix="kvlife-opt-")
+        OPTConfig().save_pretrained(directory.name)
+        _MODEL_DIRS.append(directory)
+    return _MODEL_DIRS[0].name
 
 
 def make_scheduler(
