@@ -544,3 +544,33 @@ def seed_scenario_on_sglang(pools: Pools, tmp_path: Path, req_class: type) -> No
             acks.extend(held)
             manager.check_offload_progress()
             close(manager)
+
+
+def tp_rank_main(rank: int, world: int, store: str, out: str) -> None:
+    """One TP rank of the drop-in (``torch.multiprocessing``): one request's chunk, which
+    rank 0 finishes first and rank 1 later. Writes, per check, the lifecycle's state and
+    whether the request's row was released, to ``out/rank{rank}.json``."""
+    import json  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        pools = make_pools(seed=rank)  # each rank holds its own shard of the KV
+        manager = kvlife_manager(pools, Path(out) / f"storage{rank}", defer=True)
+        jobs = JobRecorder(manager).jobs
+        req = admit(pools, "tp", prompt=8, max_new=5)
+        decode_to_end(pools, manager, req)  # one chunk in flight, the request finished
+        lc = manager.registry.lifecycle(req)
+        seen = []
+        for check in range(3):
+            if (check == 0 and rank == 0) or (check == 1 and rank == 1):
+                jobs[0].run()  # this rank's copy is over
+            manager.check_offload_progress()  # a collective: every rank calls it
+            seen.append([check, lc.state.value, len(pools.releases)])
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+        close(manager)
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip the interpreter's teardown (gloo's threads; see tests/test_manager.py)

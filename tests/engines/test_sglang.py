@@ -330,3 +330,29 @@ def test_the_scheduler_loop_benchmark_times_both_managers_on_the_same_steps() ->
     assert got["steps"] >= 30 and got["sglang_us"] > 0 and got["kvlife_us"] > 0
     assert got["ratio"] == pytest.approx(got["kvlife_us"] / got["sglang_us"])
     assert main(["--steps", "10", "--rounds", "1"]) == 0
+
+
+def test_tp_ranks_agree_on_completed_copies(tmp_path: Path) -> None:
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    from tests.engines.sglang_harness import tp_rank_main  # noqa: PLC0415
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(
+        tp_rank_main,
+        args=(2, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # check 0: only rank 0's copy is over: nothing moves on either rank
+        # check 1: both are over: both ranks deliver it, release, hand the row back
+        assert seen == [
+            [0, "finished_pending", 0],
+            [1, "released", 1],
+            [2, "released", 1],
+        ], (rank, seen)
