@@ -304,7 +304,11 @@ class KVLifeDecodeOffloadManager:
 
     Raises:
         LayoutError: the device pool or the page layout is one kvlife cannot copy.
-        ValueError: the storage backend is missing, zero-copy, or its config is not JSON.
+        ValueError: the storage backend is missing, zero-copy, or its config is not JSON;
+            decode context parallelism; a host pool of no pages.
+
+    Whatever it raises, nothing was allocated or registered: no host memory, no hook on
+    ``registry``, no thread.
     """
 
     def __init__(
@@ -347,6 +351,9 @@ class KVLifeDecodeOffloadManager:
             )
         if host_pages is None:
             host_pages = self._host_pages_from_args(memory)
+        self._writer = True
+        # the storage first: a refused backend leaves nothing behind (no hook on `registry`)
+        self.storage = storage if storage is not None else self._storage_from_args(memory)
         self.host = HostPagePool(self.layout, host_pages)
         self.copier = CopyEngine(self.layout, tensors, self.host, defer=defer)
         self.source = SGLangKVSource(
@@ -363,8 +370,6 @@ class KVLifeDecodeOffloadManager:
             whole_strides=True,
         )
         self.registry = self.kv.registry
-        self._writer = True
-        self.storage = storage if storage is not None else self._storage_from_args(memory)
         self.backups = BackupStats()
         self._backup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvlife-backup")
         self._pending_backups: list[tuple[Future[bool], HostPages, str]] = []

@@ -152,8 +152,12 @@ def test_pools_and_layouts_kvlife_cannot_copy_are_refused(pools: Pools, tmp_path
     layout, _ = kv_layout(pools.kv, PAGE)
     with pytest.raises(LayoutError, match="not 'page_head'"):
         storage_page(layout, HostPagePool(layout, 1), 0, "page_head")
+    registry = LifecycleRegistry()
     with pytest.raises(ValueError, match="zero copy"):
-        kvlife_manager(pools, tmp_path, storage_backend="mooncake")
+        kvlife_manager(pools, tmp_path, storage_backend="mooncake", registry=registry)
+    with pytest.raises(LayoutError, match="page_first_direct"):
+        kvlife_manager(pools, tmp_path, layout="page_first_direct", registry=registry)
+    assert registry._hooks == []  # nothing was hooked onto the registry
 
 
 # ---------------------------------------------------------------------------- the seed's bug
