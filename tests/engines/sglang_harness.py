@@ -249,11 +249,16 @@ def admit(
     *,
     req_class: type = Req,
     first_token: int = 7,
+    extra_key: str | None = None,
 ) -> Any:
     """A decode node admitting a request from prefill: a row, slots for its whole length,
     the prompt's KV written, and the first sampled token (from the prefill node)."""
     ids = array("q", ((i * 31 + len(rid)) % 50_000 for i in range(prompt)))
-    req = req_class(rid, "", ids, SamplingParams(max_new_tokens=max_new))
+    params = SamplingParams(max_new_tokens=max_new)
+    if extra_key is None:
+        req = req_class(rid, "", ids, params)
+    else:  # a storage namespace (SGLang >= 0.5.19 seeds the page hash chain with it)
+        req = req_class(rid, "", ids, params, extra_key=extra_key)
     if pools.r2t.alloc([req]) is None:
         raise RuntimeError("no req_to_token row free")
     length = -(-(prompt + max_new) // PAGE) * PAGE
@@ -389,7 +394,10 @@ def run_workload(
                 rid = rng.choice(names)
                 out.reused_rids += rid in seen
                 seen.add(rid)
-                running.append(admit(pools, rid, rng.randint(3, 20), rng.randint(2, 24)))
+                tenant = rng.choice([None, None, "tenant-a"])
+                running.append(
+                    admit(pools, rid, rng.randint(3, 20), rng.randint(2, 24), extra_key=tenant)
+                )
                 out.admitted += 1
         spent = 0.0
         for req in list(running):
