@@ -285,6 +285,10 @@ class _OngoingOffload(Mapping[int, Any]):
 class KVLifeDecodeOffloadManager:
     """SGLang's decode-side KV offload manager, on kvlife lifecycles.
 
+    Attributes:
+        sweep_every: ``check_offload_progress`` calls between two
+            [`sweep()`][kvlife.offload.engines.sglang.KVLifeDecodeOffloadManager.sweep]s.
+
     Args:
         req_to_token_pool: SGLang's ``ReqToTokenPool`` (as for its own manager).
         token_to_kv_pool_allocator: SGLang's allocator; its ``get_kvcache()`` is the
@@ -310,6 +314,8 @@ class KVLifeDecodeOffloadManager:
     Whatever it raises, nothing was allocated or registered: no host memory, no hook on
     ``registry``, no thread.
     """
+
+    sweep_every = 256
 
     def __init__(
         self,
@@ -376,6 +382,7 @@ class KVLifeDecodeOffloadManager:
         self.kv.on_copy(self._back_up)
         self.ongoing_offload: Mapping[int, Any] = _OngoingOffload(self.kv)
         self._closed = False
+        self._polls = 0
         logger.info("kvlife decode KV offload: %s, %d host pages", self.layout, host_pages)
 
     # ------------------------------------------------------------------ SGLang's methods
@@ -422,6 +429,28 @@ class KVLifeDecodeOffloadManager:
             self.kv.poll()
         finally:
             self._reap_backups(done)
+        self._polls += 1
+        if self._polls % self.sweep_every == 0:
+            self.sweep()
+
+    def sweep(self) -> int:
+        """Abort the lifecycles of requests that ended without this manager being told,
+        and return how many: a request retracted (SGLang freed its KV itself, after
+        ``drain_before_retraction``) and then aborted while it waited holds no row, has
+        no copy in flight and is finished. Its lifecycle is aborted (audited) and
+        released, and the registry lets go of the request. A retracted request that still
+        waits is left alone. ``check_offload_progress`` calls this every ``sweep_every``
+        calls."""
+        swept = 0
+        for lc in self.registry.lifecycles():
+            if lc.outcome is not None or lc.inflight:
+                continue
+            req = lc.req
+            row = request_row(req)
+            if (row is None or row == -1) and req.finished():
+                self.kv.abort(req)
+                swept += 1
+        return swept
 
     def drain_before_retraction(self) -> None:
         """Deliver what completed; refuse (``RuntimeError``, on every rank) while any rank

@@ -360,3 +360,30 @@ def test_tp_ranks_agree_on_completed_copies(tmp_path: Path) -> None:
             [1, "released", 1],
             [2, "released", 1],
         ], (rank, seen)
+
+
+def test_a_retracted_request_aborted_while_waiting_is_swept(pools: Pools, tmp_path: Path) -> None:
+    log = tmp_path / "kvlife.jsonl"
+    registry = LifecycleRegistry(sinks=[JsonLinesSink(log)])
+    manager = kvlife_manager(pools, tmp_path / "storage", registry=registry)
+    manager.sweep_every = 4
+    gone = admit(pools, "gone", prompt=8, max_new=20)
+    waits = admit(pools, "waits", prompt=8, max_new=20)
+    for req in (gone, waits):
+        decode_steps(pools, manager, req, 6)  # a chunk each, copied
+    manager.drain_before_retraction()
+    for req in (gone, waits):  # SGLang retracts them: it frees their KV itself
+        pools.tree.free_kv_row(req.kv, [(0, req.kv.kv_allocated_len)])
+        pools.r2t.free(req)
+        req.kv.mark_kv_released()
+    gone.finished_reason = FINISH_ABORT()  # aborted while it waited; the manager never hears
+    assert len(registry.lifecycles()) == 2
+    for _ in range(manager.sweep_every):  # some call among any 4 in a row sweeps
+        manager.check_offload_progress()
+    [left] = registry.lifecycles()
+    assert left.req is waits and left.state is State.ALLOCATED  # still waiting: kept
+    assert manager.sweep() == 0
+    close(manager)
+    registry.flush()
+    aborts = [r for r in read_audit(log).records if r.trigger == "abort"]
+    assert [(r.rid, r.dst) for r in aborts] == [("gone", "released")]
