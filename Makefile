@@ -25,20 +25,27 @@ $(STAMP): $(PY) pyproject.toml fsm/ offload/ diagrams/
 
 venv: $(STAMP)
 
+# An engine's test environment: $(call engine_venv,DIR,PIN LIST,PACKAGE==VERSION). CPU torch
+# first (kept when there), then the pinned packages and the engine, all with --no-deps, then
+# kvlife itself in editable (strict) mode.
+define engine_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	@$(1)/bin/python -c "import torch" 2>/dev/null || \
+	  $(1)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(1)/bin/python -m pip install --quiet --no-deps -r $(2)
+	$(1)/bin/python -m pip install --quiet --no-deps "$(3)"
+	$(1)/bin/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
+	@touch $(1)/.kvlife-installed
+endef
+
 # vLLM's scheduler side on CPU, in an environment of its own: CPU torch, then vLLM and the
 # packages it imports from a committed pin list, all with --no-deps (a plain
 # `pip install vllm` would pull a CUDA torch and about 9 GB), then kvlife itself.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvlife-installed
 $(VLLM_STAMP): tests/engines/vllm-pins.txt pyproject.toml fsm/ offload/ diagrams/
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	@$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || \
-	  $(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r tests/engines/vllm-pins.txt
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps "vllm==0.33.0"
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
-	@touch $(VLLM_STAMP)
+	$(call engine_venv,$(VLLM_VENV),tests/engines/vllm-pins.txt,vllm==0.33.0)
 
 vllm-venv: $(VLLM_STAMP)
 
@@ -52,14 +59,7 @@ test-vllm: vllm-venv
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.kvlife-installed
 $(SGLANG_STAMP): tests/engines/sglang-pins.txt pyproject.toml fsm/ offload/ diagrams/
-	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
-	@$(SGLANG_VENV)/bin/python -c "import torch" 2>/dev/null || \
-	  $(SGLANG_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
-	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -r tests/engines/sglang-pins.txt
-	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.23"
-	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
-	@touch $(SGLANG_STAMP)
+	$(call engine_venv,$(SGLANG_VENV),tests/engines/sglang-pins.txt,sglang==0.5.23)
 
 sglang-venv: $(SGLANG_STAMP)
 
@@ -71,14 +71,7 @@ test-sglang: sglang-venv
 SGLANG18_VENV  := .venv-sglang-0.5.18
 SGLANG18_STAMP := $(SGLANG18_VENV)/.kvlife-installed
 $(SGLANG18_STAMP): tests/engines/sglang-0.5.18-pins.txt pyproject.toml fsm/ offload/ diagrams/
-	test -x $(SGLANG18_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG18_VENV)
-	$(SGLANG18_VENV)/bin/python -m pip install --quiet --upgrade pip
-	@$(SGLANG18_VENV)/bin/python -c "import torch" 2>/dev/null || \
-	  $(SGLANG18_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
-	$(SGLANG18_VENV)/bin/python -m pip install --quiet --no-deps -r tests/engines/sglang-0.5.18-pins.txt
-	$(SGLANG18_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.18"
-	$(SGLANG18_VENV)/bin/python -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
-	@touch $(SGLANG18_STAMP)
+	$(call engine_venv,$(SGLANG18_VENV),tests/engines/sglang-0.5.18-pins.txt,sglang==0.5.18)
 
 sglang-0.5.18-venv: $(SGLANG18_STAMP)
 

@@ -367,7 +367,6 @@ class Workload:
     aborted: int = 0
     reused_rids: int = 0
     offloads: int = 0
-    refused_offloads: int = 0  # offload_kv_cache returned False with a stride waiting
     manager_s: list[float] = field(default_factory=list)  # per step, in manager calls
 
 
