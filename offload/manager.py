@@ -120,7 +120,8 @@ class OffloadResult:
     """What a release hook receives.
 
     For a finished request, ``copies`` are its host copies in token order (the longest
-    prefix without a failed copy) and the hook owns their pages. For an aborted request,
+    run without a failed copy from its first offloaded token: 0, or ``start`` of
+    ``register``) and the hook owns their pages. For an aborted request,
     ``copies`` is empty: kvlife already freed the pages.
     """
 
@@ -155,6 +156,7 @@ class _Progress:
     """The manager's bookkeeping of one lifecycle (keyed by its serial, never its rid)."""
 
     req: Any
+    start: int = 0  # tokens before it were stored elsewhere (register(start=...))
     launched: int = 0  # tokens whose copy was launched (acked, failed or in flight)
     prev_hash: PageHash | None = b""
     inflight: dict[int, HostCopy] = field(default_factory=dict)  # op -> copy
@@ -278,7 +280,7 @@ class OffloadManager:
                 raise ValueError(f"token_ids gave {len(ids)} ids for {start} tokens")
             _, prev = self._hash_pages(prev, ids)
         lc = self.registry.register(req, rid)
-        self._progress[lc.serial] = _Progress(req, launched=start, prev_hash=prev)
+        self._progress[lc.serial] = _Progress(req, start=start, launched=start, prev_hash=prev)
         return lc
 
     def step(self, req: Any) -> Ticket | None:
@@ -459,7 +461,7 @@ class OffloadManager:
         acked = sorted(progress.acked, key=lambda c: c.first_token)
         kept: list[HostCopy] = []
         if lc.outcome == "finished":
-            expected = 0
+            expected = progress.start
             for copy in acked:
                 if copy.first_token != expected or (
                     progress.failed_at is not None and copy.first_token > progress.failed_at

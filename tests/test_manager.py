@@ -500,6 +500,11 @@ def test_start_skips_pages_stored_elsewhere_and_continues_their_chain() -> None:
     for first in (0, 4, 8):
         prev = Blake2bPageHasher().page(prev, ids[first : first + 4])
     assert copy.hashes == (prev,)  # page 2's hash, chained through pages 0 and 1
+    results: list[Any] = []
+    decode_side.on_release(lambda r, result: results.append(result))
+    decode_side.finish(req, flush=False)
+    [result] = results
+    assert [c.first_token for c in result.copies] == [8] and result.tokens == 4  # handed over
 
 
 def test_whole_strides_offloads_multiples_of_the_stride_only() -> None:

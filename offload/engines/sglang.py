@@ -61,7 +61,7 @@ from kvlife.fsm.table import Trigger
 from kvlife.offload.copy_engine import CopyEngine
 from kvlife.offload.host_pool import HostPagePool, HostPages
 from kvlife.offload.layout import KVLayout, LayoutError
-from kvlife.offload.manager import HostCopy, OffloadManager, PageHash
+from kvlife.offload.manager import HostCopy, OffloadManager, OffloadResult, PageHash
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +380,7 @@ class KVLifeDecodeOffloadManager:
         self._backup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvlife-backup")
         self._pending_backups: list[tuple[Future[bool], HostPages, str]] = []
         self.kv.on_copy(self._back_up)
+        self.kv.on_release(self._free_kept)
         self.ongoing_offload: Mapping[int, Any] = _OngoingOffload(self.kv)
         self._closed = False
         self._polls = 0
@@ -492,15 +493,22 @@ class KVLifeDecodeOffloadManager:
             self.kv.finish(req, flush=False)
 
     def _back_up(self, req: Any, lc: Lifecycle, copy: HostCopy) -> bool:
-        """A completed copy: its full pages go to storage on the backup thread."""
+        """A completed copy: its full pages go to storage on the backup thread; a copy
+        this rank does not write (MLA: one writer) or with a partial page is freed."""
         keys = [h for h in copy.hashes if isinstance(h, str)]
         if not self._writer or len(keys) != len(copy.pages):
             self.backups.skipped += 1
-            return False  # the manager keeps (and frees) the pages
+            self.host.free(copy.pages)
+            return True
         future = self._backup_thread.submit(self._store, keys, copy.pages.indices)
         self._pending_backups.append((future, copy.pages, lc.rid))
         self.backups.submitted += 1
         return True
+
+    def _free_kept(self, req: Any, result: OffloadResult) -> None:
+        """Pages a finished request's copies still hold (a copy hook that failed): freed."""
+        for pages in result.pages:
+            self.host.free(pages)
 
     def _store(self, keys: list[str], pages: Sequence[int]) -> bool:
         values = [storage_page(self.layout, self.host, p, self.page_format) for p in pages]

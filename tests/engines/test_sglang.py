@@ -387,3 +387,25 @@ def test_a_retracted_request_aborted_while_waiting_is_swept(pools: Pools, tmp_pa
     registry.flush()
     aborts = [r for r in read_audit(log).records if r.trigger == "abort"]
     assert [(r.rid, r.dst) for r in aborts] == [("gone", "released")]
+
+
+def test_copies_a_rank_does_not_write_are_freed(pools: Pools, tmp_path: Path) -> None:
+    manager = kvlife_manager(pools, tmp_path / "storage", host_pages=8)
+    manager._writer = False  # as an MLA rank other than the storage writer
+    req = admit(pools, "a", prompt=8, max_new=10)
+    decode_to_end(pools, manager, req)
+    manager.check_offload_progress()
+    assert manager.backups.skipped == manager.kv.stats.copies_acked == 2
+    assert manager.host.available == 8 and not storage_files(tmp_path / "storage")
+    close(manager)
+
+
+def test_pages_a_failed_copy_hook_left_are_freed_at_release(pools: Pools, tmp_path: Path) -> None:
+    manager = kvlife_manager(pools, tmp_path / "storage", host_pages=8)
+    manager.release_host_resources()  # the backup thread is gone: submitting raises
+    req = admit(pools, "a", prompt=8, max_new=6)
+    decode_steps(pools, manager, req, 4)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        manager.check_offload_progress()
+    decode_to_end(pools, manager, req)
+    assert manager.registry.lifecycles() == [] and manager.host.available == 8
