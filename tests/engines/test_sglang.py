@@ -54,6 +54,7 @@ from tests.engines.sglang_harness import (
     decode_to_end,
     kvlife_manager,
     make_pools,
+    publish_args,
     request_row,
     run_workload,
     seed_scenario_on_kvlife,
@@ -99,7 +100,10 @@ def test_host_pages_equal_the_device_kv_byte_for_byte(pools: Pools) -> None:
     assert len(pools.releases[0].slots) == 36  # every slot it was given: 33 tokens, in pages
 
 
-def test_an_mla_pool_is_an_mla_layout_and_round_trips() -> None:
+def test_an_mla_pool_is_an_mla_layout_and_round_trips(tmp_path: Path) -> None:
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (  # noqa: PLC0415
+        build_kv_host_pool,
+    )
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: PLC0415
 
     pool = MLATokenToKVPool(
@@ -124,11 +128,24 @@ def test_an_mla_pool_is_an_mla_layout_and_round_trips() -> None:
     for layer in range(2):
         want = pool.kv_buffer[layer][slots, 0]
         assert torch.equal(host.read_tokens(pages, 8)[layer], want)
-    # SGLang's MLA storage pages: layer_first [layers, page, 1, dim], page_first [page, layers, ...]
-    first = storage_page(layout, host, pages.indices[0], "layer_first").view(2, PAGE, 24)
-    assert torch.equal(first[1], pool.kv_buffer[1][slots[:4], 0])
-    page_first = storage_page(layout, host, pages.indices[0], "page_first").view(PAGE, 2, 24)
-    assert torch.equal(page_first[:, 1], pool.kv_buffer[1][slots[:4], 0])
+    # The storage page equals what SGLang's own MLA host pool hands its storage backend
+    # (get_data_page) when it holds the same tokens: its kv_buffer is [layers, tokens, 1,
+    # dim] (layer_first) or [tokens, layers, 1, dim] (page_first).
+    for page_format in ("layer_first", "page_first"):
+        publish_args(tmp_path, layout=page_format)
+        with sglang_on_cpu():
+            theirs = build_kv_host_pool(kv_pool=pool, page_size=PAGE, use_mla=True)
+        assert theirs.layout == page_format
+        at = 2 * PAGE  # a page-aligned host index
+        for layer in range(2):
+            tokens = pool.kv_buffer[layer][slots]  # [8, 1, dim]
+            if page_format == "layer_first":
+                theirs.kv_buffer[layer, at : at + 8] = tokens
+            else:
+                theirs.kv_buffer[at : at + 8, layer] = tokens
+        for i, page in enumerate(pages.indices):
+            ours = storage_page(layout, host, page, page_format)
+            assert torch.equal(ours, theirs.get_data_page(at + i * PAGE, flat=True))
 
 
 def test_pools_and_layouts_kvlife_cannot_copy_are_refused(pools: Pools, tmp_path: Path) -> None:
