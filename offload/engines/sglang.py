@@ -392,7 +392,14 @@ class KVLifeDecodeOffloadManager:
         """Offload ``req``'s newly committed KV in whole strides; ``True`` when a copy was
         launched. For a finished request that launched its last copy, the lifecycle is
         finished here and released when the copies completed (SGLang's scheduler then
-        does not call ``finalize_release_on_finish``)."""
+        does not call ``finalize_release_on_finish``). No host memory: ``False``, nothing
+        changed, the chunk is tried again (bigger) at the next call.
+
+        Raises:
+            RidConflictError: the first call for a request whose rid is held by another
+                request that has not finished (two live requests with one rid). Nothing
+                registered; the other request is untouched.
+        """
         row = request_row(req)
         if row is None or row == -1 or not req.output_ids:
             return False

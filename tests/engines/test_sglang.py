@@ -426,3 +426,19 @@ def test_pages_a_failed_copy_hook_left_are_freed_at_release(pools: Pools, tmp_pa
         manager.check_offload_progress()
     decode_to_end(pools, manager, req)
     assert manager.registry.lifecycles() == [] and manager.host.available == 8
+
+
+def test_two_live_requests_with_one_rid_are_refused(pools: Pools, tmp_path: Path) -> None:
+    from kvlife.fsm import RidConflictError  # noqa: PLC0415
+
+    manager = kvlife_manager(pools, tmp_path / "storage")
+    first = admit(pools, "x", prompt=8, max_new=20)
+    decode_steps(pools, manager, first, 5)
+    lc = manager.registry.lifecycle(first)
+    second = admit(pools, "x", prompt=8, max_new=20)
+    decode(pools, second, 1)
+    with pytest.raises(RidConflictError, match="'x' is held by"):
+        manager.offload_kv_cache(second)
+    assert second not in manager.registry and manager.registry.lifecycles() == [lc]
+    assert manager.offload_kv_cache(first) is False and lc.state is State.OFFLOADING
+    close(manager)
