@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Protocol, TypeAlias
 
 import torch
@@ -215,7 +214,6 @@ class OffloadManager:
         self._progress: dict[int, _Progress] = {}
         self._hooks: list[ReleaseHook] = []
         self._copy_hooks: list[CopyHook] = []
-        self._tickets: dict[int, Ticket] = {}  # op -> ticket of every copy in flight
         self.registry.on_release(self._released)
 
     def on_release(self, hook: ReleaseHook) -> ReleaseHook:
@@ -355,9 +353,10 @@ class OffloadManager:
         return len(self.queue)
 
     @property
-    def inflight_tickets(self) -> Mapping[int, Ticket]:
-        """The tickets of the copies in flight, by copy number (a read-only live view)."""
-        return MappingProxyType(self._tickets)
+    def inflight_requests(self) -> Mapping[int, Any]:
+        """The copies in flight: copy number -> request (a read-only live view; its length
+        is ``inflight``, a lookup scans the live lifecycles)."""
+        return _InflightRequests(self)
 
     # ------------------------------------------------------------------ internals
 
@@ -396,7 +395,6 @@ class OffloadManager:
         progress.launched = end
         progress.prev_hash = prev_hash
         progress.inflight[ticket.op] = HostCopy(start, tokens, pages, hashes)
-        self._tickets[ticket.op] = ticket
         self.stats.copies_launched += 1
         self.queue.push(job, lambda job: self._completed(ticket, job))
         return ticket
@@ -420,7 +418,6 @@ class OffloadManager:
 
     def _completed(self, ticket: Ticket, job: CopyJob) -> None:
         lc = ticket.lifecycle
-        self._tickets.pop(ticket.op, None)
         progress = self._progress.get(lc.serial)
         copy = progress.inflight.pop(ticket.op, None) if progress is not None else None
         if progress is None or copy is None:  # pragma: no cover - a queue delivers once
@@ -496,3 +493,24 @@ class OffloadManager:
     def lifecycle_state(self, req: Any) -> State:
         """The state of ``req``'s current lifecycle."""
         return self.registry.lifecycle(req).state
+
+
+class _InflightRequests(Mapping[int, Any]):
+    """[`OffloadManager.inflight_requests`][kvlife.offload.manager.OffloadManager.inflight_requests]:
+    read from the manager's own bookkeeping, nothing kept twice."""
+
+    def __init__(self, manager: OffloadManager) -> None:
+        self._manager = manager
+
+    def __len__(self) -> int:
+        return self._manager.inflight
+
+    def __iter__(self) -> Iterator[int]:
+        for progress in list(self._manager._progress.values()):
+            yield from list(progress.inflight)
+
+    def __getitem__(self, op: int) -> Any:
+        for progress in self._manager._progress.values():
+            if op in progress.inflight:
+                return progress.req
+        raise KeyError(op)

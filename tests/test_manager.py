@@ -532,16 +532,19 @@ def test_a_copy_hook_may_take_the_pages_of_each_completed_copy() -> None:
     lc = engine.admit(req)
     engine.decode(req, 8)
     first = manager.step(req)
-    assert first is not None and dict(manager.inflight_tickets) == {first.op: first}
+    assert first is not None and dict(manager.inflight_requests) == {first.op: req}
+    assert len(manager.inflight_requests) == 1
+    with pytest.raises(KeyError):
+        manager.inflight_requests[first.op + 1]
     with pytest.raises(TypeError):
-        manager.inflight_tickets[99] = first  # type: ignore[index]
+        manager.inflight_requests[99] = req  # type: ignore[index]
     engine.jobs[-1][0].run()
     manager.finish(req)
     for job, _ in engine.jobs:
         if job.deferred:
             job.run()
     manager.poll()
-    assert lc.state is R and not manager.inflight_tickets
+    assert lc.state is R and not manager.inflight_requests
     [(_, result)] = engine.results
     assert result.copies == () and manager.stats.copies_taken == 1  # the flush had no pages
     [(got_req, got_lc, copy)] = taken

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -265,23 +265,6 @@ class BackupStats:
     skipped: int = 0  # not this rank's to write (MLA: one writer)
 
 
-class _OngoingOffload(Mapping[int, Any]):
-    """``ongoing_offload`` as SGLang's scheduler reads it: copy number -> request, for the
-    copies in flight (a live, read-only view)."""
-
-    def __init__(self, manager: OffloadManager) -> None:
-        self._tickets = manager.inflight_tickets
-
-    def __getitem__(self, op: int) -> Any:
-        return self._tickets[op].lifecycle.req
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._tickets)
-
-    def __len__(self) -> int:
-        return len(self._tickets)
-
-
 class KVLifeDecodeOffloadManager:
     """SGLang's decode-side KV offload manager, on kvlife lifecycles.
 
@@ -381,7 +364,8 @@ class KVLifeDecodeOffloadManager:
         self._pending_backups: list[tuple[Future[bool], HostPages, str]] = []
         self.kv.on_copy(self._back_up)
         self.kv.on_release(self._free_kept)
-        self.ongoing_offload: Mapping[int, Any] = _OngoingOffload(self.kv)
+        # what SGLang's scheduler counts (len) when it checks for idleness
+        self.ongoing_offload: Mapping[int, Any] = self.kv.inflight_requests
         self._closed = False
         self._polls = 0
         logger.info("kvlife decode KV offload: %s, %d host pages", self.layout, host_pages)
