@@ -122,7 +122,9 @@ def kv_layout(kv_pool: Any, page_size: int) -> tuple[KVLayout, list[torch.Tensor
                 f"expected [slots, 1, kv_cache_dim] buffers, got {tuple(first.shape)}"
             )
         slots, _, dim = first.shape
-        tensors = [t.view(slots, dim) if t.is_contiguous() else t for t in bufs]
+        if not all(t.is_contiguous() for t in bufs):  # a reshape would copy: refuse
+            raise LayoutError("the MLA kv_buffer tensors are not contiguous")
+        tensors = [t.view(slots, dim) for t in bufs]
         layout = KVLayout.mla(len(bufs), slots, dim, first.dtype, page_size)
     else:
         raise LayoutError(
@@ -142,9 +144,8 @@ def storage_page(layout: KVLayout, host: HostPagePool, page: int, page_format: s
     """
     data = host.tensor[page]  # [components, page_size, elems]
     ps = layout.page_size
-    if (
-        layout.kind == "mla"
-    ):  # SGLang: layer_first [layers, ps, 1, dim], page_first [ps, layers, 1, dim]
+    if layout.kind == "mla":
+        # SGLang: layer_first [layers, ps, 1, dim], page_first [ps, layers, 1, dim]
         if page_format == "layer_first":
             return data.flatten()
         if page_format == "page_first":
@@ -174,9 +175,7 @@ class SGLangPageHasher:
         return seed
 
     def page(self, prior: PageHash | None, token_ids: Sequence[int]) -> PageHash:
-        """``get_hash_str(token_ids, prior)``: a hex string."""
-        if isinstance(prior, bytes):
-            prior = prior.hex()
+        """``get_hash_str(token_ids, prior)``: a hex string (``prior`` is this hasher's)."""
         digest: str = get_hash_str(list(token_ids), prior or None)
         return digest
 
@@ -196,7 +195,6 @@ class SGLangKVSource:
         self.tree_cache = tree_cache
         self.allocator = allocator  # SGLang <= 0.5.18 frees through it
         self.page_size = page_size
-        self.released = 0  # rows handed back
 
     def committed(self, req: Any) -> int:
         """Prompt tokens plus every output token but the last."""
@@ -238,7 +236,6 @@ class SGLangKVSource:
             kv.mark_kv_released()
         else:
             self._release_before_0_5_19(req, row)
-        self.released += 1
 
     def _release_before_0_5_19(self, req: Any, row: int) -> None:
         tokens = self.req_to_token_pool.req_to_token[row]
