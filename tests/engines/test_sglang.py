@@ -6,7 +6,6 @@ What is real and what is substituted is listed in ``tests/engines/sglang_harness
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,15 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip("runs in the SGLang environment: make test-sglang", allow_module_level=True)
+from tests.engines import require_sglang
 
-# isort: off
-import tests.engines.sglang_harness
-# isort: on
-
-if tests.engines.sglang_harness.SGLANG_VERSION != "0.5.23":
-    pytest.skip("these tests are for SGLang 0.5.23 (make test-sglang)", allow_module_level=True)
+require_sglang("0.5.23", "test-sglang")
 
 from kvlife.fsm import (
     AuditReader,

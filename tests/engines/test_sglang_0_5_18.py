@@ -8,22 +8,13 @@ this module skips.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip(
-        "runs in SGLang 0.5.18's environment: make test-sglang-0.5.18", allow_module_level=True
-    )
+from tests.engines import require_sglang
 
-# isort: off
-import tests.engines.sglang_harness
-# isort: on
-
-if tests.engines.sglang_harness.SGLANG_VERSION != "0.5.18":
-    pytest.skip("these tests are for SGLang 0.5.18", allow_module_level=True)
+require_sglang("0.5.18", "test-sglang-0.5.18")
 
 from tests.engines.sglang_harness import (
     Req,
