@@ -19,6 +19,7 @@ server-args publication, ``HiCacheController``, ``HiCacheFile`` storage and
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import time
@@ -379,8 +380,6 @@ def run_workload(
     batch result processor calls them, aborts through ``finalize_release_on_finish``,
     and ``check_offload_progress`` every step; backups are settled between steps so that
     both managers free host memory at the same step."""
-    import random  # noqa: PLC0415
-
     rng = random.Random(seed)
     running: list[Any] = []
     seen: set[str] = set()
