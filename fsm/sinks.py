@@ -19,6 +19,8 @@ import contextlib
 import functools
 import logging
 import os
+import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -150,8 +152,19 @@ class _JsonFile:
     """The open file of a [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink]: everything its
     exit-time flush needs, and no reference to the sink, so the sink can be collected."""
 
-    def __init__(self, path: Path, fsync: FsyncPolicy, max_bytes: int | None, backups: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fsync: FsyncPolicy,
+        max_bytes: int | None,
+        backups: int,
+        marker: Path | None = None,
+    ) -> None:
         self.path = path
+        self.marker = marker
+        # held by every buffer and file operation when a flush thread runs beside the
+        # writer (re-entrant: a locked write may flush a full batch)
+        self.lock = threading.RLock()
         self.sync = fsync != "never"
         self.max_bytes = max_bytes
         self.backups = backups
@@ -231,15 +244,21 @@ class _JsonFile:
         buffer.clear()
 
     def close(self) -> None:
-        if self.fd is None:
-            return
-        self.flush()
-        os.close(self.fd)
-        self.fd = None
+        with self.lock:
+            if self.fd is None:
+                return
+            self.flush()
+            os.close(self.fd)
+            self.fd = None
+            if self.marker is not None:
+                with contextlib.suppress(OSError):
+                    self.marker.unlink()
 
-    def close_at_exit(self) -> None:
+    def close_at_exit(self, stop: threading.Event | None = None) -> None:
         """Interpreter exit or the sink was collected: write what is buffered. A failure
         cannot be raised to anyone now, so it is logged with what was lost."""
+        if stop is not None:
+            stop.set()
         if self.fd is None:
             return
         try:
@@ -257,6 +276,26 @@ class _JsonFile:
             fd, self.fd = self.fd, None
             if fd is not None:
                 os.close(fd)
+
+
+def _flush_every(file: _JsonFile, stop: threading.Event, interval: float) -> None:
+    """A [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink]'s flush thread: write the
+    buffer every ``interval`` seconds until the sink is closed. A failed write leaves
+    the records buffered for the next try (or for the writer's own flush, which raises
+    it); it is logged once per run of failures."""
+    failing = False
+    while not stop.wait(interval):
+        with file.lock:
+            if file.fd is None:
+                return
+            try:
+                file.flush()
+            except OSError as exc:
+                if not failing:
+                    _log.error("audit log %s: a timed flush failed: %s", file.path, exc)
+                failing = True
+            else:
+                failing = False
 
 
 class JsonLinesSink:
@@ -282,6 +321,16 @@ class JsonLinesSink:
     [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] (or the ``with`` block),
     at interpreter exit, and when the sink is garbage collected.
 
+    Time bound: with ``flush_interval_s``, a background thread also writes the buffer
+    every ``flush_interval_s`` seconds, so no record waits longer than that for the file,
+    however little traffic there is (a server between requests). A process killed
+    outright loses at most the records of its last interval.
+
+    Unclean stops: with ``open_marker``, the sink keeps a file ``PATH.open`` (its pid and
+    the time it opened) while it is open and removes it on close or at interpreter exit.
+    A sink that finds one on open logs a warning that the previous writer stopped without
+    closing the log, and says so in ``previous_unclean``.
+
     Errors: a write that fails (disk full, file size limit, I/O error) raises
     [`AuditSinkError`][kvlife.fsm.sinks.AuditSinkError] or ``OSError`` and leaves the file ending at
     a complete line;
@@ -299,7 +348,17 @@ class JsonLinesSink:
         batch_records: int = 4096,
         max_bytes: int | None = None,
         backups: int = 5,
+        flush_interval_s: float | None = None,
+        open_marker: bool = False,
     ) -> None:
+        if flush_interval_s is not None and (
+            not isinstance(flush_interval_s, (int, float))
+            or isinstance(flush_interval_s, bool)
+            or not 0 < flush_interval_s < float("inf")
+        ):
+            raise ValueError(
+                f"flush_interval_s must be a positive number or None, got {flush_interval_s!r}"
+            )
         if fsync not in ("never", "batch", "record"):
             raise ValueError(f"fsync must be 'never', 'batch' or 'record', got {fsync!r}")
         if not _is_int(batch_records) or batch_records <= 0:
@@ -313,10 +372,37 @@ class JsonLinesSink:
         self.batch_records = batch_records
         self.max_bytes = max_bytes
         self.backups = backups
+        self.flush_interval_s = flush_interval_s
+        #: What the ``PATH.open`` marker of a writer that did not close the log said
+        #: (its pid and opening time), or ``None``.
+        self.previous_unclean: str | None = None
+        marker = Path(f"{self.path}.open") if open_marker else None
+        if marker is not None and marker.exists():
+            self.previous_unclean = marker.read_text(errors="replace").strip() or "unknown"
+            _log.warning(
+                "audit log %s: its previous writer (%s) stopped without closing it; the "
+                "records of its last flush interval may be missing",
+                self.path,
+                self.previous_unclean,
+            )
         self.trimmed_bytes = trim_torn_tail(self.path)
-        self._file = _JsonFile(self.path, fsync, max_bytes, backups)
-        self._finalizer = weakref.finalize(self, self._file.close_at_exit)
-        self.write = self._write_record if fsync == "record" else self._buffer_record
+        self._file = _JsonFile(self.path, fsync, max_bytes, backups, marker)
+        if marker is not None:
+            marker.write_text(f"pid {os.getpid()}, opened {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
+        self._stop = threading.Event()
+        self._finalizer = weakref.finalize(self, self._file.close_at_exit, self._stop)
+        if fsync == "record":
+            self.write = self._write_record
+        elif flush_interval_s is None:
+            self.write = self._buffer_record
+        else:
+            self.write = self._buffer_record_locked
+            threading.Thread(
+                target=_flush_every,
+                args=(self._file, self._stop, float(flush_interval_s)),
+                name=f"kvlife-audit-flush:{self.path.name}",
+                daemon=True,
+            ).start()
 
     @property
     def records_written(self) -> int:
@@ -359,6 +445,10 @@ class JsonLinesSink:
                 buffer.pop()  # this record was not taken; the ones before stay buffered
                 raise
 
+    def _buffer_record_locked(self, item: _Item) -> None:
+        with self._file.lock:  # the flush thread writes the same buffer
+            self._buffer_record(item)
+
     def write_lost(self, marker: LostRecords) -> None:
         """Write a marker of records the registry had to drop (same rules as write)."""
         self.write(marker)
@@ -368,7 +458,8 @@ class JsonLinesSink:
 
         Raises ``OSError`` when the write fails; the records stay buffered.
         """
-        self._file.flush()
+        with self._file.lock:
+            self._file.flush()
 
     def close(self) -> None:
         """Flush and close the file. Closing twice is harmless.
@@ -377,6 +468,7 @@ class JsonLinesSink:
         records buffered, so a later [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] can still
         write them.
         """
+        self._stop.set()
         self._file.close()
         self._finalizer.detach()
 

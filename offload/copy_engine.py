@@ -194,7 +194,14 @@ class CopyEngine:
         self._shapes = (shape_cm, shape_pm)
         page = layout.page_size
         pooled = layout.slots // page * page  # slots that form whole device pages
-        self._paged = [c[:pooled].view(-1, page, layout.elems) for c in self.components]
+        self._page_shape = layout.page_shape
+        # per component: its whole device pages, [pages, *page_shape] (a block layout's
+        # tensors are that already, strided as the engine made them)
+        self._paged = (
+            list(self.components)
+            if layout.kind == "blocks"
+            else [c[:pooled].view(-1, page, layout.elems) for c in self.components]
+        )
         self._page_offsets = torch.arange(page)
         if self.cuda:
             self._gather_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
@@ -332,8 +339,9 @@ class CopyEngine:
         """Gather whole aligned device pages into page-major ``out`` (``[pages, C, ps,
         E]``: host pages on the CPU, staging on CUDA), one ``index_select`` per component
         and no transpose pass; returns ``out``."""
+        shape = self._page_shape
         for c, paged in enumerate(self._paged):
-            torch.index_select(paged, 0, device_pages, out=out[:, c])
+            torch.index_select(paged, 0, device_pages, out=out[:, c].view(-1, *shape))
         return out
 
     def _copy_cpu_staged(self, index: torch.Tensor, pages: HostPages, first_page: int) -> None:
@@ -355,6 +363,8 @@ class CopyEngine:
             if device_pages is not None:
                 device_pages = device_pages.to(self.device, non_blocking=True)
         index = index.to(self.device, non_blocking=True)
+        if device_pages is None and self.layout.kind == "blocks":
+            device_pages = index  # a block layout's slots are its pages
         compute = torch.cuda.current_stream(self.device)
         gather_stream = self._gather_streams[stream]
         copy_stream = self._copy_streams[stream]
@@ -386,3 +396,82 @@ class CopyEngine:
             self._callbacks.after(copy_stream, job)
         job.recorded = True  # only now may the job be queried, and its ticket issued
         return job
+
+    def load(self, pages: HostPages, slots: torch.Tensor | Sequence[int]) -> CopyJob:
+        """Copy host ``pages`` back into the device pool at ``slots`` (token order; whole
+        aligned device pages, as block-paged engines allocate them), byte for byte: the
+        inverse of [`launch()`][kvlife.offload.copy_engine.CopyEngine.launch].
+
+        CPU: the copy runs at once and the job is done when this returns. CUDA: the host
+        pages go to the device on a copy stream and are scattered into the pool there; the
+        job's event marks the end, and work on the current stream that reads the slots
+        must wait for it (``torch.cuda.current_stream().wait_event(job.event)``).
+
+        Raises ``ValueError`` (before anything is copied) for slots that are not whole
+        aligned pages, out of range, or not as many pages as ``pages``. A copy that
+        fails while running is returned as a finished job with ``error`` set; device
+        pages it had not reached are unchanged, the others may be partly written.
+        """
+        page = self.layout.page_size
+        if pages.pool is not self.host:
+            raise ValueError("the pages belong to another pool")
+        index = torch.as_tensor(slots, dtype=torch.long, device="cpu")
+        if index.dim() != 1 or len(index) != len(pages) * page:
+            raise ValueError(f"{len(index)} slots are not {len(pages)} whole pages of {page}")
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.layout.slots):
+            raise ValueError(f"slot indices out of range [0, {self.layout.slots})")
+        device_pages = self._aligned_pages(index) if len(index) else index
+        if device_pages is None:
+            raise ValueError("a load writes whole aligned device pages only")
+        stream = self._next_stream
+        self._next_stream = (stream + 1) % self.streams
+        job = CopyJob(pages, len(index), stream, None)
+        if self.cuda:
+            job.recorded = False
+        try:
+            if self.cuda:
+                copy_stream = self._copy_streams[stream]
+                copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(copy_stream):
+                    staged = torch.empty(
+                        (len(pages), self.layout.components, page, self.layout.elems),
+                        dtype=self.layout.dtype,
+                        device=self.device,
+                    )
+                    self._from_host(pages, staged)
+                    targets = device_pages.to(self.device, non_blocking=True)
+                    self._scatter_pages(targets, staged)
+                    done = torch.cuda.Event()
+                    done.record(copy_stream)
+                job.event = done
+                job._keep = (staged, targets)
+                job.recorded = True
+            else:
+                offset = 0
+                for first, count in pages.runs():
+                    self._scatter_pages(
+                        device_pages[offset : offset + count], self.host.page_view(first, count)
+                    )
+                    offset += count
+        except Exception as exc:  # a failed copy is data: the fail path
+            if self.cuda:
+                self._copy_streams[stream].synchronize()
+            job.error = exc
+            job.event = None
+            job.recorded = True
+        return job
+
+    def _from_host(self, pages: HostPages, staged: torch.Tensor) -> None:
+        offset = 0
+        for first, count in pages.runs():
+            staged[offset : offset + count].copy_(
+                self.host.page_view(first, count), non_blocking=True
+            )
+            offset += count
+
+    def _scatter_pages(self, device_pages: torch.Tensor, src: torch.Tensor) -> None:
+        """Write page-major ``src`` (``[pages, C, page_size, elems]``) into the device
+        pages ``device_pages``, one ``index_copy_`` per component."""
+        shape = self._page_shape
+        for c, paged in enumerate(self._paged):
+            paged.index_copy_(0, device_pages, src[:, c].reshape(-1, *shape))

@@ -6,6 +6,10 @@ Serving engines keep KV in one of a few shapes, all indexed by token *slot*:
 * ``"stacked"``: one tensor ``[layers, 2, slots, heads, head_dim]`` (K and V stacked).
 * ``"mla"``: one latent buffer per layer, ``[slots, latent_dim]`` (multi-head latent
   attention caches a single compressed vector per token and layer).
+* ``"blocks"``: block-paged engines whose unit is a whole block (vLLM): one tensor per
+  component shaped ``[blocks, *block_shape]``, with any strides (the block's interior is
+  the engine's business, K and V may be interleaved in it). A "slot" is a block and a
+  host page holds one block of every component (``page_size`` 1).
 
 kvlife sees every shape as a list of *components*: 2-D views ``[slots, elems]`` (one per
 layer and K/V, or one per layer for MLA). A host page holds ``page_size`` tokens of every
@@ -15,13 +19,14 @@ host page is one contiguous block: a request's pages can be copied in large runs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-LayoutKind = Literal["per_layer", "stacked", "mla"]
+LayoutKind = Literal["per_layer", "stacked", "mla", "blocks"]
 
 
 class LayoutError(ValueError):
@@ -33,13 +38,15 @@ class KVLayout:
     """What the device KV pool looks like.
 
     Attributes:
-        kind: ``"per_layer"``, ``"stacked"`` or ``"mla"``.
-        layers: transformer layers.
-        slots: token slots in the device pool.
-        heads: KV heads per layer (1 for MLA).
-        head_dim: elements per head (the latent size for MLA).
+        kind: ``"per_layer"``, ``"stacked"``, ``"mla"`` or ``"blocks"``.
+        layers: transformer layers (for ``"blocks"``: component tensors).
+        slots: token slots in the device pool (for ``"blocks"``: blocks).
+        heads: KV heads per layer (1 for MLA and blocks).
+        head_dim: elements per head (the latent size for MLA, a block's elements for
+            blocks).
         dtype: element type of the pool.
-        page_size: tokens per host page; offload chunks are whole pages.
+        page_size: tokens per host page; offload chunks are whole pages (1 for blocks).
+        block_shape: ``"blocks"`` only: the shape of one block of one component.
     """
 
     kind: LayoutKind
@@ -49,9 +56,10 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     page_size: int = 16
+    block_shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("per_layer", "stacked", "mla"):
+        if self.kind not in ("per_layer", "stacked", "mla", "blocks"):
             raise LayoutError(f"unknown layout kind {self.kind!r}")
         for name in ("layers", "slots", "heads", "head_dim", "page_size"):
             value = getattr(self, name)
@@ -63,6 +71,22 @@ class KVLayout:
             )
         if not isinstance(self.dtype, torch.dtype):
             raise LayoutError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.kind == "blocks":
+            shape = self.block_shape
+            if (
+                not shape
+                or not all(isinstance(d, int) and d > 0 for d in shape)
+                or math.prod(shape) != self.head_dim
+                or self.heads != 1
+                or self.page_size != 1
+            ):
+                raise LayoutError(
+                    f"a blocks layout needs a block_shape of positive ints whose product is "
+                    f"head_dim, heads=1 and page_size=1; got block_shape={shape!r}, "
+                    f"head_dim={self.head_dim}, heads={self.heads}, page_size={self.page_size}"
+                )
+        elif self.block_shape:
+            raise LayoutError(f"block_shape is for blocks layouts, not {self.kind!r}")
 
     @classmethod
     def mla(
@@ -71,10 +95,27 @@ class KVLayout:
         """An MLA layout: one ``[slots, latent_dim]`` buffer per layer."""
         return cls("mla", layers, slots, 1, latent_dim, dtype, page_size)
 
+    @classmethod
+    def blocks(
+        cls, components: int, blocks: int, block_shape: Sequence[int], dtype: torch.dtype
+    ) -> KVLayout:
+        """A block layout: ``components`` tensors ``[blocks, *block_shape]``, one block per
+        host page and component."""
+        shape = tuple(block_shape)
+        elems = math.prod(shape) if shape else 0
+        return cls("blocks", components, blocks, 1, elems, dtype, 1, shape)
+
     @property
     def components(self) -> int:
-        """2-D component views per token: ``2 * layers`` (K and V), or ``layers`` for MLA."""
-        return self.layers if self.kind == "mla" else 2 * self.layers
+        """Component views per token: ``2 * layers`` (K and V), or ``layers`` for MLA and
+        blocks."""
+        return self.layers if self.kind in ("mla", "blocks") else 2 * self.layers
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One host page of one component, as the device holds it: ``(page_size, elems)``,
+        or ``block_shape`` for blocks."""
+        return self.block_shape if self.kind == "blocks" else (self.page_size, self.elems)
 
     @property
     def elems(self) -> int:
@@ -101,16 +142,24 @@ class KVLayout:
                 torch.zeros((self.slots, self.head_dim), dtype=self.dtype, device=device)
                 for _ in range(self.layers)
             ]
+        if self.kind == "blocks":
+            blocks = (self.slots, *self.block_shape)
+            return [
+                torch.zeros(blocks, dtype=self.dtype, device=device) for _ in range(self.layers)
+            ]
         per_layer = (self.slots, self.heads, self.head_dim)
         return [
             torch.zeros(per_layer, dtype=self.dtype, device=device) for _ in range(2 * self.layers)
         ]
 
     def component_views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The engine's tensors as ``components`` views of shape ``[slots, elems]``.
+        """The engine's tensors as ``components`` views of shape ``[slots, elems]``
+        (``[blocks, *block_shape]`` for blocks).
 
         For ``"per_layer"`` pass ``[k0, v0, k1, v1, ...]``; for ``"stacked"`` the one
-        tensor; for ``"mla"`` one buffer per layer. Views share memory with the tensors.
+        tensor; for ``"mla"`` one buffer per layer; for ``"blocks"`` one tensor per
+        component, strided as the engine made it (returned as they are). Views share
+        memory with the tensors.
 
         Raises:
             LayoutError: count, shape, dtype or devices do not match the layout.
@@ -121,6 +170,8 @@ class KVLayout:
             expected = [(self.layers, 2, self.slots, self.heads, self.head_dim)]
         elif self.kind == "mla":
             expected = [(self.slots, self.head_dim)] * self.layers
+        elif self.kind == "blocks":
+            expected = [(self.slots, *self.block_shape)] * self.layers
         else:
             expected = [(self.slots, self.heads, self.head_dim)] * (2 * self.layers)
         if len(tensors) != len(expected):
@@ -136,8 +187,10 @@ class KVLayout:
                     f"tensor {i}: expected {shape} {self.dtype}, got {tuple(tensor.shape)} "
                     f"{tensor.dtype}"
                 )
-            if not tensor.is_contiguous():
+            if self.kind != "blocks" and not tensor.is_contiguous():
                 raise LayoutError(f"tensor {i} is not contiguous")
+        if self.kind == "blocks":
+            return tensors
         if self.kind == "stacked":
             stacked = tensors[0]
             return [

@@ -1,30 +1,43 @@
-"""kvlife as a vLLM KV connector (vLLM 0.33.0, the ``vllm`` extra): stores and loads.
+"""kvlife as a vLLM KV connector (vLLM 0.32.x and 0.33.x, the ``vllm`` extra): stores
+and loads.
 
 Enable it with one config, no patch to vLLM::
 
     --kv-transfer-config '{"kv_connector": "KVLifeConnector",
         "kv_connector_module_path": "kvlife.offload.engines.vllm", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"host_pages": 4096, "audit_log": "kvlife.jsonl"}}'
+        "kv_connector_extra_config": {"host_bytes": 4294967296, "audit_log": "kvlife.jsonl"}}'
+
+The extra config's keys are checked at start-up (see
+[`ConnectorConfig`][kvlife.offload.engines.vllm.ConnectorConfig]); an unknown key or a
+bad value stops the engine with a one-line error naming it.
 
 Scheduler side (the engine core): every vLLM ``Request`` *object* gets its own kvlife
 lifecycle when vLLM first shows it (``on_new_request``); the request id is only used to
-find the request object vLLM's scheduler holds under it now. Each step, newly full blocks
-(``stride_blocks`` at a time) become one store job: a kvlife ticket whose copy number is
-the job id the workers report back. ``request_finished`` finishes (or aborts) the
-lifecycle and returns ``True`` exactly when copies still read the blocks
-(``finished_pending``): vLLM then keeps the blocks, and the request id is reported as
-finished sending only once that lifecycle is released -- so the blocks are freed when no
-copy reads them, and vLLM refuses a new request with the same id until then. A store
-completes when every worker reported it (tensor parallelism); a failed store is a
-``fail`` of its ticket, audited, its host pages freed. A completion for a job whose
-lifecycle is gone is refused and audited by the registry, never applied to whoever holds
-the id now.
+find the request object vLLM's scheduler holds under it now. Each step, newly full
+blocks (``stride_blocks`` at a time) become one store job: a kvlife ticket whose copy
+number is the job id the workers report back. ``request_finished`` finishes (or aborts)
+the lifecycle and never delays vLLM's free: vLLM takes the blocks and the request id
+back at once, so a client may reuse the id at once (vLLM's scheduler asserts on a live
+duplicate id, which a delayed free would make). A finished request's blocks that a store
+still reads are *fenced* instead: when vLLM hands one to another request, that step's
+metadata names the stores that read it, and the workers finish them before the forward
+pass writes it (``handle_preemptions``, as for preempted requests). A store completes
+when every worker reported it (tensor parallelism); a failed store is a ``fail`` of its
+ticket, audited, its host pages freed. A completion for a job whose lifecycle is gone is
+refused and audited by the registry, never applied to whoever holds the id now. Counters
+(stores, loads, hit blocks, evictions, refusals, ...) go to vLLM's own metrics log
+through its connector-stats hook.
 
-Worker side: ``register_kv_caches`` takes vLLM's per-layer caches in the ``NHD`` layout
-(``[2, blocks, block_size, heads, head_dim]``, asked for through
-``get_required_kvcache_layout``) as a kvlife ``KVLayout``; stores run through kvlife's
-``CopyEngine`` into a ``HostPagePool`` of ``host_pages`` blocks, and the worker reports
-finished and failed job ids.
+Worker side: a vLLM *block* is the unit. ``register_kv_caches`` takes vLLM's per-layer
+caches in whatever layout the attention backend chose (vLLM 0.32+ hands each layer a
+``[blocks, heads, tokens, content]`` view of one allocation, strided after one of its
+six ``KVCacheLayout`` permutations; a ``[2, blocks, ...]`` K/V-split tensor is taken
+too) and finds the block dimension from the shapes, strides and vLLM's resolved layout
+(see [`block_views`][kvlife.offload.engines.vllm.block_views]). A host page holds one
+block of every layer, each in the device's own byte order; a store is one gather per
+layer over the block dimension (kvlife's ``CopyEngine``: side streams and events on
+CUDA, synchronous on CPU), a load writes the pages back into the blocks vLLM allocated,
+byte for byte.
 
 Loads: when a lifecycle that *finished* is released, its whole stored blocks join a host
 prefix cache keyed by vLLM's block hashes (an aborted one's pages are freed).
@@ -32,26 +45,39 @@ prefix cache keyed by vLLM's block hashes (an aborted one's pages are freed).
 (never the block of the last prompt token: vLLM computes one token itself), and the load
 into the blocks vLLM then allocates is a copy on the request's own lifecycle, with a
 ticket like a store: a late load completion after an abort or an id reuse completes that
-instance's copy and nothing else. A page being loaded is pinned; new stores evict the
-least recently used cached pages that no load reads, and a store that would need a pinned
-page is skipped. A load that fails reports its blocks through
-``get_block_ids_with_load_errors`` so that vLLM recomputes them.
+instance's copy and nothing else. Loads are synchronous as vLLM counts them (the request
+is scheduled in the same step, and its forward pass is ordered after the load: at once
+on the CPU, by a stream wait on CUDA), so no "finished receiving" report names a request
+id. A page being loaded is pinned; new stores evict the least recently used cached pages
+that no load reads, and a store that would need a pinned page is skipped. A load that
+fails reports its blocks through ``get_block_ids_with_load_errors`` so that vLLM
+recomputes them.
+
+Audit log: records reach the file within ``audit_flush_s`` seconds (default 1) whatever
+the traffic, and a normal shutdown of the engine (SIGINT or SIGTERM to a server, the end
+of an ``LLM``) writes the rest; an engine core killed outright loses at most its last
+interval, and the next start logs that the previous writer did not close the log.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import (
@@ -63,6 +89,7 @@ from kvlife.fsm import (
     Trigger,
     UnknownRequestError,
 )
+from kvlife.fsm import __version__ as KVLIFE_VERSION
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_pool import HostPagePool, HostPages
 from kvlife.offload.layout import KVLayout, LayoutError
@@ -76,13 +103,255 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's logger: kvlife's lines appear in vLLM's own log, formatted as its own.
+logger = logging.getLogger("vllm.kvlife")
 
 DEFAULT_HOST_PAGES = 1024
-"""Host pages (one vLLM block each) when the extra config does not say."""
+"""Host pages (one vLLM block each) when the extra config says neither ``host_pages`` nor
+``host_bytes``."""
+TESTED_VLLM = ("0.32.", "0.33.")
+"""vLLM release lines the connector is tested on."""
 MAX_REMEMBERED_JOBS = 65536
 """Finished store jobs whose tickets are kept, so that a late or repeated report of one
 is delivered (and refused, and audited) rather than dropped."""
+
+
+_FSYNC = ("never", "batch", "record")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config``, checked. Every key is optional.
+
+    Attributes:
+        host_pages: host cache size in vLLM blocks (one page holds one block of every
+            layer); default 1024 when ``host_bytes`` is not given either.
+        host_bytes: host cache size in bytes instead (per worker): as many whole blocks
+            as fit, counted as vLLM's KV cache spec counts a block over all layers.
+        stride_blocks: blocks per store job (default 1).
+        audit_log: path of the scheduler side's JSON-lines audit log (default none).
+        audit_flush_s: most seconds a record waits before it is written (default 1).
+        audit_fsync: ``"never"``, ``"batch"`` (default) or ``"record"``.
+        audit_max_bytes: rotate the log past this size (default: never).
+        audit_backups: rotated files kept (default 5).
+    """
+
+    host_pages: int | None = None
+    host_bytes: int | None = None
+    stride_blocks: int = 1
+    audit_log: str | None = None
+    audit_flush_s: float = 1.0
+    audit_fsync: str = "batch"
+    audit_max_bytes: int | None = None
+    audit_backups: int = 5
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Check the extra config and build it.
+
+        Raises:
+            ValueError: an unknown key (the message names it and the known ones), or a
+                key whose value has the wrong type or range (named, with the value).
+        """
+        extra = dict(extra or {})
+        known = [f.name for f in fields(cls)]
+        for key in extra:
+            if key not in known:
+                raise ValueError(
+                    f"kvlife: unknown kv_connector_extra_config key {key!r} "
+                    f"(known: {', '.join(known)})"
+                )
+
+        def positive_int(key: str) -> None:
+            value = extra.get(key)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(f"kvlife: {key} must be a positive integer, got {value!r}")
+
+        for key in ("host_pages", "host_bytes", "stride_blocks", "audit_max_bytes"):
+            positive_int(key)
+        if extra.get("host_pages") is not None and extra.get("host_bytes") is not None:
+            raise ValueError("kvlife: give host_pages or host_bytes, not both")
+        backups = extra.get("audit_backups", 5)
+        if not isinstance(backups, int) or isinstance(backups, bool) or backups < 0:
+            raise ValueError(f"kvlife: audit_backups must be an integer >= 0, got {backups!r}")
+        flush = extra.get("audit_flush_s", 1.0)
+        if (
+            not isinstance(flush, (int, float))
+            or isinstance(flush, bool)
+            or not 0 < flush < float("inf")
+        ):
+            raise ValueError(f"kvlife: audit_flush_s must be a positive number, got {flush!r}")
+        if extra.get("audit_fsync", "batch") not in _FSYNC:
+            raise ValueError(
+                f"kvlife: audit_fsync must be one of {', '.join(_FSYNC)}, "
+                f"got {extra['audit_fsync']!r}"
+            )
+        audit = extra.get("audit_log")
+        if audit is not None and (not isinstance(audit, str) or not audit):
+            raise ValueError(f"kvlife: audit_log must be a file path, got {audit!r}")
+        if extra.get("stride_blocks") is None:
+            extra.pop("stride_blocks", None)
+        return cls(**{**extra, "audit_flush_s": float(flush)})
+
+    def pages(self, block_bytes: int) -> int:
+        """Host pages for blocks of ``block_bytes`` bytes.
+
+        Raises:
+            ValueError: ``host_bytes`` holds not even one block.
+        """
+        if self.host_bytes is None:
+            return self.host_pages or DEFAULT_HOST_PAGES
+        pages = self.host_bytes // block_bytes
+        if pages <= 0:
+            raise ValueError(
+                f"kvlife: host_bytes={self.host_bytes} holds no block of {block_bytes} bytes"
+            )
+        return pages
+
+
+def block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one vLLM block over every layer, as vLLM's KV cache spec counts them."""
+    return sum(
+        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        for group in kv_cache_config.kv_cache_groups
+    )
+
+
+STAT_KEYS = (
+    "stores",
+    "stored_blocks",
+    "store_failures",
+    "skipped_stores",
+    "loads",
+    "loaded_blocks",
+    "load_failures",
+    "hit_blocks",
+    "evictions",
+    "refusals",
+)
+"""The counters the connector reports through vLLM's connector-stats hook."""
+
+
+@dataclass
+class KVLifeConnectorStats(KVConnectorStats):
+    """kvlife's counters for one interval, as vLLM's metrics logger takes them
+    (``KV Transfer metrics: stores=..., loads=..., ...``): stores and loads done (and
+    their blocks), failed stores and loads, stores skipped for want of host pages, host
+    cache hit blocks reported to vLLM, cached pages evicted, and calls the lifecycle
+    registry refused (late or repeated reports, stale instances)."""
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: self.data.get(key, 0) for key in STAT_KEYS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key, 0) for key in STAT_KEYS)
+
+
+def block_views(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, layout: str | None = None
+) -> list[torch.Tensor]:
+    """vLLM's per-layer KV caches as one ``[num_blocks, *block]`` view per component (a
+    layer, or a layer's K and V when they are split), without copying.
+
+    vLLM 0.32+ hands every layer a logical ``[B, H, N, C]`` view (blocks, heads, tokens,
+    content: K and V side by side or interleaved in it) of one allocation, strided after
+    the resolved ``KVCacheLayout`` (``layout``, its name, when known); older backends'
+    ``[2, B, ...]`` tensors are K/V split. ``B`` is ``num_blocks`` or a multiple of it
+    (kernel blocks that split a vLLM block: they become one more dimension). Each view's
+    block interior is permuted into the device's memory order, so a contiguous block is
+    copied as the bytes vLLM holds.
+
+    Raises:
+        LayoutError: no tensors; a tensor whose block dimension cannot be found; strides
+            that are not the declared layout's; or layers that differ in block shape or
+            dtype (several layer groups, as hybrid models have). The message names the
+            layer, its shape and strides.
+    """
+    if not kv_caches:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    order = _layer_view_order(layout)
+    views: list[torch.Tensor] = []
+    for name, tensor in kv_caches.items():
+        where = f"layer {name!r}: shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}"
+        if tensor.dim() == 4:
+            if order is not None and not _strides_follow(tensor, order):
+                raise LayoutError(
+                    f"kvlife's vLLM connector: {where} do not follow vLLM's {layout} layout"
+                )
+            parts = [tensor]
+        elif tensor.dim() == 5 and tensor.shape[0] == 2:
+            parts = [tensor[0], tensor[1]]  # K/V split: [2, B, ...]
+        else:
+            raise LayoutError(
+                "kvlife's vLLM connector takes per-layer caches [blocks, heads, tokens, "
+                f"content] (any KVCacheLayout) or [2, blocks, ...] (K/V split); {where}"
+            )
+        for whole in parts:
+            blocks = whole.shape[0]
+            if blocks % num_blocks:
+                raise LayoutError(
+                    f"kvlife's vLLM connector: {where}: {blocks} blocks is not a multiple of "
+                    f"vLLM's {num_blocks}"
+                )
+            part = whole  # kernel blocks: one vLLM block is `ratio` of them
+            if blocks != num_blocks:
+                part = whole.unflatten(0, (num_blocks, blocks // num_blocks))
+            inner = sorted(range(1, part.dim()), key=lambda d: -part.stride()[d])
+            views.append(part.permute(0, *inner))
+    first = views[0]
+    for name, view in zip(kv_caches, views, strict=False):
+        if view.shape[1:] != first.shape[1:] or view.dtype != first.dtype:
+            raise LayoutError(
+                f"kvlife's vLLM connector needs one block shape and dtype for every layer; "
+                f"layer {name!r} has {tuple(view.shape[1:])} {view.dtype}, the first "
+                f"{tuple(first.shape[1:])} {first.dtype} (several KV cache groups, as "
+                "hybrid models have, are not supported)"
+            )
+    devices = {view.device for view in views}
+    if len(devices) != 1:
+        raise LayoutError(f"KV caches are on several devices: {sorted(map(str, devices))}")
+    return views
+
+
+def _layer_view_order(layout: str | None) -> tuple[int, ...] | None:
+    """The memory order of a per-layer ``[B, H, N, C]`` view in vLLM's ``layout``."""
+    if layout is None:
+        return None
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: PLC0415 (0.32+)
+    except ImportError:
+        return None
+    member = KVCacheLayout.__members__.get(layout)
+    return None if member is None else tuple(member.layer_view_order)
+
+
+def _strides_follow(tensor: torch.Tensor, order: tuple[int, ...]) -> bool:
+    """Whether ``tensor``'s strides put its dimensions in memory ``order`` (outermost
+    first), ignoring dimensions of size 1, whose stride says nothing."""
+    sized = [d for d in order if tensor.shape[d] > 1]
+    strides = [tensor.stride(d) for d in sized]
+    return all(a >= b for a, b in itertools.pairwise(strides))
+
+
+def resolved_layout(vllm_config: VllmConfig) -> str | None:
+    """The KV cache layout name vLLM resolved (0.32+), or ``None`` when it has none."""
+    getter = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+    if getter is None:
+        return None
+    try:
+        return str(getter().name)
+    except ValueError:  # not resolved in this process (a bare scheduler in tests)
+        return None
 
 
 @dataclass
@@ -110,10 +379,10 @@ class KVLifeConnectorMetadata(KVConnectorMetadata):
 
     stores: list[StoreJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
-    #: Request ids whose delayed free may happen now: workers report them as finished.
-    released: set[str] = field(default_factory=set)
-    #: Stores of preempted requests: workers finish them before the blocks are reused.
-    preempted_jobs: set[int] = field(default_factory=set)
+    #: Stores that read blocks vLLM reuses in this step (of preempted requests, or of
+    #: finished ones whose copies were in flight): workers finish them before the
+    #: forward pass.
+    wait_jobs: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -145,13 +414,13 @@ class _Progress:
     pages: list[int] = field(default_factory=list)  # host pages of its stores
     hashes: dict[int, Any] = field(default_factory=dict)  # page -> block hash, once acked
     jobs: set[int] = field(default_factory=set)
-    delayed_free: bool = False
 
 
 @dataclass
 class _Job:
     ticket: Ticket
     pages: list[int]
+    block_ids: list[int] = field(default_factory=list)
     first_block: int = 0
     load: bool = False
     done: int = 0
@@ -160,22 +429,35 @@ class _Job:
 
 class _SchedulerSide:
     def __init__(
-        self, *, pages: int, block_size: int, workers: int, stride: int, audit: str | None
+        self, *, pages: int, block_size: int, workers: int, config: ConnectorConfig
     ) -> None:
-        sinks = [JsonLinesSink(audit, fsync="batch")] if audit else []
-        self.registry = LifecycleRegistry(sinks=sinks)
+        self.sink: JsonLinesSink | None = None
+        if config.audit_log:
+            self.sink = JsonLinesSink(
+                config.audit_log,
+                fsync=config.audit_fsync,  # type: ignore[arg-type]  # checked by parse
+                max_bytes=config.audit_max_bytes,
+                backups=config.audit_backups,
+                flush_interval_s=config.audit_flush_s,
+                open_marker=True,
+            )
+        self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
         self.registry.on_release(self._released)
         self.block_size = block_size
         self.workers = workers
-        self.stride = stride
+        self.stride = config.stride_blocks
+        self.counts = dict.fromkeys(STAT_KEYS, 0)  # since start
+        self._reported = dict.fromkeys(STAT_KEYS, 0)  # what vLLM was given so far
+        self._refusals_at = 0.0  # when the registry's refusals were last counted
         self.free_pages = list(range(pages - 1, -1, -1))
         self.requests: dict[str, Request] = {}  # the request vLLM holds under an id now
         self.progress: dict[int, _Progress] = {}  # by lifecycle serial
         self.jobs: dict[int, _Job] = {}  # by job id (the ticket's copy number)
         # tickets of finished jobs, newest last, so that a late report is refused by name
         self.over: OrderedDict[int, Ticket] = OrderedDict()
-        self.to_report: set[str] = set()
-        self.skipped_stores = 0  # stores not made for want of host pages
+        # device blocks of finished requests that stores in flight still read: block ->
+        # those jobs; vLLM may hand such a block to another request at once
+        self.fenced: dict[int, set[int]] = {}
         # The host prefix cache: pages of finished requests' full blocks by block hash,
         # least recently used first. A page some load reads is pinned, never evicted.
         self.cache: OrderedDict[Any, int] = OrderedDict()
@@ -198,16 +480,18 @@ class _SchedulerSide:
         return lc, self.progress[lc.serial]
 
     def build_meta(self, out: SchedulerOutput) -> KVLifeConnectorMetadata:
-        meta = KVLifeConnectorMetadata(released=self.to_report, loads=self.pending_loads)
-        self.to_report = set()
+        meta = KVLifeConnectorMetadata(loads=self.pending_loads)
         self.pending_loads = []
+        fenced = self.fenced
         for preempted in out.preempted_req_ids or ():
             found = self._lifecycle(preempted)
             if found is not None:
                 _, prog = found
-                meta.preempted_jobs |= prog.jobs
+                meta.wait_jobs |= prog.jobs
                 prog.block_ids = []  # freed by vLLM; new ones come when it resumes
         for new in out.scheduled_new_reqs:
+            if fenced:
+                self._unfence(new.block_ids[0], meta)
             found = self._lifecycle(new.req_id)
             if found is not None:
                 found[1].block_ids = list(new.block_ids[0])
@@ -220,6 +504,8 @@ class _SchedulerSide:
                 continue
             lc, prog = found
             new_ids = cached.new_block_ids[i]
+            if fenced and new_ids:
+                self._unfence(new_ids[0], meta)
             if req_id in cached.resumed_req_ids:
                 prog.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
@@ -227,6 +513,15 @@ class _SchedulerSide:
             computed = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
             self._store(lc, prog, computed, meta)
         return meta
+
+    def _unfence(self, block_ids: list[int], meta: KVLifeConnectorMetadata) -> None:
+        """Blocks vLLM handed out in this step: the stores still reading any of them
+        must be over before the forward pass writes them."""
+        fenced = self.fenced
+        for block in block_ids:
+            jobs = fenced.pop(block, None)
+            if jobs:
+                meta.wait_jobs |= jobs
 
     def _store(
         self, lc: Lifecycle, prog: _Progress, computed: int, meta: KVLifeConnectorMetadata
@@ -238,11 +533,11 @@ class _SchedulerSide:
             return
         pages = self._alloc_pages(count)
         if pages is None:
-            self.skipped_stores += 1
+            self.counts["skipped_stores"] += 1
             return
         blocks = prog.block_ids[prog.stored_blocks : full]
         ticket = self.registry.start_offload(lc, blocks=count, first_block=prog.stored_blocks)
-        self.jobs[ticket.op] = _Job(ticket, pages, first_block=prog.stored_blocks)
+        self.jobs[ticket.op] = _Job(ticket, pages, blocks, first_block=prog.stored_blocks)
         prog.jobs.add(ticket.op)
         prog.pages += pages
         prog.stored_blocks = full
@@ -260,6 +555,7 @@ class _SchedulerSide:
                 page = self.cache.pop(block_hash)
                 del self.page_hash[page]
                 self.free_pages.append(page)
+            self.counts["evictions"] += len(victims)
         return [self.free_pages.pop() for _ in range(count)]
 
     # the load path
@@ -279,6 +575,7 @@ class _SchedulerSide:
                 break
             pages.append(page)
         self.hits[request.request_id] = (first, pages)
+        self.counts["hit_blocks"] += len(pages)
         return len(pages)
 
     def load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -333,19 +630,38 @@ class _SchedulerSide:
         prog = self.progress.get(lc.serial)
         if prog is not None:
             prog.jobs.discard(job_id)
+        fenced = self.fenced
+        if fenced:
+            for block in job.block_ids:
+                jobs = fenced.get(block)
+                if jobs is not None:
+                    jobs.discard(job_id)
+                    if not jobs:
+                        del fenced[block]
+        counts = self.counts
         if job.load:  # the cached pages are no longer read
             for page in job.pages:
                 self.pins[page] -= 1
                 if not self.pins[page]:
                     del self.pins[page]
-        elif job.failed and prog is not None:  # the host copy is incomplete: pages back
-            for page in job.pages:
-                prog.pages.remove(page)
-            self.free_pages += job.pages
-        elif prog is not None and lc.req is not None:  # the copy is whole: name its blocks
-            hashes = lc.req.block_hashes
-            for i, page in enumerate(job.pages):
-                prog.hashes[page] = hashes[job.first_block + i]
+            if job.failed:
+                counts["load_failures"] += 1
+            else:
+                counts["loads"] += 1
+                counts["loaded_blocks"] += len(job.pages)
+        elif job.failed:
+            counts["store_failures"] += 1
+            if prog is not None:  # the host copy is incomplete: pages back
+                for page in job.pages:
+                    prog.pages.remove(page)
+                self.free_pages += job.pages
+        else:
+            counts["stores"] += 1
+            counts["stored_blocks"] += len(job.pages)
+            if prog is not None and lc.req is not None:  # the copy is whole: name its blocks
+                hashes = lc.req.block_hashes
+                for i, page in enumerate(job.pages):
+                    prog.hashes[page] = hashes[job.first_block + i]
         self.registry.deliver(job.ticket, job.failed == 0, job=job_id)
 
     def request_finished(self, request: Request) -> bool:
@@ -363,10 +679,13 @@ class _SchedulerSide:
             self.registry.abort(lc)
         else:
             self.registry.finish(lc)
-        if lc.state is State.FINISHED_PENDING:
-            self.progress[lc.serial].delayed_free = True
-            return True  # vLLM keeps the blocks until the id is reported finished
-        return False
+        if lc.state is State.FINISHED_PENDING:  # stores still read its blocks: fence them
+            for job_id in self.progress[lc.serial].jobs:
+                job = self.jobs.get(job_id)
+                if job is not None and not job.load:
+                    for block in job.block_ids:
+                        self.fenced.setdefault(block, set()).add(job_id)
+        return False  # vLLM frees the blocks and the id now
 
     def _released(self, lc: Lifecycle, request: Any) -> None:
         prog = self.progress.pop(lc.serial)
@@ -377,70 +696,80 @@ class _SchedulerSide:
                 self.page_hash[page] = block_hash
             else:  # aborted, or the same content is cached already
                 self.free_pages.append(page)
-        if prog.delayed_free:
-            self.to_report.add(prog.req_id)
+
+    def stats(self) -> KVLifeConnectorStats | None:
+        """The counters' growth since the last call, or ``None`` when none grew. The
+        registry's refusals are counted at most once a second (its statistics walk every
+        live lifecycle)."""
+        now = time.monotonic()
+        if now - self._refusals_at >= 1.0:
+            self._refusals_at = now
+            self.counts["refusals"] = sum(self.registry.statistics().refusals.values())
+        counts, reported = self.counts, self._reported
+        delta = {key: counts[key] - reported[key] for key in STAT_KEYS}
+        if not any(delta.values()):
+            return None
+        self._reported = dict(counts)
+        return KVLifeConnectorStats(data=delta)
+
+    def shutdown(self) -> None:
+        """Write every audit record and close the log (the engine is stopping)."""
+        try:
+            self.registry.flush()
+        except Exception:  # another thread: the sink is flushed by its close below
+            logger.debug("kvlife: registry flush at shutdown", exc_info=True)
+        if self.sink is not None:
+            self.sink.close()
 
 
 class _WorkerSide:
-    def __init__(self, *, pages: int, block_size: int) -> None:
+    def __init__(self, *, pages: int, num_blocks: int, layout: str | None) -> None:
         self.pages = pages
-        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.layout_name = layout
         self.copier: CopyEngine | None = None
         self.host: HostPagePool | None = None
         self.inflight: dict[int, CopyJob] = {}
         self.failed: set[int] = set()
         self.loaded: set[int] = set()  # load jobs done since the last report
-        self.loading: dict[int, tuple[torch.cuda.Event | None, str]] = {}
+        self.loading: dict[int, CopyJob] = {}
         self.load_errors: set[int] = set()
-        self.finished_sending: set[str] = set()
-        self.finished_recving: set[str] = set()
-        self.blocks: list[torch.Tensor] = []  # per component: [blocks, block_size, heads, dim]
+        self.views: list[torch.Tensor] = []  # per component: [blocks, *block]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        tensors = list(kv_caches.values())
-        if not tensors:
-            raise LayoutError("vLLM registered no KV cache tensors")
-        first = tensors[0]
-        if first.dim() != 5 or first.shape[0] != 2 or first.shape[2] != self.block_size:
-            raise LayoutError(
-                "kvlife's vLLM connector copies NHD caches shaped [2, blocks, block_size, "
-                f"heads, head_dim] (block_size {self.block_size}); got {tuple(first.shape)}"
-            )
-        if any(t.shape != first.shape or t.dtype != first.dtype for t in tensors):
-            raise LayoutError("every layer's KV cache must have the same shape and dtype")
-        _, blocks, block_size, heads, head_dim = first.shape
-        layout = KVLayout(
-            "per_layer",
-            layers=len(tensors),
-            slots=blocks * block_size,
-            heads=heads,
-            head_dim=head_dim,
-            dtype=first.dtype,
-            page_size=block_size,
-        )
-        kv = []
-        for tensor in tensors:
-            for component in (tensor[0], tensor[1]):
-                view = component.view(blocks * block_size, heads, head_dim)  # no copy
-                kv.append(view)
-                self.blocks.append(component)
+        views = block_views(kv_caches, self.num_blocks, self.layout_name)
+        first = views[0]
+        layout = KVLayout.blocks(len(views), self.num_blocks, tuple(first.shape[1:]), first.dtype)
+        self.views = views
         self.host = HostPagePool(layout, self.pages, pin_memory=first.is_cuda)
-        self.copier = CopyEngine(layout, kv, self.host)
+        self.copier = CopyEngine(layout, views, self.host)
+        logger.info(
+            "kvlife: %d KV cache components of %d blocks (%s layout, block %s %s), "
+            "host cache %d blocks (%d bytes)",
+            len(views),
+            self.num_blocks,
+            self.layout_name or "unnamed",
+            tuple(first.shape[1:]),
+            first.dtype,
+            self.pages,
+            self.pages * layout.bytes_per_page,
+        )
 
-    def save(self, meta: KVLifeConnectorMetadata) -> None:
+    def _ready(self) -> tuple[CopyEngine, HostPagePool]:
         if self.copier is None or self.host is None:
             raise RuntimeError("register_kv_caches() was not called")
-        offsets = torch.arange(self.block_size)
+        return self.copier, self.host
+
+    def save(self, meta: KVLifeConnectorMetadata) -> None:
+        copier, host = self._ready()
         for store in meta.stores:
-            slots = (torch.tensor(store.block_ids)[:, None] * self.block_size + offsets).reshape(-1)
             try:
-                self.inflight[store.job_id] = self.copier.launch(
-                    slots, HostPages(self.host, tuple(store.pages))
+                self.inflight[store.job_id] = copier.launch(
+                    store.block_ids, HostPages(host, tuple(store.pages))
                 )
             except Exception:  # reported as failed; the scheduler side frees the pages
                 logger.exception("kvlife: store job %d could not be launched", store.job_id)
                 self.failed.add(store.job_id)
-        self.finished_sending |= meta.released
 
     def wait_for(self, job_ids: set[int]) -> None:
         """Finish the stores that read blocks vLLM is about to reuse (preemption)."""
@@ -458,6 +787,7 @@ class _WorkerSide:
         for job_id, job in list(self.inflight.items()):
             if job.query():
                 del self.inflight[job_id]
+                job.release_resources()
                 if job.error is None:
                     meta.done[job_id] = 1
                 else:
@@ -465,80 +795,105 @@ class _WorkerSide:
         return meta
 
     def load(self, meta: KVLifeConnectorMetadata) -> None:
-        """Copy each load's host pages into its device blocks (before the forward pass
-        that reads them; synchronous on the CPU, ordered on the current stream on CUDA)."""
-        host = self.host
-        if host is None or not meta.loads:
+        """Copy each load's host pages into its device blocks before the forward pass
+        that reads them (on the CPU at once; on CUDA on a copy stream that the current
+        stream then waits for)."""
+        if not meta.loads:
             return
+        copier, host = self._ready()
         for load in meta.loads:
             try:
-                for page, block in zip(load.pages, load.block_ids, strict=True):
-                    staged = host.page_view(page, 1)[0]  # [components, block_size, elems]
-                    for c, device in enumerate(self.blocks):
-                        device[block].copy_(staged[c].view_as(device[block]), non_blocking=True)
-            except Exception:  # its blocks are recomputed by vLLM
-                logger.exception("kvlife: load job %d failed", load.job_id)
+                job = copier.load(HostPages(host, tuple(load.pages)), load.block_ids)
+            except Exception as exc:  # refused before copying: reported as a failed load
+                job = CopyJob(HostPages(host, ()), 0, 0, None)
+                job.error = exc
+            if job.error is not None:  # its blocks are recomputed by vLLM
+                logger.error("kvlife: load job %d failed: %s", load.job_id, job.error)
                 self.failed.add(load.job_id)
                 self.load_errors.update(load.block_ids)
-            else:
-                event = None
-                if self.blocks and self.blocks[0].is_cuda:  # done when the stream got there
-                    event = torch.cuda.Event()
-                    event.record()
-                self.loading[load.job_id] = (event, load.req_id)
                 continue
-            self.finished_recving.add(load.req_id)
+            if job.event is not None:  # the forward pass reads the blocks after the copy
+                torch.cuda.current_stream(job.event.device).wait_event(job.event)
+            self.loading[load.job_id] = job
 
     def _poll_loads(self) -> None:
-        for job_id, (event, req_id) in list(self.loading.items()):
-            if event is None or event.query():
+        for job_id, job in list(self.loading.items()):
+            if job.query():
                 del self.loading[job_id]
+                job.release_resources()
                 self.loaded.add(job_id)
-                self.finished_recving.add(req_id)
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        self._poll_loads()
-        sending, self.finished_sending = self.finished_sending, set()
-        recving, self.finished_recving = self.finished_recving, set()
-        return sending or None, recving or None
+    def shutdown(self) -> None:
+        """Wait for the copies still in flight (they read vLLM's blocks)."""
+        for job in [*self.inflight.values(), *self.loading.values()]:
+            if job.event is not None:
+                job.event.synchronize()
 
 
 class KVLifeConnector(KVConnectorBase_V1):
-    """The vLLM KV connector. ``kv_connector_extra_config``: ``host_pages`` (host blocks
-    per worker, default 1024), ``stride_blocks`` (blocks per store, default 1),
-    ``audit_log`` (a JSON-lines audit log path for the scheduler side, default none)."""
+    """The vLLM KV connector; ``kv_connector_extra_config`` is a
+    [`ConnectorConfig`][kvlife.offload.engines.vllm.ConnectorConfig].
+
+    Raises (at construction, so the engine does not start): ``ValueError`` for an
+    unknown extra-config key or a bad value, naming it.
+    """
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        pages = int(extra.get("host_pages", DEFAULT_HOST_PAGES))
-        stride = int(extra.get("stride_blocks", 1))
-        if pages <= 0 or stride <= 0:
-            raise ValueError(f"host_pages and stride_blocks must be positive, got {extra!r}")
-        block_size = vllm_config.cache_config.block_size
+        config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
+        version = str(getattr(vllm, "__version__", "unknown"))
+        if not version.startswith(TESTED_VLLM):
+            logger.warning(
+                "kvlife: vLLM %s is not a version kvlife's connector was tested on (%s)",
+                version,
+                ", ".join(f"{v}x" for v in TESTED_VLLM),
+            )
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            raise LayoutError(
+                f"kvlife's vLLM connector copies one KV cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model): not supported"
+            )
+        pages = config.pages(block_bytes(kv_cache_config))
+        self.config = config
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(
                 pages=pages,
-                block_size=block_size,
+                block_size=vllm_config.cache_config.block_size,
                 workers=vllm_config.parallel_config.world_size,
-                stride=stride,
-                audit=extra.get("audit_log"),
+                config=config,
+            )
+            logger.info(
+                "kvlife %s connector active (vLLM %s): host cache %d blocks, audit log %s",
+                KVLIFE_VERSION,
+                version,
+                pages,
+                config.audit_log or "off",
             )
         else:
-            self._worker = _WorkerSide(pages=pages, block_size=block_size)
+            self._worker = _WorkerSide(
+                pages=pages,
+                num_blocks=kv_cache_config.num_blocks,
+                layout=resolved_layout(vllm_config),
+            )
 
     @property
     def registry(self) -> LifecycleRegistry:
         """The scheduler side's lifecycle registry (statistics, audit sinks, hooks)."""
         return self._scheduler_side().registry
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The scheduler side's counters since start (the keys of ``STAT_KEYS``; vLLM's
+        metrics get their growth per interval)."""
+        return dict(self._scheduler_side().counts)
 
     @property
     def free_host_pages(self) -> int:
@@ -548,10 +903,7 @@ class KVLifeConnector(KVConnectorBase_V1):
     @property
     def host_pages(self) -> HostPagePool:
         """The worker side's host page pool (after ``register_kv_caches``)."""
-        host = self._worker_side().host
-        if host is None:
-            raise RuntimeError("register_kv_caches() was not called")
-        return host
+        return self._worker_side()._ready()[1]
 
     def _scheduler_side(self) -> _SchedulerSide:
         if self._scheduler is None:
@@ -565,7 +917,24 @@ class KVLifeConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "NHD"
+        return None  # any layout the attention backend picks: the block views adapt
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVLifeConnectorStats(data=dict(data)) if data else KVLifeConnectorStats()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is None:
+            return None  # the scheduler side counts everything
+        return self._scheduler.stats()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
 
     # ---------------------------------------------------------------- scheduler side
     def on_new_request(self, request: Request) -> None:
@@ -575,8 +944,7 @@ class KVLifeConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         blocks = self._scheduler_side().lookup(request, num_computed_tokens)
-        tokens = blocks * self._scheduler_side().block_size
-        return tokens, tokens > 0  # loads are asynchronous
+        return blocks * self._scheduler_side().block_size, False  # loaded before the forward
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -600,7 +968,7 @@ class KVLifeConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, KVLifeConnectorMetadata):
-            self._worker_side().wait_for(kv_connector_metadata.preempted_jobs)
+            self._worker_side().wait_for(kv_connector_metadata.wait_jobs)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -621,7 +989,7 @@ class KVLifeConnector(KVConnectorBase_V1):
             self._worker_side().save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker_side().get_finished()
+        return None, None  # no free is delayed and loads are synchronous: nothing by id
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()

@@ -178,7 +178,6 @@ class Engine:
         self.hold_all = False
         self.stores: list[Any] = []  # every StoreJob the scheduler sent
         self.loads: list[Any] = []  # every LoadJob the scheduler sent
-        self.held_recving: set[str] = set()  # loads done but not reported (hold_all)
         self.fail: set[int] = set()  # job ids the worker reports failed
         self.expected: dict[int, list[torch.Tensor]] = {}  # job id -> device blocks at launch
 
@@ -211,10 +210,7 @@ class Engine:
         # any page is freed and reused by a later store
         self.assert_host_copies_exact(meta.stores)
         sending, recving = self.worker.get_finished(out.finished_req_ids)
-        recving = set(recving or ())
-        if self.hold_all:
-            self.held_recving |= recving
-            recving = set()
+        assert sending is None and recving is None  # nothing is reported by request id
         wmeta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         for job_id in list(wmeta.done):
@@ -225,16 +221,12 @@ class Engine:
                 wmeta.failed[job_id] = wmeta.done.pop(job_id)
         for job_id in release:
             wmeta.done[job_id] = self.held.pop(job_id, 1)
-            recving |= {load.req_id for load in self.loads if load.job_id == job_id}
-        self.held_recving -= recving
         req_ids = list(out.num_scheduled_tokens)
         output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=[[TOKEN] for _ in req_ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending,
-                finished_recving=recving or None,
                 kv_connector_worker_meta=wmeta,
             ),
         )
@@ -272,7 +264,8 @@ class Engine:
 
     def host_block(self, page: int) -> torch.Tensor:
         """Host page ``page`` as the worker holds it: [components, BLOCK, elems]."""
-        return self.worker.host_pages.page_view(page, 1)[0]
+        components = 2 * len(self.kv)
+        return self.worker.host_pages.page_view(page, 1)[0].reshape(components, BLOCK, -1)
 
     def device_block(self, block: int) -> torch.Tensor:
         """Device block ``block`` in the host page's order: K0, V0, K1, V1, ..."""
