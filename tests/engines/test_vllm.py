@@ -35,6 +35,16 @@ def test_vllms_offloading_connector_dies_on_a_late_store_after_an_id_reuse() -> 
     step(scheduler, completed=jobs)  # the old store completes: KeyError in the scheduler
 
 
+@pytest.mark.xfail(raises=KeyError, strict=True, reason="vLLM removes a job id only once")
+def test_vllms_offloading_connector_dies_on_a_repeated_store_report() -> None:
+    scheduler = make_scheduler("OffloadingConnector", extra={"cpu_bytes_to_use": 64 << 20})
+    scheduler.add_request(make_request("0", max_tokens=8))
+    jobs = list(step(scheduler).kv_connector_metadata.store_jobs)  # prefill: stores start
+    assert jobs
+    step(scheduler, completed=jobs)  # the workers report the stores done
+    step(scheduler, completed=jobs)  # and the same report again: KeyError in the scheduler
+
+
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvlife.fsm import AuditReader, State, check_audit, read_audit  # noqa: E402
