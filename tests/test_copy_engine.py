@@ -248,3 +248,91 @@ def test_cuda_an_unrecorded_event_reports_done_but_a_job_does_not() -> None:
     assert pages is not None
     job = CopyJob(pages, 16, 0, event, run=None)  # an event, but launch() never recorded it
     assert not job.recorded and not job.query()
+
+
+def _strided_blocks(blocks: int = 12) -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
+    """Three components whose blocks interleave in one buffer (block-outermost, as vLLM's
+    cross-layer layouts are) and whose block interior is permuted: [B, N, H, C] memory,
+    [B, H, N, C] views."""
+    buffer = torch.randn(blocks, 3, 16, 2, 8, generator=torch.Generator().manual_seed(5))
+    views = [buffer[:, c].transpose(1, 2) for c in range(3)]  # [B, H=2, N=16, C=8]
+    return KVLayout.blocks(3, blocks, (2, 16, 8), torch.float32), views, buffer
+
+
+def test_a_block_layout_stores_and_loads_strided_blocks_byte_for_byte() -> None:
+    layout, views, _ = _strided_blocks()
+    host = HostPagePool(layout, 6, pin_memory=False)
+    engine = CopyEngine(layout, views, host)
+    before = [v.clone() for v in views]
+    pages = host.alloc(3)
+    assert pages is not None
+    job = engine.launch([4, 0, 9], pages)
+    assert job.query() and job.error is None
+    for page, block in zip(pages, [4, 0, 9], strict=True):
+        for c, view in enumerate(views):
+            assert torch.equal(host.tensor[page, c].view(2, 16, 8), view[block])
+    loaded = engine.load(pages, [1, 11, 7])
+    assert loaded.query() and loaded.error is None
+    for c, view in enumerate(views):
+        for source, target in zip([4, 0, 9], [1, 11, 7], strict=True):
+            assert torch.equal(view[target], before[c][source])
+        others = [b for b in range(12) if b not in (1, 11, 7)]
+        assert torch.equal(view[others], before[c][others])
+
+
+def test_a_load_writes_whole_aligned_pages_back_for_token_layouts() -> None:
+    layout = LAYOUTS["per_layer"]
+    kv = _filled(layout)
+    host = HostPagePool(layout, 4, pin_memory=False)
+    engine = CopyEngine(layout, kv, host)
+    pages = host.alloc(2)
+    assert pages is not None
+    engine.launch(list(range(16, 48)), pages)  # device pages 1 and 2
+    expected = _expected(layout, kv, list(range(16, 48)))
+    assert engine.load(pages, list(range(32, 64))).error is None  # into pages 2 and 3
+    assert torch.equal(_expected(layout, kv, list(range(32, 64))), expected)
+
+
+def test_bad_loads_are_refused_before_anything_is_written() -> None:
+    layout, views, buffer = _strided_blocks()
+    host = HostPagePool(layout, 4, pin_memory=False)
+    engine = CopyEngine(layout, views, host)
+    pages = host.alloc(2)
+    assert pages is not None
+    before = buffer.clone()
+    with pytest.raises(ValueError, match="3 slots are not 2 whole pages"):
+        engine.load(pages, [1, 2, 3])
+    with pytest.raises(ValueError, match="out of range"):
+        engine.load(pages, [1, 12])
+    other = HostPagePool(layout, 2, pin_memory=False).alloc(2)
+    assert other is not None
+    with pytest.raises(ValueError, match="another pool"):
+        engine.load(other, [1, 2])
+    token_layout = LAYOUTS["per_layer"]
+    token_host = HostPagePool(token_layout, 2, pin_memory=False)
+    token_pages = token_host.alloc(1)
+    assert token_pages is not None
+    token_engine = CopyEngine(token_layout, _filled(token_layout), token_host)
+    with pytest.raises(ValueError, match="whole aligned device pages"):
+        token_engine.load(token_pages, list(range(3, 19)))
+    assert torch.equal(buffer, before)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_a_block_layout_stores_and_loads_byte_for_byte() -> None:
+    layout, views, buffer = _strided_blocks()
+    buffer = buffer.cuda()
+    views = [buffer[:, c].transpose(1, 2) for c in range(3)]
+    host = HostPagePool(layout, 4, pin_memory=True)
+    engine = CopyEngine(layout, views, host, streams=2)
+    before = buffer.clone()
+    pages = host.alloc(2)
+    assert pages is not None
+    store = engine.launch([3, 8], pages)
+    load = engine.load(pages, [0, 5])
+    assert load.event is not None
+    torch.cuda.current_stream().wait_event(load.event)
+    torch.cuda.synchronize()
+    assert store.query() and load.query() and load.error is None
+    assert torch.equal(buffer[0], before[3]) and torch.equal(buffer[5], before[8])

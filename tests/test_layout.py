@@ -67,3 +67,41 @@ def test_tensors_that_do_not_match_are_refused() -> None:
         bad = torch.zeros((4, 64, 2)).transpose(0, 1)  # [64, 4, 2]
         other = KVLayout("per_layer", layers=1, slots=64, heads=4, head_dim=2, dtype=torch.float32)
         other.component_views([bad.transpose(1, 2).contiguous().transpose(1, 2), bad])
+
+
+def test_a_block_layout_takes_strided_tensors_as_they_are() -> None:
+    layout = KVLayout.blocks(components=3, blocks=10, block_shape=(2, 4, 6), dtype=torch.float16)
+    assert (layout.components, layout.elems, layout.page_size) == (3, 48, 1)
+    assert layout.page_shape == (2, 4, 6) and LAYOUTS["mla"].page_shape == (16, 12)
+    assert [tuple(t.shape) for t in layout.allocate()] == [(10, 2, 4, 6)] * 3
+    # one buffer, blocks outermost, layers inside each block: every view is strided
+    buffer = torch.zeros(10, 3, 2, 4, 6, dtype=torch.float16)
+    views = [buffer[:, layer] for layer in range(3)]
+    assert layout.component_views(views) == views  # the engine's own tensors
+    assert layout.bytes_per_page == 3 * 48 * 2
+    with pytest.raises(LayoutError, match=r"tensor 1: expected \(10, 2, 4, 6\)"):
+        layout.component_views([views[0], views[1][:, :1], views[2]])
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: KVLayout.blocks(2, 8, (), torch.float32), "head_dim must be a positive int"),
+        (
+            lambda: KVLayout("blocks", 2, 8, 1, 4, torch.float32, 1, (2, 2.0)),  # type: ignore[arg-type]
+            "block_shape of positive ints",
+        ),
+        (
+            lambda: KVLayout("blocks", 2, 8, 1, 12, torch.float32, 1, (4, 4)),
+            "whose product is head_dim",
+        ),
+        (lambda: KVLayout("blocks", 2, 8, 1, 16, torch.float32, 16, (16,)), "page_size=1"),
+        (
+            lambda: KVLayout("per_layer", 2, 8, 1, 4, torch.float32, 16, (4,)),
+            "block_shape is for blocks layouts",
+        ),
+    ],
+)
+def test_bad_block_layouts_are_refused(make: object, message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        make()  # type: ignore[operator]

@@ -311,3 +311,35 @@ def test_settle_without_blocking_gives_way_to_a_write_in_progress(tmp_path: Path
     sink.close()
     with pytest.raises(RuntimeError, match="flush_interval_s"):
         JsonLinesSink(tmp_path / "b.jsonl").settle()
+
+
+def test_a_writer_killed_outright_loses_at_most_its_last_interval_and_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "a.jsonl"
+    child = _run(
+        """
+        import os, sys, time
+        from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+        from tests.strategies import Req
+        sink = JsonLinesSink(sys.argv[1], flush_interval_s=0.1, open_marker=True)
+        registry = LifecycleRegistry(sinks=[sink])
+        def lifecycle(rid):
+            req = Req(rid)
+            ticket = registry.start_offload(registry.register(req))
+            registry.finish(req)
+            registry.complete(ticket)
+        lifecycle("old")
+        time.sleep(1.0)  # ten intervals: these four records are in the file
+        lifecycle("new")  # these are not, when the process dies at once
+        os._exit(9)
+        """,
+        str(path),
+    )
+    assert child.returncode == 9, child.stderr
+    assert [r.rid for r in read_audit(path).records] == ["old"] * 4
+    assert Path(f"{path}.open").exists()
+    with caplog.at_level("WARNING", logger="kvlife.fsm.sinks"):
+        sink = JsonLinesSink(path, open_marker=True)
+    assert sink.previous_unclean is not None and "stopped without closing" in caplog.text
+    sink.close()
