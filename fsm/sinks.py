@@ -163,9 +163,9 @@ class _JsonFile:
         self.path = path
         self.marker = marker
         # held by every buffer and file operation when a flush thread runs beside the
-        # writer; not re-entrant, so that a signal handler can tell when it is held
+        # writer
         self.lock = threading.Lock()
-        self.write_through = False  # after settle(): each record is written at once
+        self.unsynced = False  # written by write_out() and not fsynced yet
         self.sync = fsync != "never"
         self.max_bytes = max_bytes
         self.backups = backups
@@ -189,15 +189,18 @@ class _JsonFile:
             raise
         return fd, size
 
-    def _write_all(self, fd: int, size: int, data: bytes) -> int:
-        """Append ``data`` whole (and fsync per policy), or leave the file at ``size``
-        and raise."""
+    def _write_all(self, fd: int, size: int, data: bytes, sync: bool = True) -> int:
+        """Append ``data`` whole (and fsync per policy unless ``sync`` is False), or leave
+        the file at ``size`` and raise."""
         view = memoryview(data)
         try:
             while view:
                 view = view[os.write(fd, view) :]
-            if self.sync:
+            if self.sync and sync:
                 os.fsync(fd)
+                self.unsynced = False
+            elif self.sync:
+                self.unsynced = True
         except OSError:
             # a partial line would glue itself to the next record: cut it off again
             with contextlib.suppress(OSError):  # the file is gone or read-only now
@@ -205,14 +208,14 @@ class _JsonFile:
             raise
         return len(data)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, sync: bool = True) -> None:
         fd = self.fd
         if fd is None:
             raise AuditSinkClosedError(f"audit sink {self.path} is closed")
         limit = self.max_bytes
         if limit is not None and self.size + len(data) > limit and self.in_file:
             fd = self._rotate(fd)
-        self.size += self._write_all(fd, self.size, data)
+        self.size += self._write_all(fd, self.size, data, sync)
 
     def _rotate(self, fd: int) -> int:
         """Move the full file to ``.1`` (older ones one up; the oldest is dropped) and
@@ -235,11 +238,14 @@ class _JsonFile:
         self.in_file = 0
         return new_fd
 
-    def flush(self) -> None:
+    def flush(self, sync: bool = True) -> None:
         buffer = self.buffer
         if not buffer:
+            if sync and self.unsynced and self.fd is not None:
+                os.fsync(self.fd)
+                self.unsynced = False
             return
-        self.write(encode_lines(buffer))  # raises before the buffer is touched
+        self.write(encode_lines(buffer), sync)  # raises before the buffer is touched
         self.records_written += len(buffer)
         self.in_file += len(buffer)
         buffer.clear()
@@ -450,41 +456,19 @@ class JsonLinesSink:
         file = self._file
         with file.lock:  # the flush thread writes the same buffer
             self._buffer_record(item)
-            if file.write_through:
-                try:
-                    file.flush()
-                except BaseException:
-                    file.buffer.pop()  # this record was not taken
-                    raise
 
-    def settle(self, *, blocking: bool = True) -> bool:
-        """Write what is buffered now, and from now on write each record before
-        ``write()`` returns; the open marker is removed (the file holds every record
-        from now on). For a process that is about to stop and may be killed before
-        [`close()`][kvlife.fsm.sinks.JsonLinesSink.close]: a kill then loses no record
-        but one being written (a torn line, trimmed when the log is next opened).
+    def write_out(self) -> None:
+        """Write buffered records to the file now, without ``fsync`` (the flush thread
+        or the next flush syncs them, per the fsync policy): once this returns, a
+        process that is killed loses none of them (the kernel has them), though a
+        machine that loses power may. For writers that may be killed at any moment
+        between calls, such as a server's engine process.
 
-        With ``blocking=False`` (from a signal handler) it does nothing and returns
-        ``False`` when a write or flush is in progress; else it returns ``True``.
-
-        Raises:
-            RuntimeError: the sink has no ``flush_interval_s``.
-            OSError: the write failed; the records stay buffered, nothing changed.
+        Raises ``OSError`` when the write fails; the records stay buffered.
         """
-        if self.flush_interval_s is None:
-            raise RuntimeError("settle() is for a sink with flush_interval_s")
         file = self._file
-        if not file.lock.acquire(blocking=blocking):
-            return False
-        try:
-            file.flush()
-            file.write_through = True
-            if file.marker is not None:
-                with contextlib.suppress(OSError):
-                    file.marker.unlink()
-        finally:
-            file.lock.release()
-        return True
+        with file.lock:
+            file.flush(sync=False)
 
     def write_lost(self, marker: LostRecords) -> None:
         """Write a marker of records the registry had to drop (same rules as write)."""

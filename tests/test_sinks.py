@@ -288,29 +288,20 @@ def test_an_open_marker_tells_the_next_writer_of_an_unclean_stop(
     after.close()
 
 
-def test_settle_writes_everything_and_then_each_record_at_once(tmp_path: Path) -> None:
+def test_write_out_puts_the_records_in_the_file_and_the_thread_syncs_them(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "a.jsonl"
-    sink = JsonLinesSink(path, flush_interval_s=3600, open_marker=True)
+    sink = JsonLinesSink(path, flush_interval_s=0.05, fsync="batch")
     registry = LifecycleRegistry(sinks=[sink])
     _lifecycles(registry, 2)
-    assert _lines(path) == 1  # buffered
-    assert sink.settle()
-    settled = _lines(path)
-    assert settled > 1 and not Path(f"{path}.open").exists()
-    _lifecycles(registry, 1)
-    assert _lines(path) > settled  # written before write() returned
+    sink.write_out()
+    assert len(read_audit(path).records) == 8  # in the file: a killed process keeps them
+    deadline = time.monotonic() + 5
+    while sink._file.unsynced and time.monotonic() < deadline:  # fsynced on the period
+        time.sleep(0.01)
+    assert not sink._file.unsynced
     sink.close()
-    assert len(read_audit(path).records) == _lines(path) - 1
-
-
-def test_settle_without_blocking_gives_way_to_a_write_in_progress(tmp_path: Path) -> None:
-    sink = JsonLinesSink(tmp_path / "a.jsonl", flush_interval_s=3600)
-    with sink._file.lock:  # a write in progress (a signal handler interrupted it)
-        assert sink.settle(blocking=False) is False
-    assert sink.settle(blocking=False) is True
-    sink.close()
-    with pytest.raises(RuntimeError, match="flush_interval_s"):
-        JsonLinesSink(tmp_path / "b.jsonl").settle()
 
 
 def test_a_writer_killed_outright_loses_at_most_its_last_interval_and_is_named(

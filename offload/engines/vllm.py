@@ -53,18 +53,17 @@ that no load reads, and a store that would need a pinned page is skipped. A load
 fails reports its blocks through ``get_block_ids_with_load_errors`` so that vLLM
 recomputes them.
 
-Audit log: records reach the file within ``audit_flush_s`` seconds (default 1) whatever
-the traffic, and a normal shutdown of the engine (SIGINT or SIGTERM to a server, the end
-of an ``LLM``) writes the rest; an engine core killed outright loses at most its last
-interval, and the next start logs that the previous writer did not close the log.
+Audit log: every connector call's records are written to the file when the call returns
+(fsynced within ``audit_flush_s`` seconds, default 1), so the log is current while the
+server runs, and an engine core that is killed between calls -- as vLLM's server kills
+it at every stop, before any shutdown call reaches the connector -- loses none; the next
+start logs that the previous writer did not close the log. An ``LLM`` that ends closes it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import signal
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -444,10 +443,7 @@ class _SchedulerSide:
                 open_marker=True,
             )
         self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
-        self.stopping = False  # a stop signal came: settle the log at the next call
-        self._chained: dict[int, tuple[Any, Any]] = {}  # signal -> (ours, the one before)
-        if self.sink is not None:
-            self._chain_stop_signals()
+
         self.registry.on_release(self._released)
         self.block_size = block_size
         self.workers = workers
@@ -703,42 +699,13 @@ class _SchedulerSide:
             else:  # aborted, or the same content is cached already
                 self.free_pages.append(page)
 
-    def _chain_stop_signals(self) -> None:
-        """On SIGINT or SIGTERM (how operators stop a server, and how vLLM stops its
-        engine core), write the audit log out at once and then write every record as it
-        comes, before the handler that was there (vLLM's) runs: vLLM kills the engine
-        core soon after, before any shutdown call reaches the connector. Only possible
-        in the main thread; elsewhere the log relies on its flush interval."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.getsignal(signum)
-            handler = self._stop_handler(previous)
-            signal.signal(signum, handler)
-            self._chained[signum] = (handler, previous)
-
-    def _stop_handler(self, previous: Any) -> Any:
-        def handler(signum: int, frame: Any) -> None:
-            self.stopping = True
-            if self.sink is not None:
-                try:  # not while a write is in progress: the next connector call does it
-                    self.sink.settle(blocking=False)
-                except Exception:  # never in the way of the stop itself
-                    logger.exception("kvlife: writing the audit log at a stop signal")
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_DFL:  # what the signal would have done
-                signal.signal(signum, signal.SIG_DFL)
-                signal.raise_signal(signum)
-
-        return handler
-
-    def settle_if_stopping(self) -> None:
-        """After a stop signal: every record is in the file when a connector call
-        returns."""
-        if self.stopping and self.sink is not None:
-            self.stopping = False
-            self.sink.settle()
+    def written(self) -> None:
+        """The end of a connector call: its records go to the file now (no fsync), so
+        an engine core that is killed between calls loses none. vLLM kills its engine
+        core at every stop of a server, before any shutdown call reaches the
+        connector."""
+        if self.sink is not None:
+            self.sink.write_out()
 
     def stats(self) -> KVLifeConnectorStats | None:
         """The counters' growth since the last call, or ``None`` when none grew. The
@@ -763,11 +730,6 @@ class _SchedulerSide:
             logger.debug("kvlife: registry flush at shutdown", exc_info=True)
         if self.sink is not None:
             self.sink.close()
-        if threading.current_thread() is threading.main_thread():
-            for signum, (ours, previous) in self._chained.items():
-                if signal.getsignal(signum) is ours:  # put back what was there
-                    signal.signal(signum, previous)
-        self._chained = {}
 
 
 class _WorkerSide:
@@ -988,7 +950,7 @@ class KVLifeConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         side = self._scheduler_side()
         side.on_new_request(request)
-        side.settle_if_stopping()
+        side.written()
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -999,25 +961,27 @@ class KVLifeConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._scheduler_side().load(request, blocks, num_external_tokens)
+        side = self._scheduler_side()
+        side.load(request, blocks, num_external_tokens)
+        side.written()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         side = self._scheduler_side()
         meta = side.build_meta(scheduler_output)
-        side.settle_if_stopping()
+        side.written()
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         side = self._scheduler_side()
         side.update_connector_output(connector_output)
-        side.settle_if_stopping()
+        side.written()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         side = self._scheduler_side()
         delay = side.request_finished(request)
-        side.settle_if_stopping()
+        side.written()
         return delay, None
 
     # ---------------------------------------------------------------- worker side

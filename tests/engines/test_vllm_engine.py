@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
 
-from kvlife.fsm import AuditReader, check_audit, read_audit
+from kvlife.fsm import AuditReader, JsonLinesSink, check_audit, read_audit
 from tests.engines.vllm_model import BLOCK, make_model, prompts
 
 MAX_TOKENS = 16
@@ -51,7 +51,7 @@ A = prompts(4, 100, seed=1)
 B = prompts(3, 100, seed=2, prefix=A[0][:64])  # share A[0]'s first two blocks
 C = prompts(8, 100, seed=3)  # 24 more blocks than the host cache has room for
 SERVED = prompts(24, 120, seed=4)
-SHARED = prompts(6, 100, seed=5, prefix=SERVED[0][:64])
+SHARED = prompts(6, 100, seed=5, prefix=SERVED[2][:64])  # SERVED[2] runs to its end
 
 
 def _llm(model: Path, **kwargs: Any) -> Any:
@@ -187,9 +187,8 @@ def _server(model: Path, audit: Path, log: Path, *, kvlife: bool = True) -> Iter
     64 blocks (so that requests are preempted); stopped with SIGINT to its process group,
     as an operator stops it. Yields its base URL."""
     port = _free_port()
-    # records wait up to 2 s for the file: the last requests' records are still buffered
-    # when the stop comes, and only the stop path can write them
-    extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 2.0}
+    # no timed flush during the run: what is in the file is what each call wrote out
+    extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 3600}
     env = {
         **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
@@ -286,8 +285,8 @@ async def _requests(client: Any, url: str, model: Path, audit: Path) -> dict[str
     seen["first"] = await asyncio.gather(
         *(_complete(client, model, p, cut_after=cuts.get(i)) for i, p in enumerate(SERVED))
     )
-    await asyncio.sleep(3)  # no traffic now: the log must still be current
-    seen["live_lines"] = len(audit.read_text().splitlines())
+    await asyncio.sleep(0.5)  # no traffic now: the log must still be current
+    seen["live"] = check_audit(AuditReader(audit))
     # the same request id again as soon as vLLM has finished the last one, five times
     seen["reused"] = [await _complete(client, model, SERVED[1], rid="same-id") for _ in range(5)]
     # prompts sharing a prefix with what was stored, after vLLM's own cache was reset
@@ -318,11 +317,17 @@ def test_an_openai_server_with_kvlife_under_load(
     assert sum(tokens is None for tokens in seen["first"]) == 6
     assert seen["reused"] == [expected[1]] * 5
     assert seen["shared"] == expected[len(SERVED) :]
-    assert "Traceback" not in output, output[-4000:]
+    running = output.split("[shutdown]")[0]  # (vLLM may log its own teardown errors)
+    assert "Traceback" not in running and "EngineDeadError" not in running, running[-4000:]
     assert seen["preemptions"] > 0  # the small KV cache made vLLM preempt requests
-    assert seen["live_lines"] > 1  # records reached the file while the server ran
+    # while the server ran, every request of the first wave was in the file already
+    assert seen["live"].ok and seen["live"].lifecycles == len(SERVED)
     assert "kvlife 0.1.0 connector active" in output
-    assert "KV Transfer metrics" in output and "hit_blocks=" in output
+    # vLLM's own metrics log carries kvlife's counters; host-cache loads happened (the
+    # shared prefix after the reset, and whatever preemptions evicted from vLLM's cache)
+    metrics = [line for line in output.splitlines() if "KV Transfer metrics" in line]
+    loads = sum(int(line.split("loads=")[1].split(",")[0]) for line in metrics)
+    assert metrics and loads >= 2, metrics
 
     # read after the operator's stop: complete, every request released
     report = check_audit(AuditReader(audit), expect_released=True)
@@ -330,5 +335,7 @@ def test_an_openai_server_with_kvlife_under_load(
     rids = [r.rid for r in read_audit(audit).records if r.trigger == "register"]
     assert len(rids) == len(SERVED) + 5 + len(SHARED) == report.lifecycles
     assert sum("same-id" in (rid or "") for rid in rids) == 5
-    # the log was written out at the stop signal: no unclean-stop marker is left
-    assert not Path(f"{audit}.open").exists()
+    # vLLM killed the engine core (as at every stop): the next writer of the log says so
+    reopened = JsonLinesSink(audit, open_marker=True)
+    assert reopened.previous_unclean is not None
+    reopened.close()
