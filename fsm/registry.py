@@ -33,6 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final, Literal, NoReturn, cast
 
 from kvlife.fsm.errors import (
@@ -364,6 +365,7 @@ class LifecycleRegistry:
         self._seq = 0
         self._released = 0
         self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self._refusal_view = MappingProxyType(self._refusals)
         self._hooks: list[ReleaseHook] = []
         self._guards: list[SinkGuard] = []
         self._gated: tuple[SinkGuard, ...] = ()  # sinks with an active() method
@@ -988,6 +990,12 @@ class LifecycleRegistry:
                 self._sink_failed(record, exc)
 
     # ------------------------------------------------------------------ introspection
+
+    @property
+    def refusals(self) -> Mapping[str, int]:
+        """Refused calls per reason so far, every reason present (a live read-only view:
+        O(1), unlike [`statistics()`][kvlife.fsm.registry.LifecycleRegistry.statistics])."""
+        return self._refusal_view
 
     def statistics(self) -> RegistryStatistics:
         """A snapshot: live per state, totals, refusals per reason, oldest live age."""

@@ -157,6 +157,12 @@ class LifecycleTable:
             return None
         return STATES[row[0] if inflight > 1 else row[1]]
 
+    def permits(self, state: State, trigger: Trigger) -> bool:
+        """Whether the table lets ``trigger`` happen in ``state`` at all (a completion:
+        with a copy in flight to complete). The one question an offload manager or an
+        engine adapter asks before it allocates or launches anything for a copy."""
+        return self.next_state(state, trigger, 1) is not None
+
 
 def sorted_edges(edges: Iterable[Edge]) -> list[Edge]:
     """Edges in a stable order (state order, then trigger order, then guard)."""

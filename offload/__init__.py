@@ -1,7 +1,11 @@
 """kvlife.offload: real KV offload to (pinned) host memory on torch.
 
 [`KVLayout`][kvlife.offload.layout.KVLayout] describes the engine's device KV pool;
-[`HostPagePool`][kvlife.offload.host_pool.HostPagePool] holds host pages shaped after it;
+[`HostPagePool`][kvlife.offload.host_pool.HostPagePool] holds host pages shaped after it
+(its accounting alone, for a scheduler, is a
+[`PageAllocator`][kvlife.offload.host_pool.PageAllocator]);
+[`HostPrefixCache`][kvlife.offload.prefix_cache.HostPrefixCache] keeps finished requests'
+pages by content, with pins and LRU eviction;
 [`CopyEngine`][kvlife.offload.copy_engine.CopyEngine] gathers token slots on the device and
 copies them into host pages (side streams and CUDA events on a GPU, synchronous on CPU);
 [`CompletionQueue`][kvlife.offload.completion.CompletionQueue] delivers each copy's ticket
@@ -20,6 +24,7 @@ from kvlife.offload.host_pool import (
     HostPageError,
     HostPagePool,
     HostPages,
+    PageAllocator,
 )
 from kvlife.offload.layout import KVLayout, LayoutError
 from kvlife.offload.manager import (
@@ -32,6 +37,7 @@ from kvlife.offload.manager import (
     PageHash,
     PageHasher,
 )
+from kvlife.offload.prefix_cache import HostPrefixCache, PrefixCacheError, PrefixCacheStats
 
 __all__ = [
     "Blake2bPageHasher",
@@ -47,12 +53,16 @@ __all__ = [
     "HostPageError",
     "HostPagePool",
     "HostPages",
+    "HostPrefixCache",
     "KVLayout",
     "KVSource",
     "LayoutError",
     "OffloadManager",
     "OffloadResult",
     "OffloadStats",
+    "PageAllocator",
     "PageHash",
     "PageHasher",
+    "PrefixCacheError",
+    "PrefixCacheStats",
 ]

@@ -70,6 +70,73 @@ class HostPages:
         return f"<HostPages {len(self._indices)} pages, runs={self.runs()[:4]}>"
 
 
+class PageAllocator:
+    """Page numbers ``0 .. pages-1``, handed out and taken back: the accounting of a
+    [`HostPagePool`][kvlife.offload.host_pool.HostPagePool] without its memory, for a
+    scheduler that decides which host pages its workers fill.
+
+    ``alloc(n)`` hands out ``n`` pages or none; a fresh allocator hands pages out in order
+    and freed pages are reused first, so allocations come in long runs of consecutive
+    pages. ``free`` is all or nothing: a double free or a page out of range raises and
+    frees none of the pages given.
+    """
+
+    __slots__ = ("_allocated", "_free")
+
+    def __init__(self, pages: int) -> None:
+        if not isinstance(pages, int) or isinstance(pages, bool) or pages <= 0:
+            raise ValueError(f"pages must be a positive int, got {pages!r}")
+        self._free: list[int] = list(range(pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self._allocated = bytearray(pages)  # 1 while a page is handed out
+
+    @property
+    def capacity(self) -> int:
+        """Pages in all."""
+        return len(self._allocated)
+
+    @property
+    def available(self) -> int:
+        """Pages free now."""
+        return len(self._free)
+
+    def alloc(self, n: int) -> tuple[int, ...] | None:
+        """``n`` pages, or ``None`` if fewer than ``n`` are free (nothing allocated then)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"alloc needs a positive page count, got {n!r}")
+        free = self._free
+        if len(free) < n:
+            return None
+        taken = free[-n:]
+        del free[-n:]
+        taken.reverse()
+        for index in taken:
+            self._allocated[index] = 1
+        return tuple(taken)
+
+    def free(self, indices: Sequence[int]) -> None:
+        """Take pages back. All or nothing: on an error no page was freed.
+
+        Raises:
+            ForeignPageError: an index is out of range.
+            DoubleFreeError: a page is already free or listed twice.
+        """
+        allocated = self._allocated
+        if len(set(indices)) != len(indices):
+            raise DoubleFreeError(f"pages {list(indices)[:8]} list a page twice; nothing freed")
+        for index in indices:
+            if not 0 <= index < len(allocated):
+                raise ForeignPageError(f"page {index} is out of range; nothing freed")
+            if not allocated[index]:
+                raise DoubleFreeError(f"page {index} is already free; nothing freed")
+        for index in indices:
+            allocated[index] = 0
+        self._free.extend(sorted(indices, reverse=True))
+
+    def is_allocated(self, index: int) -> bool:
+        """Whether page ``index`` is handed out."""
+        return bool(self._allocated[index])
+
+
 class HostPagePool:
     """Fixed-size pool of host pages with O(1) allocation and free.
 
@@ -85,8 +152,7 @@ class HostPagePool:
     """
 
     def __init__(self, layout: KVLayout, pages: int, *, pin_memory: bool | None = None) -> None:
-        if not isinstance(pages, int) or isinstance(pages, bool) or pages <= 0:
-            raise ValueError(f"pages must be a positive int, got {pages!r}")
+        self._pages = PageAllocator(pages)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.layout = layout
@@ -95,23 +161,21 @@ class HostPagePool:
             dtype=layout.dtype,
             pin_memory=pin_memory,
         )
-        self._free: list[int] = list(range(pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
-        self._allocated = bytearray(pages)  # 1 while a page is handed out
 
     @property
     def capacity(self) -> int:
         """Pages in the pool."""
-        return len(self._allocated)
+        return self._pages.capacity
 
     @property
     def available(self) -> int:
         """Pages free now."""
-        return len(self._free)
+        return self._pages.available
 
     @property
     def in_use(self) -> int:
         """Pages handed out now."""
-        return self.capacity - len(self._free)
+        return self._pages.capacity - self._pages.available
 
     @property
     def pinned(self) -> bool:
@@ -125,17 +189,8 @@ class HostPagePool:
 
     def alloc(self, n: int) -> HostPages | None:
         """``n`` pages, or ``None`` if fewer than ``n`` are free (nothing allocated then)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"alloc needs a positive page count, got {n!r}")
-        free = self._free
-        if len(free) < n:
-            return None
-        taken = free[-n:]
-        del free[-n:]
-        taken.reverse()
-        for index in taken:
-            self._allocated[index] = 1
-        return HostPages(self, tuple(taken))
+        taken = self._pages.alloc(n)
+        return None if taken is None else HostPages(self, taken)
 
     def free(self, pages: HostPages) -> None:
         """Return pages to the pool. All or nothing: on an error no page was freed.
@@ -146,22 +201,11 @@ class HostPagePool:
         """
         if not isinstance(pages, HostPages) or pages.pool is not self:
             raise ForeignPageError(f"{pages!r} was not allocated from this pool")
-        indices = pages.indices
-        allocated = self._allocated
-        if len(set(indices)) != len(indices):
-            raise DoubleFreeError(f"{pages!r} lists a page twice; nothing freed")
-        for index in indices:
-            if not 0 <= index < len(allocated):
-                raise ForeignPageError(f"page {index} is out of range; nothing freed")
-            if not allocated[index]:
-                raise DoubleFreeError(f"page {index} is already free; nothing freed")
-        for index in indices:
-            allocated[index] = 0
-        self._free.extend(sorted(indices, reverse=True))
+        self._pages.free(pages.indices)
 
     def is_allocated(self, index: int) -> bool:
         """Whether page ``index`` is handed out."""
-        return bool(self._allocated[index])
+        return self._pages.is_allocated(index)
 
     def page_view(self, first: int, count: int) -> torch.Tensor:
         """The pool's tensor for pages ``first .. first+count-1`` (one contiguous block)."""

@@ -363,7 +363,7 @@ class OffloadManager:
     def _check_can(self, lc: Lifecycle, trigger: Trigger) -> None:
         """Refuse before anything is allocated or launched. The registry, asked the same
         question of the same table, raises the typed error and audits the refusal."""
-        if LIFECYCLE.next_state(lc.state, trigger, lc.inflight + 1) is None:
+        if not LIFECYCLE.permits(lc.state, trigger):
             getattr(self.registry, trigger.value)(lc)
             raise InvalidTransitionError(f"{trigger.value} refused for {lc!r}")  # not reached
 

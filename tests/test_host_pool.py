@@ -80,3 +80,20 @@ def test_pool_shape_and_pinning() -> None:
     assert pool.page_view(1, 2).is_contiguous()
     with pytest.raises(ValueError, match="pages"):
         HostPagePool(LAYOUT, 0)
+
+
+def test_a_page_allocator_is_the_pools_accounting_without_memory() -> None:
+    from kvlife.offload import PageAllocator  # noqa: PLC0415
+
+    pages = PageAllocator(4)
+    assert pages.alloc(3) == (0, 1, 2) and pages.available == 1 and pages.capacity == 4
+    assert pages.alloc(2) is None and pages.available == 1  # nothing taken
+    with pytest.raises(DoubleFreeError, match="page 3 is already free"):
+        pages.free([1, 3])
+    assert pages.is_allocated(1)  # all or nothing
+    with pytest.raises(ForeignPageError, match="out of range"):
+        pages.free([9])
+    pages.free([1, 0])
+    assert pages.alloc(2) == (0, 1)  # freed pages come back first, in order
+    with pytest.raises(ValueError, match="positive"):
+        PageAllocator(0)

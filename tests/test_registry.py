@@ -965,3 +965,13 @@ def test_the_rid_chain_stays_short_when_old_lifecycles_release_behind_new_ones()
         chain += 1
         lc = lc._older
     assert chain <= 3, chain
+
+
+def test_refusals_is_a_live_view_of_the_statistics_counts() -> None:
+    registry = LifecycleRegistry()
+    view = registry.refusals
+    with pytest.raises(UnknownRequestError):
+        registry.finish(object())
+    assert view["unknown_request"] == 1 == registry.statistics().refusals["unknown_request"]
+    with pytest.raises(TypeError):
+        view["unknown_request"] = 0  # type: ignore[index]

@@ -186,3 +186,13 @@ def test_definition_check_rejects_broken_table(name: str) -> None:
 def test_the_contract_table_passes_its_checks() -> None:
     check_definition(LIFECYCLE_EDGES, A, R)
     assert LIFECYCLE.initial is A and LIFECYCLE.terminal is R
+
+
+def test_permits_is_the_one_question_before_a_copy_starts() -> None:
+    from kvlife.fsm import LIFECYCLE, State, Trigger  # noqa: PLC0415
+
+    starts = {s for s in State if LIFECYCLE.permits(s, Trigger.START_OFFLOAD)}
+    assert starts == {State.ALLOCATED, State.OFFLOADING}
+    assert LIFECYCLE.permits(State.OFFLOADING, Trigger.ACK)  # with a copy in flight
+    assert not LIFECYCLE.permits(State.ALLOCATED, Trigger.ACK)
+    assert not LIFECYCLE.permits(State.RELEASED, Trigger.FINISH)

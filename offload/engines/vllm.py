@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -82,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import (
+    LIFECYCLE,
     JsonLinesSink,
     Lifecycle,
     LifecycleRegistry,
@@ -92,8 +92,9 @@ from kvlife.fsm import (
 )
 from kvlife.fsm import __version__ as KVLIFE_VERSION
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
-from kvlife.offload.host_pool import HostPagePool, HostPages
+from kvlife.offload.host_pool import HostPagePool, HostPages, PageAllocator
 from kvlife.offload.layout import KVLayout, LayoutError
+from kvlife.offload.prefix_cache import HostPrefixCache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -450,8 +451,7 @@ class _SchedulerSide:
         self.stride = config.stride_blocks
         self.counts = dict.fromkeys(STAT_KEYS, 0)  # since start
         self._reported = dict.fromkeys(STAT_KEYS, 0)  # what vLLM was given so far
-        self._refusals_at = 0.0  # when the registry's refusals were last counted
-        self.free_pages = list(range(pages - 1, -1, -1))
+        self.pages = PageAllocator(pages)  # the host pages the workers hold, by number
         self.requests: dict[str, Request] = {}  # the request vLLM holds under an id now
         self.progress: dict[int, _Progress] = {}  # by lifecycle serial
         self.jobs: dict[int, _Job] = {}  # by job id (the ticket's copy number)
@@ -460,11 +460,9 @@ class _SchedulerSide:
         # device blocks of finished requests that stores in flight still read: block ->
         # those jobs; vLLM may hand such a block to another request at once
         self.fenced: dict[int, set[int]] = {}
-        # The host prefix cache: pages of finished requests' full blocks by block hash,
-        # least recently used first. A page some load reads is pinned, never evicted.
-        self.cache: OrderedDict[Any, int] = OrderedDict()
-        self.page_hash: dict[int, Any] = {}  # cached page -> its block hash
-        self.pins: dict[int, int] = {}  # page -> loads in flight that read it
+        # pages of finished requests' full blocks by vLLM's block hash; a page some load
+        # reads is pinned, never evicted
+        self.cache = HostPrefixCache()
         self.hits: dict[str, tuple[int, list[int]]] = {}  # req id -> (first block, pages)
         self.pending_loads: list[LoadJob] = []
 
@@ -531,12 +529,13 @@ class _SchedulerSide:
         """Offload the blocks that are full once this step ran, ``stride`` at a time."""
         full = min(computed // self.block_size, len(prog.block_ids))
         count = full - prog.stored_blocks
-        if count < self.stride or lc.state is State.FINISHED_PENDING:
+        if count < self.stride or not LIFECYCLE.permits(lc.state, Trigger.START_OFFLOAD):
             return
-        pages = self._alloc_pages(count)
-        if pages is None:
+        taken = self.cache.take(self.pages, count)  # evicts what no load reads, if need be
+        if taken is None:
             self.counts["skipped_stores"] += 1
             return
+        pages = list(taken)
         blocks = prog.block_ids[prog.stored_blocks : full]
         ticket = self.registry.start_offload(lc, blocks=count, first_block=prog.stored_blocks)
         self.jobs[ticket.op] = _Job(ticket, pages, blocks, first_block=prog.stored_blocks)
@@ -544,21 +543,6 @@ class _SchedulerSide:
         prog.pages += pages
         prog.stored_blocks = full
         meta.stores.append(StoreJob(ticket.op, blocks, pages))
-
-    def _alloc_pages(self, count: int) -> list[int] | None:
-        """``count`` free pages, evicting the least recently used cached pages that no
-        load reads when needed; ``None`` (nothing evicted) when there are not enough."""
-        short = count - len(self.free_pages)
-        if short > 0:
-            victims = [h for h, page in self.cache.items() if not self.pins.get(page)][:short]
-            if len(victims) < short:
-                return None
-            for block_hash in victims:
-                page = self.cache.pop(block_hash)
-                del self.page_hash[page]
-                self.free_pages.append(page)
-            self.counts["evictions"] += len(victims)
-        return [self.free_pages.pop() for _ in range(count)]
 
     # the load path
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
@@ -570,12 +554,7 @@ class _SchedulerSide:
         hashes = request.block_hashes
         first = num_computed_tokens // self.block_size
         last = min(len(hashes), (request.num_tokens - 1) // self.block_size)
-        pages = []
-        for block_hash in hashes[first:last]:
-            page = self.cache.get(block_hash)
-            if page is None:
-                break
-            pages.append(page)
+        pages = self.cache.lookup(hashes[first:last]) if last > first else []
         self.hits[request.request_id] = (first, pages)
         self.counts["hit_blocks"] += len(pages)
         return len(pages)
@@ -590,9 +569,7 @@ class _SchedulerSide:
         block_ids = [block.block_id for block in blocks.blocks[0][first : first + count]]
         lc = self.registry.lifecycle(request, audit_as=Trigger.START_OFFLOAD)
         ticket = self.registry.start_offload(lc, kind="load", blocks=count, first_block=first)
-        for page in pages:
-            self.pins[page] = self.pins.get(page, 0) + 1
-            self.cache.move_to_end(self.page_hash[page])
+        self.cache.pin(pages)
         self.jobs[ticket.op] = _Job(ticket, pages, first_block=first, load=True)
         self.progress[lc.serial].stored_blocks = first + count  # already on the host
         self.progress[lc.serial].jobs.add(ticket.op)
@@ -642,10 +619,7 @@ class _SchedulerSide:
                         del fenced[block]
         counts = self.counts
         if job.load:  # the cached pages are no longer read
-            for page in job.pages:
-                self.pins[page] -= 1
-                if not self.pins[page]:
-                    del self.pins[page]
+            self.cache.unpin(job.pages)
             if job.failed:
                 counts["load_failures"] += 1
             else:
@@ -656,7 +630,7 @@ class _SchedulerSide:
             if prog is not None:  # the host copy is incomplete: pages back
                 for page in job.pages:
                     prog.pages.remove(page)
-                self.free_pages += job.pages
+                self.pages.free(job.pages)
         else:
             counts["stores"] += 1
             counts["stored_blocks"] += len(job.pages)
@@ -691,13 +665,14 @@ class _SchedulerSide:
 
     def _released(self, lc: Lifecycle, request: Any) -> None:
         prog = self.progress.pop(lc.serial)
+        finished = lc.outcome == "finished"
+        free = []
         for page in prog.pages:  # a finished request's whole copies join the host cache
             block_hash = prog.hashes.get(page)
-            if lc.outcome == "finished" and block_hash is not None and block_hash not in self.cache:
-                self.cache[block_hash] = page
-                self.page_hash[page] = block_hash
-            else:  # aborted, or the same content is cached already
-                self.free_pages.append(page)
+            if not (finished and block_hash is not None and self.cache.insert(block_hash, page)):
+                free.append(page)  # aborted, or the same content is cached already
+        if free:
+            self.pages.free(free)
 
     def written(self) -> None:
         """The end of a connector call: its records go to the file now (no fsync), so
@@ -708,19 +683,20 @@ class _SchedulerSide:
             self.sink.write_out()
 
     def stats(self) -> KVLifeConnectorStats | None:
-        """The counters' growth since the last call, or ``None`` when none grew. The
-        registry's refusals are counted at most once a second (its statistics walk every
-        live lifecycle)."""
-        now = time.monotonic()
-        if now - self._refusals_at >= 1.0:
-            self._refusals_at = now
-            self.counts["refusals"] = sum(self.registry.statistics().refusals.values())
-        counts, reported = self.counts, self._reported
+        """The counters' growth since the last call, or ``None`` when none grew."""
+        counts, reported = self.totals(), self._reported
         delta = {key: counts[key] - reported[key] for key in STAT_KEYS}
         if not any(delta.values()):
             return None
-        self._reported = dict(counts)
+        self._reported = counts
         return KVLifeConnectorStats(data=delta)
+
+    def totals(self) -> dict[str, int]:
+        """Every counter since start."""
+        counts = dict(self.counts)
+        counts["evictions"] = self.cache.stats.evictions
+        counts["refusals"] = sum(self.registry.refusals.values())
+        return counts
 
     def shutdown(self) -> None:
         """Write every audit record and close the log (the engine is stopping)."""
@@ -903,12 +879,12 @@ class KVLifeConnector(KVConnectorBase_V1):
     def counters(self) -> dict[str, int]:
         """The scheduler side's counters since start (the keys of ``STAT_KEYS``; vLLM's
         metrics get their growth per interval)."""
-        return dict(self._scheduler_side().counts)
+        return self._scheduler_side().totals()
 
     @property
     def free_host_pages(self) -> int:
         """Host pages the scheduler side can hand to new stores now."""
-        return len(self._scheduler_side().free_pages)
+        return self._scheduler_side().pages.available
 
     @property
     def host_pages(self) -> HostPagePool:

@@ -207,7 +207,7 @@ def test_a_finished_requests_blocks_are_loaded_back_for_the_same_prefix() -> Non
         assert torch.equal(block, stored[page])
     engine.run_until_idle()
     assert b.num_computed_tokens >= 48 and lc.state is State.RELEASED
-    assert not engine.connector._scheduler.pins  # nothing pinned once loads are over
+    assert not engine.connector._scheduler.cache.pinned  # nothing pinned once loads are over
 
 
 def test_a_different_prompt_is_a_miss() -> None:
@@ -229,9 +229,9 @@ def test_an_abort_while_loading_releases_only_after_the_load() -> None:
     lc = engine.connector.registry.lifecycle(b)
     engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     assert lc.state is State.FINISHED_PENDING and "b" not in engine.scheduler.requests
-    assert engine.connector._scheduler.pins  # the pages it reads cannot be evicted
+    assert engine.connector._scheduler.cache.pinned  # the pages it reads cannot be evicted
     engine.run_until_idle()  # the late load completion: b alone is released, then freed
-    assert lc.state is State.RELEASED and not engine.connector._scheduler.pins
+    assert lc.state is State.RELEASED and not engine.connector._scheduler.cache.pinned
     assert not engine.scheduler.requests
 
 
@@ -243,11 +243,11 @@ def test_a_page_being_loaded_is_never_evicted_and_an_evicted_page_is_a_miss() ->
     engine.hold_all = True
     engine.step()  # b's load pins two pages
     sched = engine.connector._scheduler
-    pinned = set(sched.pins)
+    pinned = sched.cache.pinned
     engine.scheduler.add_request(make_request("d", prompt=48, max_tokens=40, first=7000))
     engine.step()  # d wants three pages: one free and one evictable are not enough
-    assert sched.counts["skipped_stores"] >= 1 and set(sched.pins) == pinned
-    assert all(page in sched.cache.values() for page in pinned)
+    assert sched.counts["skipped_stores"] >= 1 and sched.cache.pinned == pinned
+    assert len(sched.cache) == 3  # the pinned pages are still cached
     engine.run_until_idle()  # now d's stores evict what no load reads
     engine.scheduler.reset_prefix_cache()
     e = make_request("e", prompt=48, max_tokens=2)

@@ -71,19 +71,20 @@ def _model_dir() -> str:
 
 
 def make_scheduler(
-    connector: str,
+    connector: str | None,
     module: str | None = None,
     extra: dict[str, Any] | None = None,
     *,
     blocks: int = 128,
     tensor_parallel: int = 1,
+    max_seqs: int = 16,
 ) -> Scheduler:
     model_config = ModelConfig(
         model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
     )
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
+            max_num_seqs=max_seqs,
             max_num_batched_tokens=1024,
             max_model_len=1024,
             is_encoder_decoder=False,
@@ -92,7 +93,9 @@ def make_scheduler(
         cache_config=CacheConfig(
             block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True
         ),
-        kv_transfer_config=KVTransferConfig(
+        kv_transfer_config=None
+        if connector is None
+        else KVTransferConfig(
             kv_connector=connector,
             kv_connector_module_path=module,
             kv_role="kv_both",

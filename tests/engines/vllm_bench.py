@@ -1,0 +1,190 @@
+"""Scheduler-side step time of vLLM's real ``Scheduler`` with no connector, with vLLM's own
+``OffloadingConnector`` and with ``KVLifeConnector``: the same seeded workload through
+each, interleaved in one process, timing only ``schedule()`` + ``update_from_output()``
+per step (median and p99). ``make bench-vllm``.
+
+The workload keeps ``concurrent`` requests running (prompts of 64-400 distinct tokens,
+16-64 output tokens), admitting a new one whenever one finishes, until ``requests`` have
+been admitted. Every store a connector starts is reported done by the (stand-in) workers
+in the next step, as an asynchronous copy would be; no copy runs, so this is the
+bookkeeping each connector adds to a step, not copy time. The host cache of both
+connectors holds 1024 blocks of 16 tokens: the workload fills it, so both evict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+from kvlife.offload.engines.vllm import KVLifeWorkerMetadata
+from tests.engines.vllm_harness import BLOCK, TOKEN, make_request, make_scheduler
+
+KVLIFE = "kvlife.offload.engines.vllm"
+CONFIGS = ("none", "vllm", "kvlife", "kvlife+log")
+
+
+def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
+    if config == "none":
+        return make_scheduler(None, blocks=4096, max_seqs=64)  # type: ignore[arg-type]
+    if config == "vllm":
+        bytes_per_block = 2 * BLOCK * 12 * 64 * 2  # the harness model: K+V, fp16
+        extra = {"cpu_bytes_to_use": host_blocks * bytes_per_block}
+        return make_scheduler("OffloadingConnector", extra=extra, blocks=4096, max_seqs=64)
+    extra: dict[str, Any] = {"host_pages": host_blocks}
+    if config == "kvlife+log":  # with its audit log, as a server would run it
+        extra["audit_log"] = audit
+    return make_scheduler("KVLifeConnector", KVLIFE, extra, blocks=4096, max_seqs=64)
+
+
+def _worker_meta(config: str, jobs: Iterable[int]) -> Any:
+    done = dict.fromkeys(jobs, 1)
+    if not done:
+        return None
+    if config == "vllm":
+        return OffloadingWorkerMetadata(completed_jobs=done)
+    return KVLifeWorkerMetadata(done=done)
+
+
+def _new_jobs(config: str, out: Any) -> list[int]:
+    meta = out.kv_connector_metadata
+    if config == "vllm":
+        return list(meta.store_jobs)
+    if config.startswith("kvlife"):
+        return [store.job_id for store in meta.stores]
+    return []
+
+
+def run(
+    config: str, *, seed: int, requests: int, concurrent: int, host_blocks: int, audit: str
+) -> list[float]:
+    """Seconds per step of ``schedule()`` + ``update_from_output()``."""
+    rng = random.Random(seed)
+    scheduler = _scheduler(config, host_blocks, audit)
+    admitted = 0
+    first = 10_000
+
+    def admit() -> None:
+        nonlocal admitted, first
+        prompt = rng.randint(64, 400)
+        request = make_request(
+            f"r{admitted}", prompt=prompt, max_tokens=rng.randint(16, 64), first=first
+        )
+        first += prompt
+        scheduler.add_request(request)
+        admitted += 1
+
+    while admitted < min(concurrent, requests):
+        admit()
+    times: list[float] = []
+    pending: list[int] = []  # stores to report done in the next step
+    gc.collect()
+    while scheduler.requests:
+        started = time.perf_counter()
+        out = scheduler.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[TOKEN] for _ in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                kv_connector_worker_meta=_worker_meta(config, pending)
+            ),
+        )
+        scheduler.update_from_output(out, output)
+        times.append(time.perf_counter() - started)
+        pending = _new_jobs(config, out)
+        while admitted < requests and len(scheduler.requests) < concurrent:
+            admit()
+    if scheduler.connector is not None:
+        scheduler.connector.shutdown()
+    return times
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+def measure(
+    *, seed: int = 0, rounds: int = 3, requests: int = 400, concurrent: int = 48
+) -> dict[str, dict[str, float]]:
+    """Median and p99 step time (microseconds) of each config over ``rounds``
+    interleaved runs (each run's steps pooled), and the ratios to no connector."""
+    steps: dict[str, list[float]] = {config: [] for config in CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp:
+        for r in range(rounds):
+            order = CONFIGS if r % 2 == 0 else tuple(reversed(CONFIGS))
+            for config in order:
+                steps[config] += run(
+                    config,
+                    seed=seed + r,
+                    requests=requests,
+                    concurrent=concurrent,
+                    host_blocks=1024,
+                    audit=f"{tmp}/kvlife-{r}.jsonl",
+                )
+    result = {
+        config: {
+            "median_us": statistics.median(times) * 1e6,
+            "p99_us": _p99(times) * 1e6,
+            "max_us": max(times) * 1e6,
+            "steps": float(len(times)),
+        }
+        for config, times in steps.items()
+    }
+    base = result["none"]
+    for config in CONFIGS[1:]:
+        result[config]["median_ratio"] = result[config]["median_us"] / base["median_us"]
+        result[config]["p99_ratio"] = result[config]["p99_us"] / base["p99_us"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrent", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    result = measure(
+        seed=args.seed, rounds=args.rounds, requests=args.requests, concurrent=args.concurrent
+    )
+    print(
+        f"vLLM scheduler step, schedule() + update_from_output(), {args.concurrent} concurrent, "
+        f"{args.requests} requests x {args.rounds} rounds (interleaved)"
+    )
+    for config in CONFIGS:
+        row = result[config]
+        ratios = (
+            f"  median {row['median_ratio']:.2f}x  p99 {row['p99_ratio']:.2f}x of no connector"
+            if config != "none"
+            else ""
+        )
+        print(
+            f"  {config:10s} median {row['median_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
+            f"max {row['max_us']:8.1f} us  ({int(row['steps'])} steps){ratios}"
+        )
+    theirs = result["vllm"]
+    for config in ("kvlife", "kvlife+log"):
+        ours = result[config]
+        median = ours["median_us"] / theirs["median_us"]
+        p99 = ours["p99_us"] / theirs["p99_us"]
+        print(
+            f"  {config} / vLLM's OffloadingConnector: median {median:.2f}, p99 {p99:.2f} "
+            "(target: <= 1 for both)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""The host prefix cache: content lookup, pins, LRU eviction, all-or-nothing refusals."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlife.offload import HostPrefixCache, PageAllocator, PrefixCacheError
+
+
+def _filled(pages: int = 4) -> tuple[HostPrefixCache, PageAllocator]:
+    allocator = PageAllocator(pages)
+    cache = HostPrefixCache()
+    taken = allocator.alloc(pages)
+    assert taken is not None
+    for page in taken:
+        assert cache.insert(f"h{page}", page)
+    return cache, allocator
+
+
+def test_a_lookup_returns_the_cached_prefix_and_counts_hits_and_misses() -> None:
+    cache, _ = _filled()
+    assert cache.lookup(["h0", "h1", "x", "h2"]) == [0, 1]  # stops at the first miss
+    assert cache.lookup(["h3"]) == [3]
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.inserts) == (3, 1, 4)
+    assert cache.insert("h0", 9) is False  # the content is cached already: not taken
+    with pytest.raises(PrefixCacheError, match="page 1 is cached already"):
+        cache.insert("other", 1)
+
+
+def test_eviction_is_least_recently_used_and_never_takes_a_pinned_page() -> None:
+    cache, allocator = _filled()
+    cache.pin([0, 1])  # two loads read h0 and h1
+    assert cache.pinned == {0, 1} and cache.evictable == 2
+    assert cache.evict(3) is None and len(cache) == 4  # too few evictable: nothing
+    assert cache.take(allocator, 3) is None and allocator.available == 0
+    cache.unpin([0])  # h0 is evictable again, as the most recently used
+    assert cache.evict(2) == [2, 3]
+    assert cache.stats.evictions == 2 and "h2" not in cache and "h0" in cache
+    allocator.free([2, 3])
+    taken = cache.take(allocator, 3)  # the two free pages, and h0 evicted for the third
+    assert taken is not None and sorted(taken) == [0, 2, 3] and "h0" not in cache
+    assert cache.pinned == {1} and cache.pins(1) == 1
+
+
+def test_pins_count_and_refusals_change_nothing() -> None:
+    cache, _ = _filled(2)
+    cache.pin([0])
+    cache.pin([0])
+    with pytest.raises(PrefixCacheError, match="page 5 is not cached"):
+        cache.pin([1, 5])
+    assert cache.pins(1) == 0 and cache.pins(0) == 2
+    with pytest.raises(PrefixCacheError, match="page 0 is not pinned 3 time"):
+        cache.unpin([0, 0, 0])
+    cache.unpin([0, 0])
+    assert not cache.pinned and cache.evictable == 2
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["insert", "lookup", "pin", "unpin", "take"]), st.integers(0, 7)),
+        max_size=60,
+    )
+)
+def test_the_cache_behaves_as_a_plain_model(ops: list[tuple[str, int]]) -> None:
+    allocator = PageAllocator(8)
+    cache = HostPrefixCache()
+    lru: OrderedDict[str, int] = OrderedDict()  # the model: unpinned, oldest first
+    pins: dict[int, int] = {}
+    key_of: dict[int, str] = {}
+    owned: set[int] = set()  # pages the test holds (allocated, not cached)
+    for op, n in ops:
+        if op == "insert" and owned:
+            page = min(owned)
+            owned.discard(page)
+            key = f"k{n}"
+            if key in lru or key in key_of.values():
+                assert cache.insert(key, page) is False
+                allocator.free([page])
+            else:
+                assert cache.insert(key, page)
+                lru[key] = page
+                key_of[page] = key
+        elif op == "lookup":
+            keys = [f"k{i}" for i in range(n)]
+            expected = []
+            for key in keys:
+                page = next((p for p, k in key_of.items() if k == key), None)
+                if page is None:
+                    break
+                expected.append(page)
+            assert cache.lookup(keys) == expected
+        elif op == "pin" and key_of:
+            page = sorted(key_of)[n % len(key_of)]
+            cache.pin([page])
+            if not pins.get(page):
+                del lru[key_of[page]]
+            pins[page] = pins.get(page, 0) + 1
+        elif op == "unpin" and pins:
+            page = sorted(pins)[n % len(pins)]
+            cache.unpin([page])
+            pins[page] -= 1
+            if not pins[page]:
+                del pins[page]
+                lru[key_of[page]] = page
+        elif op == "take":
+            count = n % 4 + 1
+            short = count - allocator.available
+            taken = cache.take(allocator, count)
+            if short > len(lru):
+                assert taken is None
+                continue
+            for _ in range(max(short, 0)):
+                _, page = lru.popitem(last=False)
+                del key_of[page]
+            assert taken is not None and len(taken) == count
+            owned |= set(taken)
+        assert (
+            cache.pinned == set(pins) and cache.evictable == len(lru) and len(cache) == len(key_of)
+        )
+        assert allocator.available + len(owned) + len(key_of) == 8
