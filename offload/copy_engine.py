@@ -316,7 +316,10 @@ class CopyEngine:
     def _copy_cpu_pages(self, index: torch.Tensor, pages: HostPages) -> None:
         page = self.layout.page_size
         whole = len(index) // page
-        device_pages = self._aligned_pages(index[: whole * page]) if whole else None
+        if self.layout.kind == "blocks":  # a block is a page: always whole and aligned
+            device_pages: torch.Tensor | None = index
+        else:
+            device_pages = self._aligned_pages(index[: whole * page]) if whole else None
         if device_pages is None:
             self._copy_cpu_staged(index, pages, 0)
             return
@@ -420,7 +423,10 @@ class CopyEngine:
             raise ValueError(f"{len(index)} slots are not {len(pages)} whole pages of {page}")
         if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.layout.slots):
             raise ValueError(f"slot indices out of range [0, {self.layout.slots})")
-        device_pages = self._aligned_pages(index) if len(index) else index
+        if self.layout.kind == "blocks" or not len(index):
+            device_pages: torch.Tensor | None = index
+        else:
+            device_pages = self._aligned_pages(index)
         if device_pages is None:
             raise ValueError("a load writes whole aligned device pages only")
         stream = self._next_stream
@@ -471,7 +477,16 @@ class CopyEngine:
 
     def _scatter_pages(self, device_pages: torch.Tensor, src: torch.Tensor) -> None:
         """Write page-major ``src`` (``[pages, C, page_size, elems]``) into the device
-        pages ``device_pages``, one ``index_copy_`` per component."""
+        pages ``device_pages``: one ``index_copy_`` per component on CUDA; on the CPU one
+        ``copy_`` per page and component, which measured about 1.8x faster there than
+        ``index_copy_`` for whole blocks (``make bench-vllm``'s copy-speed line)."""
         shape = self._page_shape
+        if self.cuda:
+            for c, paged in enumerate(self._paged):
+                paged.index_copy_(0, device_pages, src[:, c].reshape(-1, *shape))
+            return
+        targets = device_pages.tolist()
         for c, paged in enumerate(self._paged):
-            paged.index_copy_(0, device_pages, src[:, c].reshape(-1, *shape))
+            pages = src[:, c].reshape(-1, *shape)
+            for i, target in enumerate(targets):
+                paged[target].copy_(pages[i])

@@ -493,3 +493,15 @@ def test_every_connector_call_leaves_its_records_in_the_file(tmp_path: Any) -> N
     assert (tmp_path / "kvlife.jsonl.open").exists()  # the log was not closed
     engine.connector.shutdown()
     assert not (tmp_path / "kvlife.jsonl.open").exists()
+
+
+def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
+    from tests.engines.vllm_bench import CONFIGS, copy_speed, measure  # noqa: PLC0415
+
+    result = measure(rounds=1, requests=40, concurrent=8)
+    steps = {result[config]["steps"] for config in CONFIGS}
+    assert len(steps) == 1 and steps.pop() > 40  # one workload, one schedule, four configs
+    for config in CONFIGS[1:]:
+        assert result[config]["median_us"] > 0 and result[config]["p99_ratio"] > 0
+    speed = copy_speed(layers=2, blocks=64, copied=8, reps=3)
+    assert speed["store_gbs"] > 0 and speed["load_gbs"] > 0 and speed["mib"] == 1.0

@@ -339,3 +339,13 @@ def test_an_openai_server_with_kvlife_under_load(
     reopened = JsonLinesSink(audit, open_marker=True)
     assert reopened.previous_unclean is not None
     reopened.close()
+
+
+def test_the_engine_benchmark_measures_both_engines_side_by_side() -> None:
+    from tests.engines.vllm_engine_bench import measure  # noqa: PLC0415
+
+    result = measure(reps=1, batch=2, prompt=96, output=4)
+    for key in ("new_plain", "new_kvlife", "again_plain", "again_kvlife"):
+        assert result[key] > 0, key  # output tokens/s of each engine, each phase
+    assert result["ttft_plain"] > 0 and result["ttft_kvlife"] > 0
+    assert result["step_kvlife_us"] > result["connector_median_us"] > 0
