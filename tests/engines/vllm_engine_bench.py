@@ -16,11 +16,12 @@ medians. ``make bench-vllm-cpu``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,17 @@ class _StepTimer:
         self.steps, self.connector = [], []
 
 
+def stop(llm: Any) -> None:
+    """Shut an engine down; for one whose engine core ran in this process, also drop
+    vLLM's process-wide connector (its workers ran here too), which vLLM leaves set."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: PLC0415
+        ensure_kv_transfer_shutdown,
+    )
+
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()
+
+
 def _run(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, int]:
     from vllm import SamplingParams  # noqa: PLC0415
 
@@ -115,20 +127,31 @@ def _run(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, int]
     return elapsed, sum(len(out.outputs[0].token_ids) for out in outputs)
 
 
+@contextlib.contextmanager
+def _multiprocessing(on: bool) -> Iterator[None]:
+    """vLLM's engine core in processes of its own (``on``) or in this process."""
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
 def _step_times(
     model: Path, kvlife: bool, blocks: int, batch: int, prompt: int, output: int
-) -> Any:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-    try:
+) -> _StepTimer:
+    with _multiprocessing(False):  # the engine core in this process, to time its steps
         llm = _llm(model, kvlife, blocks)
-    finally:
-        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
     timer = _StepTimer(llm)
     _run(llm, prompts(4, 64, seed=997), 4)
     timer.reset()
     for rep in range(2):
         _run(llm, prompts(batch, prompt, seed=500 + rep), output)
-    llm.llm_engine.engine_core.shutdown()
+    stop(llm)
     return timer
 
 
@@ -142,7 +165,8 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="kvlife-engine-bench-") as tmp:
         model = make_model(Path(tmp))
         blocks = (reps + 1) * batch * (prompt + output) // BLOCK + 64
-        engines = {"plain": _llm(model, False, blocks), "kvlife": _llm(model, True, blocks)}
+        with _multiprocessing(True):  # two engines: each in processes of its own
+            engines = {"plain": _llm(model, False, blocks), "kvlife": _llm(model, True, blocks)}
         _run(engines["plain"], prompts(4, 64, seed=999), 4)  # first-call costs, both
         _run(engines["kvlife"], prompts(4, 64, seed=998), 4)
         for rep in range(reps):
@@ -162,7 +186,7 @@ def measure(
                 elapsed, tokens = _run(engines[name], seen, output)
                 results[f"again_{name}"].append(tokens / elapsed)
         for llm in engines.values():
-            llm.llm_engine.engine_core.shutdown()
+            stop(llm)
         del engines
         plain = _step_times(model, False, blocks, batch, prompt, output)
         ours = _step_times(model, True, blocks, batch, prompt, output)
