@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
-from tests.engines.vllm_harness import make_request, make_scheduler, step
+from tests.engines.vllm_harness import make_request, make_scheduler, step, vllm_caches
 
 
 @pytest.mark.xfail(raises=KeyError, strict=True, reason="vLLM keys offload state by request id")
@@ -272,11 +272,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheTensor,
-    compute_layout_strides,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvlife.offload import LayoutError  # noqa: E402
 from kvlife.offload.engines.vllm import (  # noqa: E402
@@ -294,37 +291,11 @@ LAYOUT_BLOCKS, LAYOUT_LAYERS = 12, 3
 def _vllm_caches(
     layout: KVCacheLayout, kernel_block: int | None = None
 ) -> tuple[KVCacheConfig, dict[str, torch.Tensor], torch.Tensor]:
-    """KV caches of three layers made by vLLM's own allocator in ``layout``, as its
-    planner places them (block-outermost layouts pack every layer into each block);
-    random bytes in every block. Returns the config, the per-layer views, the buffer."""
+    """Three layers' caches from vLLM's own allocator in ``layout``, random bytes in every
+    block. Returns the config, the per-layer views and the buffer under them."""
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
-    page = spec.page_size_bytes
-    packed = page * LAYOUT_LAYERS if layout.is_block_outermost else None
-    layer_stride, block_stride, *_ = compute_layout_strides(
-        spec,
-        LAYOUT_BLOCKS,
-        LAYOUT_LAYERS,
-        layout,
-        fixed_strides=(None, packed, None, None, None),
-    )
-    names = [f"model.layers.{i}.attn" for i in range(LAYOUT_LAYERS)]
-    config = KVCacheConfig(
-        num_blocks=LAYOUT_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * LAYOUT_BLOCKS * LAYOUT_LAYERS,
-                layers=names,
-                layer_stride=layer_stride,
-                block_stride=block_stride,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
-    caches = allocate_kv_cache(
-        config,
-        torch.device("cpu"),
-        layout,
-        kernel_block_sizes=[kernel_block] if kernel_block else None,
+    config, caches = vllm_caches(
+        layout, spec, layers=LAYOUT_LAYERS, blocks=LAYOUT_BLOCKS, kernel_block=kernel_block
     )
     generator = torch.Generator().manual_seed(layout.value[0] * 10 + layout.value[2])
     first = next(iter(caches.values()))

@@ -37,7 +37,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
 
 from kvlife.fsm import AuditReader, JsonLinesSink, check_audit, read_audit
-from tests.engines.vllm_model import BLOCK, make_model, prompts
+from tests.engines.vllm_model import BLOCK, make_llm, make_model, prompts
 
 MAX_TOKENS = 16
 KVLIFE = {
@@ -52,21 +52,6 @@ B = prompts(3, 100, seed=2, prefix=A[0][:64])  # share A[0]'s first two blocks
 C = prompts(8, 100, seed=3)  # 24 more blocks than the host cache has room for
 SERVED = prompts(24, 120, seed=4)
 SHARED = prompts(6, 100, seed=5, prefix=SERVED[2][:64])  # SERVED[2] runs to its end
-
-
-def _llm(model: Path, **kwargs: Any) -> Any:
-    from vllm import LLM  # noqa: PLC0415
-
-    return LLM(
-        model=str(model),
-        dtype="float32",
-        max_model_len=1024,
-        block_size=BLOCK,
-        enforce_eager=True,
-        skip_tokenizer_init=True,
-        seed=0,
-        **kwargs,
-    )
 
 
 def _generate(llm: Any, batch: list[list[int]]) -> list[list[int]]:
@@ -96,7 +81,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model: Path) -> dict[str, list[list[int]]]:
     """Every prompt set's greedy tokens from the same engine without a connector."""
-    llm = _llm(model)
+    llm = make_llm(model)
     try:
         return {
             name: _generate(llm, batch)
@@ -115,7 +100,7 @@ def test_kvlife_stores_and_loads_in_a_running_engine(
 ) -> None:
     audit = tmp_path / "kvlife.jsonl"
     extra = {"host_pages": 24, "audit_log": str(audit)}
-    llm = _llm(model, kv_transfer_config={**KVLIFE, "kv_connector_extra_config": extra})
+    llm = make_llm(model, kv_transfer_config={**KVLIFE, "kv_connector_extra_config": extra})
     try:
         connector = _connector(llm)
         assert _generate(llm, A) == reference["A"]  # the same tokens with kvlife

@@ -25,10 +25,15 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from kvlife.offload.engines.vllm import KVLifeWorkerMetadata
-from tests.engines.vllm_harness import BLOCK, TOKEN, make_request, make_scheduler
+from tests.engines.vllm_harness import (
+    BLOCK,
+    make_request,
+    make_scheduler,
+    model_output,
+    vllm_caches,
+)
 
 KVLIFE = "kvlife.offload.engines.vllm"
 CONFIGS = ("none", "vllm", "kvlife", "kvlife+log")
@@ -92,16 +97,7 @@ def run(
     while scheduler.requests:
         started = time.perf_counter()
         out = scheduler.schedule()
-        req_ids = list(out.num_scheduled_tokens)
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[[TOKEN] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                kv_connector_worker_meta=_worker_meta(config, pending)
-            ),
-        )
-        scheduler.update_from_output(out, output)
+        scheduler.update_from_output(out, model_output(out, _worker_meta(config, pending)))
         times.append(time.perf_counter() - started)
         pending = _new_jobs(config, out)
         while admitted < requests and len(scheduler.requests) < concurrent:
@@ -122,14 +118,8 @@ def copy_speed(
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
         KVConnectorRole,
     )
-    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: PLC0415
     from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: PLC0415
-    from vllm.v1.worker.utils import allocate_kv_cache  # noqa: PLC0415
 
     from kvlife.offload.engines.vllm import (  # noqa: PLC0415
         KVLifeConnector,
@@ -140,20 +130,7 @@ def copy_speed(
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     page = spec.page_size_bytes
-    names = [f"layer.{i}" for i in range(layers)]
-    config = KVCacheConfig(
-        num_blocks=blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * blocks * layers,
-                layers=names,
-                layer_stride=page * blocks,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
-    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    config, caches = vllm_caches(KVCacheLayout.LBHNC, spec, layers=layers, blocks=blocks)
     vllm_config = make_scheduler("KVLifeConnector", KVLIFE, {"host_pages": copied}).vllm_config
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
     worker = KVLifeConnector(vllm_config, KVConnectorRole.WORKER, config)

@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from tests.engines.vllm_model import BLOCK, make_model, prompts
+from tests.engines.vllm_model import BLOCK, make_llm, make_model, prompts
 
 CONNECTOR_CALLS = (
     "on_new_request",
@@ -43,8 +43,6 @@ CONNECTOR_CALLS = (
 
 
 def _llm(model: Path, kvlife: bool, host_blocks: int) -> Any:
-    from vllm import LLM  # noqa: PLC0415
-
     extra: dict[str, Any] = {}
     if kvlife:
         extra["kv_transfer_config"] = {
@@ -53,16 +51,7 @@ def _llm(model: Path, kvlife: bool, host_blocks: int) -> Any:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"host_pages": host_blocks},
         }
-    return LLM(
-        model=str(model),
-        dtype="float32",
-        max_model_len=2048,
-        block_size=BLOCK,
-        enforce_eager=True,
-        skip_tokenizer_init=True,
-        seed=0,
-        **extra,
-    )
+    return make_llm(model, max_model_len=2048, **extra)
 
 
 class _StepTimer:

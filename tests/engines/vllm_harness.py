@@ -135,21 +135,66 @@ def make_request(rid: str, *, prompt: int = 40, max_tokens: int = 8, first: int 
     )
 
 
-def step(scheduler: Scheduler, completed: Iterable[int] = ()) -> Any:
-    """One engine step; returns the scheduler output (with the connector's metadata)."""
-    out = scheduler.schedule()
+def model_output(out: Any, worker_meta: Any = None) -> ModelRunnerOutput:
+    """What the model runner returns for scheduler output ``out``: every scheduled request
+    sampled ``TOKEN``, and the workers' connector metadata ``worker_meta``."""
     req_ids = list(out.num_scheduled_tokens)
-    jobs = dict.fromkeys(completed, 1)
-    output = ModelRunnerOutput(
+    return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
         sampled_token_ids=[[TOKEN] for _ in req_ids],
-        kv_connector_output=KVConnectorOutput(
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=jobs) if jobs else None
-        ),
+        kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker_meta),
     )
-    scheduler.update_from_output(out, output)
+
+
+def step(scheduler: Scheduler, completed: Iterable[int] = ()) -> Any:
+    """One engine step; returns the scheduler output (with the connector's metadata)."""
+    out = scheduler.schedule()
+    jobs = dict.fromkeys(completed, 1)
+    meta = OffloadingWorkerMetadata(completed_jobs=jobs) if jobs else None
+    scheduler.update_from_output(out, model_output(out, meta))
     return out
+
+
+def vllm_caches(
+    layout: Any,
+    spec: FullAttentionSpec,
+    *,
+    layers: int,
+    blocks: int,
+    kernel_block: int | None = None,
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """KV caches of ``layers`` layers made by vLLM's own allocator in ``layout`` (a
+    ``KVCacheLayout``), placed as vLLM's planner places them (block-outermost layouts pack
+    every layer into each block). Returns the config and the per-layer views."""
+    from vllm.v1.kv_cache_interface import compute_layout_strides  # noqa: PLC0415
+    from vllm.v1.worker.utils import allocate_kv_cache  # noqa: PLC0415
+
+    page = spec.page_size_bytes
+    packed = page * layers if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, blocks, layers, layout, fixed_strides=(None, packed, None, None, None)
+    )
+    names = [f"model.layers.{i}.attn" for i in range(layers)]
+    config = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * blocks * layers,
+                layers=names,
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+    caches = allocate_kv_cache(
+        config,
+        torch.device("cpu"),
+        layout,
+        kernel_block_sizes=[kernel_block] if kernel_block else None,
+    )
+    return config, caches
 
 
 KVLIFE = "kvlife.offload.engines.vllm"
@@ -224,16 +269,7 @@ class Engine:
                 wmeta.failed[job_id] = wmeta.done.pop(job_id)
         for job_id in release:
             wmeta.done[job_id] = self.held.pop(job_id, 1)
-        req_ids = list(out.num_scheduled_tokens)
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[[TOKEN] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                kv_connector_worker_meta=wmeta,
-            ),
-        )
-        self.scheduler.update_from_output(out, output)
+        self.scheduler.update_from_output(out, model_output(out, wmeta))
         return out
 
     def run_until_idle(self, steps: int = 200) -> None:

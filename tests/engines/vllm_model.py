@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,3 +61,20 @@ def prompts(count: int, length: int, seed: int, prefix: list[int] | None = None)
     head = list(prefix or [])
     rest = length - len(head)
     return [head + [rng.randrange(3, VOCAB) for _ in range(rest)] for _ in range(count)]
+
+
+def make_llm(model: Path, *, max_model_len: int = 1024, **kwargs: Any) -> Any:
+    """``vllm.LLM`` over the model: float32, greedy-friendly, eager (no compile), blocks
+    of ``BLOCK`` tokens, token ids in and out."""
+    from vllm import LLM  # noqa: PLC0415
+
+    return LLM(
+        model=str(model),
+        dtype="float32",
+        max_model_len=max_model_len,
+        block_size=BLOCK,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        seed=0,
+        **kwargs,
+    )
