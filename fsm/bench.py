@@ -3,10 +3,10 @@
 Run: ``python -m kvlife.fsm.bench`` (or ``kvlife bench fsm``). One lifecycle is: register,
 4 x (start_offload, ack), finish -> released. Every setup runs in the same process, in
 interleaved rounds, and the table reports the median time per lifecycle and its ratio to
-the seed-style bookkeeping measured in the same rounds. The memory line is tracemalloc's
+the rid-keyed bookkeeping measured in the same rounds. The memory line is tracemalloc's
 count of bytes retained per live lifecycle (10k live, request objects and rids excluded).
 The "what limits the ratios" lines time, each against the loop around it, what the core
-pays that the seed-style dicts do not (the owner-thread check and the ``**detail`` keyword
+pays that the rid-keyed dicts do not (the owner-thread check and the ``**detail`` keyword
 dict of every changing call) and the least an audit record costs (a clock read, building
 the record, a ring append), next to what each ratio target leaves per record.
 """
@@ -81,7 +81,7 @@ class BenchRequest:
         self.inflight = 0
 
 
-class SeedBookkeeping:
+class RidKeyedBookkeeping:
     """The ad-hoc bookkeeping kvlife replaces, as the engine fix it grew out of does it:
     state and in-flight counters in WeakKeyDictionaries keyed by the request, and an
     ``ongoing`` dict from ack id to request."""
@@ -150,7 +150,7 @@ def run_kvlife(registry: LifecycleRegistry, reqs: Sequence[BenchRequest]) -> Non
         finish(req)
 
 
-def run_seed(book: SeedBookkeeping, reqs: Sequence[BenchRequest]) -> None:
+def run_rid_keyed(book: RidKeyedBookkeeping, reqs: Sequence[BenchRequest]) -> None:
     for req in reqs:
         book.register(req)
         for _ in range(COPIES):
@@ -267,7 +267,7 @@ def measure(
     if metrics is not None:
         registries["kvlife + Prometheus metrics"] = metrics
     setups: dict[str, tuple[Callable[[], None], int]] = {
-        "seed-style dicts (baseline)": (lambda: run_seed(SeedBookkeeping(), reqs), batch),
+        "rid-keyed dicts (baseline)": (lambda: run_rid_keyed(RidKeyedBookkeeping(), reqs), batch),
     }
     for name, registry in registries.items():
         setups[name] = (functools.partial(run_kvlife, registry, reqs), batch)
@@ -294,7 +294,7 @@ def measure(
             (sink.path).unlink()
     if not keep_files:
         tmp.rmdir()
-    base = statistics.median(samples["seed-style dicts (baseline)"])
+    base = statistics.median(samples["rid-keyed dicts (baseline)"])
     rows = [
         Row(name, statistics.median(values), statistics.median(values) / base)
         for name, values in samples.items()
@@ -401,7 +401,7 @@ def _net_ns(
 
 
 def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
-    """What the core pays for that the seed-style bookkeeping does not, in ns per
+    """What the core pays for that the rid-keyed bookkeeping does not, in ns per
     operation, each net of the loop or call around it:
 
     - ``owner check``: ``_get_ident() != self._owner``, once per changing call;
@@ -486,7 +486,7 @@ RATIO_TARGETS: dict[str, float] = {
     "kvlife + memory ring": 0.80,
     "kvlife + JSON lines (fsync never)": 1.20,
 }
-"""Targets printed next to the figures (ratio to seed-style, at most)."""
+"""Targets printed next to the figures (ratio to rid-keyed, at most)."""
 MEMORY_TARGETS: dict[str, float] = {
     "registered (allocated)": 300,
     "offloading, 1 copy in flight": 360,
@@ -501,9 +501,9 @@ def _verdict(value: float, limit: float) -> str:
 
 
 def _limits_lines(rows: Sequence[Row], kv: Row, limits: dict[str, float]) -> list[str]:
-    """Where the core's time goes beyond the seed-style dicts, and what each ratio
+    """Where the core's time goes beyond the rid-keyed dicts, and what each ratio
     target leaves per audit record against what a record costs at least."""
-    base = next(r for r in rows if r.name == "seed-style dicts (baseline)").median_us
+    base = next(r for r in rows if r.name == "rid-keyed dicts (baseline)").median_us
     owner, kwargs = limits["owner check"], limits["**detail"]
     fixed = (owner * CHECKED_CALLS + kwargs * DETAIL_CALLS) / 1000
     floor = limits["clock read"] + limits["record build"] + limits["ring append"]
@@ -512,7 +512,7 @@ def _limits_lines(rows: Sequence[Row], kv: Row, limits: dict[str, float]) -> lis
         f"  owner-thread check {owner:.0f} ns x {CHECKED_CALLS} calls + **detail dict "
         f"{kwargs:.0f} ns x {DETAIL_CALLS} calls = {fixed:.2f} us per lifecycle "
         f"({100 * fixed / kv.median_us:.0f}% of kvlife, no audit; without both: "
-        f"{(kv.median_us - fixed) / base:.2f} x seed-style)",
+        f"{(kv.median_us - fixed) / base:.2f} x rid-keyed)",
         f"  one audit record costs at least: clock read {limits['clock read']:.0f} + record "
         f"build {limits['record build']:.0f} + ring append {limits['ring append']:.0f} = "
         f"{floor:.0f} ns",
@@ -540,7 +540,7 @@ def format_table(
     width = max(len(r.name) for r in rows)
     lines = [
         f"one lifecycle = register, {COPIES} x (start_offload, ack), finish -> released",
-        f"{'setup':<{width}}  {'median us':>10}  {'x seed-style':>12}  target",
+        f"{'setup':<{width}}  {'median us':>10}  {'x rid-keyed':>12}  target",
     ]
     for r in rows:
         limit = RATIO_TARGETS.get(r.name)

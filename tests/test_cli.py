@@ -176,7 +176,7 @@ def test_demo_writes_a_checked_log_and_two_pictures(
 
 def test_bench_fsm_through_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "fsm", "--rounds", "1", "--batch", "10", "--memory-live", "500"]) == 0
-    assert "seed-style" in capsys.readouterr().out
+    assert "rid-keyed" in capsys.readouterr().out
     assert main(["bench", "fsm", "--rounds", "0"]) == 2
 
 

@@ -7,14 +7,14 @@ import pytest
 
 from kvlife.fsm.bench import (
     RECORDS,
+    RidKeyedBookkeeping,
     Row,
-    SeedBookkeeping,
     _limits_lines,
     _requests,
     main,
     measure_limits,
     measure_memory,
-    run_seed,
+    run_rid_keyed,
 )
 
 
@@ -22,7 +22,7 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--rounds", "1", "--batch", "20", "--memory-live", "500"]) == 0
     out = capsys.readouterr().out
     for name in (
-        "seed-style dicts (baseline)",
+        "rid-keyed dicts (baseline)",
         "kvlife, no audit",
         "kvlife + memory ring",
         "kvlife + disabled LoggingSink",
@@ -42,9 +42,9 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
 
 
-def test_seed_baseline_does_the_same_bookkeeping() -> None:
-    book = SeedBookkeeping()
-    run_seed(book, _requests(10))
+def test_rid_keyed_baseline_does_the_same_bookkeeping() -> None:
+    book = RidKeyedBookkeeping()
+    run_rid_keyed(book, _requests(10))
     assert len(book.state) == 0 and book.ongoing == {} and book.next_ack == 40
 
 
@@ -68,7 +68,7 @@ def test_limits_are_measured_net_of_the_loop() -> None:
 
 def test_limits_lines_do_the_arithmetic() -> None:
     rows = [
-        Row("seed-style dicts (baseline)", 10.0, 1.0),
+        Row("rid-keyed dicts (baseline)", 10.0, 1.0),
         Row("kvlife, no audit", 6.0, 0.6),
         Row("kvlife + memory ring", 9.0, 0.9),
     ]

@@ -431,7 +431,7 @@ def run_workload(
     return out
 
 
-# ---------------------------------------------------------------------------- the seed's story
+# ------------------------------------------------- a late completion after a rid reuse
 
 
 def decode_to_end(pools: Pools, manager: Any, req: Any, *, first: int = 100) -> None:
@@ -470,7 +470,7 @@ class JobRecorder:
         manager.copier.launch = recording  # type: ignore[method-assign]
 
 
-def seed_scenario_on_kvlife(pools: Pools, tmp_path: Path, req_class: type) -> None:
+def late_completion_scenario_on_kvlife(pools: Pools, tmp_path: Path, req_class: type) -> None:
     """The seed's story on the drop-in: an old request finishes with its last chunk held
     back, a new request with the same rid starts a chunk (held back too), and only the old
     chunk completes. The old request must be released alone, once; the new one's progress
@@ -520,7 +520,7 @@ class RequestsMixedUp(AssertionError):
     """SGLang's manager applied one request's offload state to another."""
 
 
-def seed_scenario_on_sglang(pools: Pools, tmp_path: Path, req_class: type) -> None:
+def late_completion_scenario_on_sglang(pools: Pools, tmp_path: Path, req_class: type) -> None:
     """The same story through SGLang's own manager. Its copies run at once on CPU; holding
     a copy back is holding its ack back in the controller's queue."""
     with sglang_on_cpu():

@@ -46,12 +46,12 @@ from tests.engines.sglang_harness import (
     decode_steps,
     decode_to_end,
     kvlife_manager,
+    late_completion_scenario_on_kvlife,
+    late_completion_scenario_on_sglang,
     make_pools,
     publish_args,
     request_row,
     run_workload,
-    seed_scenario_on_kvlife,
-    seed_scenario_on_sglang,
     settle_backups,
     sglang_manager,
     sglang_on_cpu,
@@ -170,18 +170,18 @@ def test_pools_and_layouts_kvlife_cannot_copy_are_refused(pools: Pools, tmp_path
     assert registry._hooks == []  # nothing was hooked onto the registry
 
 
-# ---------------------------------------------------------------------------- the seed's bug
+# ------------------------------------------------- a late completion after a rid reuse
 
 
 @pytest.mark.parametrize("req_class", [Req, RidKeyedReq], ids=["Req", "Req equal by rid"])
 def test_a_late_completion_of_an_old_request_releases_it_alone(
     pools: Pools, tmp_path: Path, req_class: type
 ) -> None:
-    seed_scenario_on_kvlife(pools, tmp_path, req_class)
+    late_completion_scenario_on_kvlife(pools, tmp_path, req_class)
 
 
 def test_sglang_0_5_23s_own_manager_keeps_a_plain_req_apart(pools: Pools, tmp_path: Path) -> None:
-    seed_scenario_on_sglang(pools, tmp_path, Req)
+    late_completion_scenario_on_sglang(pools, tmp_path, Req)
 
 
 @pytest.mark.xfail(strict=True, raises=RequestsMixedUp, reason="SGLang keys its state by Req ==")
@@ -191,7 +191,7 @@ def test_sglang_0_5_23s_own_manager_mixes_up_reqs_equal_by_rid(
     # Its WeakKeyDictionary holds one entry for both: the in-flight counts merge, so the
     # old request is still "in flight" after its copy completed and is never released
     # (its row and slots leak), and the new one's progress is the old one's.
-    seed_scenario_on_sglang(pools, tmp_path, RidKeyedReq)
+    late_completion_scenario_on_sglang(pools, tmp_path, RidKeyedReq)
 
 
 # ---------------------------------------------------------------------------- differential
