@@ -193,9 +193,13 @@ class ConnectorConfig:
         audit = extra.get("audit_log")
         if audit is not None and (not isinstance(audit, str) or not audit):
             raise ValueError(f"kvlife: audit_log must be a file path, got {audit!r}")
-        if extra.get("stride_blocks") is None:
-            extra.pop("stride_blocks", None)
-        return cls(**{**extra, "audit_flush_s": float(flush)})
+        return cls(
+            **{
+                **extra,
+                "stride_blocks": extra.get("stride_blocks") or 1,
+                "audit_flush_s": float(flush),
+            }
+        )
 
     def pages(self, block_bytes: int) -> int:
         """Host pages for blocks of ``block_bytes`` bytes.
@@ -790,11 +794,11 @@ class _WorkerSide:
         for load in meta.loads:
             try:
                 job = copier.load(HostPages(host, tuple(load.pages)), load.block_ids)
-            except Exception as exc:  # refused before copying: reported as a failed load
-                job = CopyJob(HostPages(host, ()), 0, 0, None)
-                job.error = exc
-            if job.error is not None:  # its blocks are recomputed by vLLM
-                logger.error("kvlife: load job %d failed: %s", load.job_id, job.error)
+                error = job.error  # a copy that failed while running
+            except Exception as exc:  # refused before copying
+                error = exc
+            if error is not None:  # reported as a failed load: vLLM recomputes the blocks
+                logger.error("kvlife: load job %d failed: %s", load.job_id, error)
                 self.failed.add(load.job_id)
                 self.load_errors.update(load.block_ids)
                 continue
