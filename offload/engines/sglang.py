@@ -56,9 +56,11 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_serving
 
-from kvlife.fsm import Lifecycle, LifecycleRegistry, UnknownRequestError
+from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleRegistry, UnknownRequestError
+from kvlife.fsm import __version__ as KVLIFE_VERSION
 from kvlife.fsm.table import Trigger
 from kvlife.offload.copy_engine import CopyEngine
+from kvlife.offload.engines.sglang_plugin import PluginSettings, audit_log_path, rank_name
 from kvlife.offload.host_pool import HostPagePool, HostPages
 from kvlife.offload.layout import KVLayout, LayoutError
 from kvlife.offload.manager import HostCopy, OffloadManager, OffloadResult, PageHash
@@ -589,3 +591,114 @@ class KVLifeDecodeOffloadManager:
         config = HiCacheStorageConfig(**fields)
         self._writer = bool(getattr(config, "is_storage_writer", True))
         return StorageBackendFactory.create_backend(name, config, None)
+
+
+class ServerDecodeOffloadManager(KVLifeDecodeOffloadManager):
+    """The drop-in as a launched SGLang server builds it, through kvlife's SGLang plugin
+    ([`kvlife.offload.engines.sglang_plugin`][kvlife.offload.engines.sglang_plugin]): SGLang's
+    scheduler constructs it with the arguments it passes its own manager, and it writes
+    this scheduler process's audit log.
+
+    The log is ``KVLIFE_AUDIT_DIR/sglang-RANK.jsonl`` (``RANK`` from SGLang's published
+    ranks: ``tp0``, ``pp1-tp0``, ``dp2-tp1``; see
+    [`rank_name`][kvlife.offload.engines.sglang_plugin.rank_name]). Every scheduler-facing
+    call writes its records to the file when it returns (no fsync: a scheduler killed
+    between calls loses none), a thread fsyncs every ``KVLIFE_AUDIT_FLUSH_S`` seconds, and
+    SGLang's graceful shutdown (``release_host_resources``) closes the log. While the log
+    is open, ``PATH.open`` exists; a log whose process was killed keeps it, and the next
+    server to open the same path records the unclean stop. Logs of earlier runs are
+    appended to, never truncated.
+
+    Raises what the drop-in's constructor raises, and ``OSError`` when the log cannot be
+    opened; either way no log file is created or left open and no thread keeps running.
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool: Any,
+        token_to_kv_pool_allocator: Any,
+        tp_group: Any,
+        tree_cache: Any,
+        server_args: Any = None,
+    ) -> None:
+        settings = PluginSettings.from_env()
+        parallel = get_parallel()
+        rank = rank_name(
+            parallel.tp_rank, parallel.pp_rank, parallel.pp_size, getattr(parallel, "dp_rank", None)
+        )
+        super().__init__(
+            req_to_token_pool,
+            token_to_kv_pool_allocator,
+            tp_group,
+            tree_cache,
+            server_args,
+            registry=LifecycleRegistry(),
+        )
+        path = audit_log_path(settings, rank)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.sink = JsonLinesSink(
+                path, flush_interval_s=settings.flush_interval_s, open_marker=True
+            )
+        except BaseException:
+            self._backup_thread.shutdown(wait=True)
+            raise
+        self.registry.attach(self.sink)
+        self.audit_log = path
+        self.rank = rank
+        self._write_failing = False
+        import sglang.version  # noqa: PLC0415
+
+        logger.info(
+            "kvlife %s is SGLang %s's decode KV offload manager on rank %s: audit log %s "
+            "(written at every call, fsynced every %.1f s), %d host pages of %d bytes",
+            KVLIFE_VERSION,
+            sglang.version.__version__,
+            rank,
+            path.resolve(),
+            settings.flush_interval_s,
+            self.host.capacity,
+            self.layout.bytes_per_page,
+        )
+
+    def offload_kv_cache(self, req: Any) -> bool:
+        """As the drop-in's; its records are in the file when it returns."""
+        try:
+            return super().offload_kv_cache(req)
+        finally:
+            self._written()
+
+    def finalize_release_on_finish(self, req: Any) -> None:
+        """As the drop-in's; its records are in the file when it returns."""
+        try:
+            super().finalize_release_on_finish(req)
+        finally:
+            self._written()
+
+    def check_offload_progress(self) -> None:
+        """As the drop-in's; its records are in the file when it returns."""
+        try:
+            super().check_offload_progress()
+        finally:
+            self._written()
+
+    def release_host_resources(self) -> None:
+        """SGLang's graceful shutdown: as the drop-in's, then every record is written and
+        the audit log closed (its ``.open`` marker removed)."""
+        if self._closed:
+            return
+        try:
+            super().release_host_resources()
+        finally:
+            self.registry.flush()
+            self.sink.close()
+
+    def _written(self) -> None:
+        try:
+            self.sink.write_out()
+        except OSError as exc:  # the records stay buffered; the next call or flush retries
+            if not self._write_failing:
+                logger.warning("kvlife: writing the audit log %s failed: %s", self.audit_log, exc)
+            self._write_failing = True
+        else:
+            self._write_failing = False

@@ -470,15 +470,29 @@ class JobRecorder:
         manager.copier.launch = recording  # type: ignore[method-assign]
 
 
-def late_completion_scenario_on_kvlife(pools: Pools, tmp_path: Path, req_class: type) -> None:
-    """The seed's story on the drop-in: an old request finishes with its last chunk held
-    back, a new request with the same rid starts a chunk (held back too), and only the old
-    chunk completes. The old request must be released alone, once; the new one's progress
-    and in-flight count must be untouched."""
+def late_completion_scenario_on_kvlife(
+    pools: Pools,
+    tmp_path: Path,
+    req_class: type,
+    manager: KVLifeDecodeOffloadManager | None = None,
+    *,
+    shut_down: bool = True,
+) -> None:
+    """A late completion after a rid reuse, on the drop-in: an old request finishes with
+    its last chunk held back, a new request with the same rid starts a chunk (held back
+    too), and only the old chunk completes. The old request must be released alone, once;
+    the new one's progress and in-flight count must be untouched.
+
+    ``manager``: one built elsewhere (by SGLang's scheduler code, backing pages up to
+    ``tmp_path / "storage"``); its copies are held back from here on. Else one is built.
+    ``shut_down``: end with SGLang's shutdown call (``release_host_resources``)."""
     from kvlife.fsm import State  # noqa: PLC0415
 
     free_at_start = pools.alloc.available_size()
-    manager = kvlife_manager(pools, tmp_path / "storage", defer=True)
+    if manager is None:
+        manager = kvlife_manager(pools, tmp_path / "storage", defer=True)
+    else:
+        manager.copier.defer = True  # CPU copies wait for run(): completions are the test's
     jobs = JobRecorder(manager).jobs
     old = admit(pools, "r", prompt=8, max_new=5, req_class=req_class)
     decode_to_end(pools, manager, old)  # its one chunk, tokens 8..12, is held back
@@ -513,7 +527,8 @@ def late_completion_scenario_on_kvlife(pools: Pools, tmp_path: Path, req_class: 
     assert len(storage_files(tmp_path / "storage")) == 3  # old: 1 page; new: 2 (strides)
     assert manager.host.available == manager.host.capacity
     assert pools.alloc.available_size() == free_at_start  # every slot back, once
-    close(manager)
+    if shut_down:
+        close(manager)
 
 
 class RequestsMixedUp(AssertionError):
@@ -580,3 +595,94 @@ def tp_rank_main(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip the interpreter's teardown (gloo's threads; see tests/test_manager.py)
+
+
+# ------------------------------------------- a scheduler process, as SGLang launches one
+
+
+def scheduler_offload_branch() -> str:
+    """The source of the branch of SGLang's ``Scheduler.__init__`` that builds the decode
+    offload manager (from ``if (... disaggregation_decode_enable_offload_kvcache`` to
+    ``self.decode_offload_manager = None``), dedented. The rest of the constructor needs
+    a model runner on a GPU; this branch needs only the pools it passes."""
+    import inspect  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    with warnings.catch_warnings():  # importing the scheduler warns (Triton on CPU)
+        warnings.simplefilter("ignore")
+        from sglang.srt.managers.scheduler import Scheduler  # noqa: PLC0415
+
+    lines = inspect.getsource(Scheduler.__init__).splitlines()
+    test = next(
+        i for i, line in enumerate(lines) if "disaggregation_decode_enable_offload_kvcache" in line
+    )
+    start = max(i for i in range(test) if lines[i].strip() == "if (")
+    end = next(
+        i for i in range(test, len(lines)) if "self.decode_offload_manager = None" in lines[i]
+    )
+    return textwrap.dedent("\n".join(lines[start : end + 1]))
+
+
+def build_as_the_scheduler_does(pools: Pools) -> Any:
+    """Run SGLang's own scheduler code that builds the decode offload manager (the branch
+    above, in the scheduler module's namespace: the class it names is whatever that
+    module's ``DecodeKVCacheOffloadManager`` is now) with real pools, the TP CPU group and
+    the published server args; return what it built."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from sglang.srt.managers import scheduler as scheduler_module  # noqa: PLC0415
+
+    scheduler = SimpleNamespace(
+        req_to_token_pool=pools.r2t,
+        token_to_kv_pool_allocator=pools.alloc,
+        dp_tp_cpu_group=init_dist(),
+        tree_cache=pools.tree,
+    )
+    exec(scheduler_offload_branch(), vars(scheduler_module), {"self": scheduler})
+    return scheduler.decode_offload_manager
+
+
+def scheduler_process_main(out: str, mode: str) -> None:
+    """A process started the way SGLang starts a scheduler (``multiprocessing`` spawn):
+    SGLang's ``load_plugins()`` first, as ``run_scheduler_process`` calls it, then the
+    server args published, then SGLang's construction of the decode offload manager.
+
+    ``mode``: ``"scenario"`` runs the late-completion scenario through what was built and
+    shuts it down as SGLang's graceful exit does; ``"killed"`` runs it without the
+    shutdown, writes ``out/ready`` and waits to be killed; ``"version"`` first makes the
+    installed SGLang say it is 0.5.99. Writes ``out/result.json`` (the class built, its
+    audit log) and SGLang's and kvlife's log lines to ``out/process.log``."""
+    import json  # noqa: PLC0415
+    import logging  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, filename=Path(out, "process.log"), force=True)
+    if mode == "version":
+        import sglang.version  # noqa: PLC0415
+
+        sglang.version.__version__ = "0.5.99"
+    from sglang.srt.plugins import load_plugins  # noqa: PLC0415
+
+    load_plugins()
+    storage = Path(out, "storage")
+    publish_args(storage)
+    pools = make_pools()
+    kvlife = False
+    with sglang_on_cpu():  # (SGLang's own manager needs it on CPU; kvlife's does not)
+        manager = build_as_the_scheduler_does(pools)
+        kind = type(manager)
+        kvlife = isinstance(manager, KVLifeDecodeOffloadManager)
+        result = {
+            "class": f"{kind.__module__}.{kind.__qualname__}",
+            "kvlife": kvlife,
+            "audit_log": str(getattr(manager, "audit_log", "")),
+        }
+        Path(out, "result.json").write_text(json.dumps(result))
+        if kvlife and mode != "version":
+            late_completion_scenario_on_kvlife(pools, Path(out), Req, manager, shut_down=False)
+            result["scenario"] = "passed"
+            Path(out, "result.json").write_text(json.dumps(result))
+        if mode == "killed":
+            Path(out, "ready").touch()
+            time.sleep(600)
+        close(manager)
+    logging.shutdown()
