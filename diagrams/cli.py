@@ -41,6 +41,7 @@ from kvlife.fsm.audit import (
     AuditFormatError,
     AuditReader,
     AuditReport,
+    Verdict,
     audit_files,
 )
 from kvlife.fsm.explain import explain, find_rid
@@ -82,6 +83,7 @@ def _parser() -> _Parser:
     diagram.add_argument("--from-log", metavar="LOG", help="annotate with this audit log")
     diagram.add_argument("-o", "--output", metavar="FILE", help="write here (default stdout)")
     _accept_table(diagram, "draw a log written")
+    _verdict_options(diagram)
 
     audit = sub.add_parser(
         "audit",
@@ -96,16 +98,7 @@ def _parser() -> _Parser:
     )
     check.add_argument("log")
     check.add_argument("--json", action="store_true", help="machine-readable output")
-    check.add_argument(
-        "--expect-released",
-        action="store_true",
-        help="lifecycles still live at the end are violations (leaks)",
-    )
-    check.add_argument(
-        "--allow-lost",
-        action="store_true",
-        help="records a failing sink reported as lost do not fail the check",
-    )
+    _verdict_options(check)
     _accept_table(check, "replay segments written")
     stats = audit_sub.add_parser(
         "stats", help="counts per trigger, reason and instance", description="Summarize LOG."
@@ -126,6 +119,7 @@ def _parser() -> _Parser:
     why.add_argument(
         "--segment", type=_natural, default=0, help="the segment of --serial (default 0)"
     )
+    _verdict_options(why)
     report = audit_sub.add_parser(
         "report",
         help="write one self-contained HTML page about a log",
@@ -135,6 +129,7 @@ def _parser() -> _Parser:
     report.add_argument("log")
     report.add_argument("-o", "--output", required=True, metavar="FILE", help="the .html page")
     _accept_table(report, "include segments written")
+    _verdict_options(report)
     timeline = audit_sub.add_parser(
         "timeline",
         help="draw a log's timeline (PNG or SVG)",
@@ -148,6 +143,8 @@ def _parser() -> _Parser:
     timeline.add_argument(
         "--max-rows", type=_positive, default=80, help="rows at most (default 80, up to 200)"
     )
+    _accept_table(timeline, "draw segments written")
+    _verdict_options(timeline)
 
     bench = sub.add_parser(
         "bench",
@@ -173,6 +170,32 @@ def _accept_table(parser: argparse.ArgumentParser, what: str) -> None:
         metavar="DIGEST",
         help=f"{what} with this transition table digest too",
     )
+
+
+def _verdict_options(parser: argparse.ArgumentParser) -> None:
+    """``audit check``'s verdict options (every tool that shows a log shows its verdict)."""
+    parser.add_argument(
+        "--expect-released",
+        action="store_true",
+        help="lifecycles still live at the end are violations (leaks)",
+    )
+    parser.add_argument(
+        "--allow-lost",
+        action="store_true",
+        help="records a failing sink reported as lost do not fail the verdict",
+    )
+
+
+def _checker(args: argparse.Namespace) -> AuditChecker:
+    """The checker ``audit check`` would run with these options."""
+    return AuditChecker(
+        expect_released=getattr(args, "expect_released", False),
+        accept_tables=getattr(args, "accept_table", ()),
+    )
+
+
+def _verdict(args: argparse.Namespace, report: AuditReport, reader: AuditReader) -> Verdict:
+    return Verdict.of(report, reader.problem_count, allow_lost=getattr(args, "allow_lost", False))
 
 
 def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
@@ -334,9 +357,10 @@ def _diagram(args: argparse.Namespace) -> int:
         if args.format == "mermaid":
             raise UsageError("kvlife diagram: --from-log draws dot, svg or png, not mermaid")
         log = reader = _reader(args.from_log)  # a second name mypy keeps non-optional
+        checker = _checker(args)
         graph = _reading(
             args.from_log,
-            lambda: log_graph(log, title=Path(args.from_log).name, accept_tables=args.accept_table),
+            lambda: log_graph(log, title=Path(args.from_log).name, checker=checker),
         )
         dot = str(graph.source)
     else:
@@ -352,10 +376,21 @@ def _diagram(args: argparse.Namespace) -> int:
         raise UsageError("kvlife diagram: PNG needs -o FILE")
     else:
         sys.stdout.write(data.decode())
-    if reader is not None and reader.problem_count:
-        print(_problems_line(args.from_log, reader), file=sys.stderr)
-        return 1
-    return 0
+    if reader is None:
+        return 0
+    return _say_verdict(args, args.from_log, checker.report, reader)
+
+
+def _say_verdict(
+    args: argparse.Namespace, path: str, report: AuditReport, reader: AuditReader
+) -> int:
+    """Tell ``audit check``'s verdict on stderr (with the first unreadable line, if any)
+    and return its exit status."""
+    verdict = _verdict(args, report, reader)
+    print(f"{path}: {verdict}", file=sys.stderr)
+    if reader.problem_count:
+        print(_problems_line(path, reader), file=sys.stderr)
+    return verdict.exit_status
 
 
 def _why(args: argparse.Namespace) -> int:
@@ -368,14 +403,23 @@ def _why(args: argparse.Namespace) -> int:
                 f"{args.segment}"
             )
     reader = _reader(args.log)
+    checker = _checker(args)
     try:
         text = _reading(
-            args.log, lambda: explain(reader, rid, serial=args.serial, segment=args.segment)
+            args.log,
+            lambda: explain(
+                reader,
+                rid,
+                serial=args.serial,
+                segment=args.segment,
+                checker=checker,
+                allow_lost=args.allow_lost,
+            ),
         )
     except LookupError as exc:
         raise UsageError(f"kvlife audit why: {args.log}: {exc}") from None
     print(text)
-    return 0
+    return _verdict(args, checker.report, reader).exit_status
 
 
 def _timeline(args: argparse.Namespace) -> int:
@@ -387,6 +431,7 @@ def _timeline(args: argparse.Namespace) -> int:
     if Path(args.output).is_dir():
         raise UsageError(f"kvlife: {args.output} is a directory; give a file name")
     reader = _reader(args.log)
+    checker = _checker(args)
     try:
         rows = _reading(
             args.log,
@@ -396,12 +441,17 @@ def _timeline(args: argparse.Namespace) -> int:
                 title=Path(args.log).name,
                 max_rows=args.max_rows,
                 rids=args.rid,
+                checker=checker,
             ),
         )
     except ModuleNotFoundError as exc:
         raise UsageError(f"kvlife: {exc}") from None
-    print(f"{args.output}: {rows} lifecycle rows")
-    return 0
+    report = checker.report
+    print(
+        f"{args.output}: {rows} lifecycle rows, {report.violation_count} violations, "
+        f"{report.reused_while_unreleased} rid reuses while unreleased"
+    )
+    return _say_verdict(args, args.log, report, reader)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -418,7 +468,12 @@ def _report(args: argparse.Namespace) -> int:
 
     page, data = _reading(
         args.log,
-        lambda: build_report(events, title=Path(args.log).name, accept_tables=args.accept_table),
+        lambda: build_report(
+            events,
+            title=Path(args.log).name,
+            checker=lambda: _checker(args),
+            allow_lost=args.allow_lost,
+        ),
     )
     _write_file(args.output, page.encode("utf-8"))
     listed = len(data.lifecycles)
@@ -426,11 +481,7 @@ def _report(args: argparse.Namespace) -> int:
         f"{args.output}: {data.records} records, {listed} of {data.total} lifecycles listed "
         f"({len(page.encode()) / 1024:.0f} KiB)"
     )
-    problems = readers[-1].problem_count if readers else 0
-    if problems:
-        print(_problems_line(args.log, readers[-1]), file=sys.stderr)
-        return 1
-    return 0
+    return _say_verdict(args, args.log, data.report, readers[-1])
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -456,7 +507,7 @@ def _audit(args: argparse.Namespace) -> int:
         "released": report.released,
         "live_at_end": len(report.live),
         "max_live": report.max_live,
-        "rid_reuses": report.rid_reuses,
+        "reused_while_unreleased": report.reused_while_unreleased,
         "transitions": dict(sorted(report.transitions.items())),
         "refusals": dict(sorted(report.refusals.items())),
         "lost_records": report.lost_records,
@@ -464,6 +515,7 @@ def _audit(args: argparse.Namespace) -> int:
         "torn_tail_bytes": reader.torn_tail,
     }
     if args.json:
+        rows["rid_reuses"] = report.reused_while_unreleased  # the former name, one release
         print(json.dumps(rows, indent=2))
     else:
         for key, value in rows.items():
@@ -479,8 +531,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditReport) -> int:
-    lost_ok = args.allow_lost or not report.lost_records
-    ok = report.ok and not reader.problem_count and lost_ok
+    result = _verdict(args, report, reader)
+    ok = result.ok
     verdict = "OK" if ok else "FAILED"
     if args.json:
         print(
@@ -501,7 +553,7 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
                         for m in report.lost
                     ],
                     "violation_count": report.violation_count,
-                    "violations": [vars(v) for v in report.violations],
+                    "violations": [vars(v) | {"meaning": v.meaning} for v in report.violations],
                     "live": [vars(i) for i in report.live[:1000]],
                     "live_count": len(report.live),
                 },
@@ -528,11 +580,11 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
     if reader.problem_count > len(reader.problems):
         print(f"... {reader.problem_count - len(reader.problems)} more unreadable lines")
     for v in report.violations[:50]:
-        print(f"VIOLATION {v.kind} seq={v.seq} serial={v.serial}: {v.message}")
+        print(v.line())
     if report.violation_count > 50:
         print(f"... {report.violation_count - 50} more violations")
     print(verdict)
-    return 0 if ok else 1
+    return result.exit_status
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -4,7 +4,10 @@ refused.
 Every edge of the table is drawn (grey when no transition took it) and labelled with its
 count; every refused (state, trigger, reason) is a red dashed edge with its count; refusals
 that found no lifecycle (``unknown_request``) leave a separate "no lifecycle" node; the
-lifecycles still live at the end of the log are listed in a note. All user-controlled
+lifecycles still live at the end of the log are listed in a note. The log is checked in
+the same pass, as ``kvlife audit check`` checks it: an edge that a violating record took is
+drawn red with the count of violations on it (a transition the table does not have gets a
+red edge of its own), and the title says "N violations" or "check OK". All user-controlled
 text goes through [`kvlife.diagrams.dot.dot_text()`][kvlife.diagrams.dot.dot_text].
 
 The log is read in one streaming pass (counters and the checker's open lifecycles only),
@@ -24,6 +27,7 @@ from kvlife.fsm.audit import REGISTER, AuditChecker, AuditLog, AuditReader, Audi
 from kvlife.fsm.table import LIFECYCLE, State, sorted_edges
 
 NO_LIFECYCLE: Final = "__no_lifecycle"
+_STATE_NAMES: Final = frozenset(s.value for s in State)
 MAX_LIVE_LISTED: Final = 12
 
 
@@ -32,31 +36,43 @@ def log_graph(
     title: str = "audit log",
     *,
     accept_tables: Iterable[str] = (),
+    checker: AuditChecker | None = None,
 ) -> graphviz.Digraph:
-    """The lifecycle diagram annotated with the transitions and refusals of a log.
+    """The lifecycle diagram annotated with the transitions, refusals and violations of a
+    log. ``checker``: the one to check the log with (its report is the verdict's; it is
+    finished when this returns); by default one with ``accept_tables``.
 
     Raises:
         AuditTableMismatchError: the log was written with another table (not accepted).
     """
     taken: Counter[tuple[str | None, str, str | None]] = Counter()
     refused: Counter[tuple[str | None, str, str | None]] = Counter()
-    checker = AuditChecker(accept_tables=accept_tables)
+    violating: Counter[tuple[str | None, str, str | None]] = Counter()
+    if checker is None:
+        checker = AuditChecker(accept_tables=accept_tables)
     feed = checker.feed
+    found = checker.report
     records = 0
     for event in source.events() if isinstance(source, AuditLog) else source:
+        before = found.violation_count
         feed(event)
         if type(event) is AuditRecord:
             records += 1
             if event.ok:
                 taken[(event.src, event.trigger, event.dst)] += 1
+                if found.violation_count != before:
+                    violating[(event.src, event.trigger, event.dst)] += 1
             else:
                 refused[(event.src, event.trigger, event.reason)] += 1
     report = checker.finish()
+    n = report.violation_count
+    verdict = f"{n} violation{'' if n == 1 else 's'}" if n else "check OK"
     graph = graphviz.Digraph(
         name="kvlife_audit",
         graph_attr={
             "rankdir": "LR",
-            "label": dot_text(f"{shortened(title, 80)}: {records} records"),
+            "label": dot_text(f"{shortened(title, 80)}: {records} records, {verdict}"),
+            "fontcolor": "red" if n else "black",
             "labelloc": "t",
             "fontname": "Helvetica",
         },
@@ -71,16 +87,34 @@ def log_graph(
         graph.node(state.value, label=state.value, **extra)
     registered = taken[(None, REGISTER, State.ALLOCATED.value)]
     graph.edge("__start", LIFECYCLE.initial.value, label=f"register ×{registered}")
+    drawn: set[tuple[str | None, str, str | None]] = {(None, REGISTER, State.ALLOCATED.value)}
     for edge in sorted_edges(LIFECYCLE.edges):
-        n = taken[(edge.src.value, edge.trigger.value, edge.dst.value)]
+        key = (edge.src.value, edge.trigger.value, edge.dst.value)
+        drawn.add(key)
+        count = taken[key]
         guard = f" [{edge.guard.value}]" if edge.guard else ""
-        style = (
-            {"color": "black", "penwidth": "1.6"}
-            if n
-            else {"color": "gray70", "fontcolor": "gray50"}
-        )
+        label = f"{edge.trigger.value}{guard} ×{count}"
+        if violating[key]:
+            label += f"\\n{violating[key]} violating"
+            style = {"color": "red", "fontcolor": "red", "penwidth": "2.4"}
+        elif count:
+            style = {"color": "black", "penwidth": "1.6"}
+        else:
+            style = {"color": "gray70", "fontcolor": "gray50"}
+        graph.edge(edge.src.value, edge.dst.value, label=label, **style)
+    for (src, trigger, dst), count in sorted(violating.items(), key=lambda kv: str(kv[0])):
+        if (src, trigger, dst) in drawn or src is None or dst is None:
+            continue  # a registration's violations show on its own edge's title count
+        for name in (src, dst):
+            if name not in _STATE_NAMES:
+                graph.node(name, label=dot_text(shortened(name)), color="red", fontcolor="red")
         graph.edge(
-            edge.src.value, edge.dst.value, label=f"{edge.trigger.value}{guard} ×{n}", **style
+            src,
+            dst,
+            label=dot_text(f"{trigger} ×{count}: not in the table"),
+            color="red",
+            fontcolor="red",
+            penwidth="2.4",
         )
     if any(src is None for src, _, _ in refused):
         graph.node(

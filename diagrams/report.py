@@ -1,9 +1,13 @@
 """``kvlife audit report``: one self-contained HTML page about an audit log.
 
-The page holds the log-annotated lifecycle diagram, the timeline, and a table of the
-log's lifecycles (rid, serial, outcome, copies, time in each state, refusals) that sorts by
-any column and filters by rid, outcome and refusals; selecting a row shows that
-lifecycle's whole history. Everything is inline (styles, script, pictures, data): the
+The page opens with the verdict of ``kvlife audit check`` on the log and a table of its
+violations (rid, serial, seq, kind, what it means; a click shows that lifecycle's history).
+Then the log-annotated lifecycle diagram, the timeline, and a table of the log's lifecycles
+(rid, serial, outcome, copies, time in each state, refusals, violations, whether it reused
+a rid another lifecycle still held) that sorts by any column and filters by rid, outcome,
+refusals, violations and reuse; selecting a row shows that lifecycle's whole history, with
+the sentences ``kvlife audit why`` prints for a rid reuse and a late completion, and the
+violations on the records they are about. Everything is inline (styles, script, pictures, data): the
 page loads no file and makes no request, so it can be mailed or attached to an incident.
 
 User text (rids) only ever reaches the page as JSON data that the script puts in with
@@ -24,7 +28,8 @@ from typing import Final
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.log_graph import log_graph
 from kvlife.diagrams.timeline import plot_timeline
-from kvlife.fsm.audit import Event
+from kvlife.fsm.audit import AuditChecker, AuditReport, Event, Verdict, fed
+from kvlife.fsm.explain import late_completion
 from kvlife.fsm.reader import segment_records
 from kvlife.fsm.table import State
 
@@ -54,17 +59,23 @@ class _Entry:
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_STATES, 0.0))
     history: list[list[object]] = field(default_factory=list)
     more: int = 0
+    reused: str = ""  # "#3, #5": the unreleased lifecycles that held the rid at registration
+    violations: int = 0
+    started: dict[int, int] = field(default_factory=dict)  # copy -> t_ns of its start
 
 
 @dataclass
 class ReportData:
     """What the page shows, gathered in one pass over the log. ``total`` counts the
-    lifecycles registered in the log plus those listed that began before it."""
+    lifecycles registered in the log plus those listed that began before it; ``report``
+    is the check of the log made in the same pass, ``verdict`` its verdict."""
 
     lifecycles: list[_Entry]
     total: int
     records: int
     end_ms: float
+    report: AuditReport = field(default_factory=AuditReport)
+    verdict: Verdict = field(default_factory=lambda: Verdict.of(AuditReport()))
 
     def to_json(self) -> str:
         """The page's data as JSON that cannot close a ``<script>`` element."""
@@ -84,22 +95,67 @@ class ReportData:
                 "time": {k: round(v, 3) for k, v in e.time.items()},
                 "history": e.history,
                 "more": e.more,
+                "reused": e.reused,
+                "violations": e.violations,
             }
             for e in self.lifecycles
         ]
+        violations = [
+            {
+                "rid": v.rid,
+                "serial": v.serial,
+                "segment": v.segment,
+                "seq": v.seq,
+                "kind": v.kind,
+                "meaning": v.meaning,
+                "message": v.message,
+            }
+            for v in self.report.violations
+        ]
         text = json.dumps(
-            {"lifecycles": rows, "total": self.total, "records": self.records}, sort_keys=True
+            {
+                "lifecycles": rows,
+                "total": self.total,
+                "records": self.records,
+                "violations": violations,
+                "violation_count": self.report.violation_count,
+                "verdict": str(self.verdict),
+                "ok": self.verdict.ok,
+            },
+            sort_keys=True,
         )
         return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def gather(source: Iterable[Event], *, max_lifecycles: int = MAX_LIFECYCLES) -> ReportData:
-    """Read the log once into the table's rows (times in ms from the first record)."""
+def gather(
+    source: Iterable[Event],
+    *,
+    max_lifecycles: int = MAX_LIFECYCLES,
+    checker: AuditChecker | None = None,
+    allow_lost: bool = False,
+) -> ReportData:
+    """Read the log once into the table's rows (times in ms from the first record),
+    checking it with ``checker`` (by default a plain ``AuditChecker()``) in the same pass.
+    The verdict counts the source's ``problem_count`` (unreadable lines) when it has one;
+    ``allow_lost`` as for [`Verdict`][kvlife.fsm.checker.Verdict].
+
+    Raises:
+        AuditTableMismatchError: the log was written with another table (not accepted).
+    """
+    if checker is None:
+        checker = AuditChecker()
+    found = checker.report
     entries: dict[tuple[int, int], _Entry] = {}
+    births: dict[tuple[int, str], list[tuple[int, int]]] = {}  # (segment, rid) -> registrations
     total = records = 0
     t0: int | None = None
     t = 0.0
-    for segment, r in segment_records(source):
+    reuses_seen = kept = 0
+    for segment, r in segment_records(fed(source, checker)):
+        fresh = found.violations[kept:]  # what the checker found on this record
+        kept = len(found.violations)
+        reuse = found.reused_while_unreleased != reuses_seen  # this record reused its rid
+        reuses_seen = found.reused_while_unreleased
         records += 1
         if t0 is None:
             t0 = r.t_ns
@@ -116,6 +172,28 @@ def gather(source: Iterable[Event], *, max_lifecycles: int = MAX_LIFECYCLES) -> 
             total += not registered  # listed, though it began before the log did
             entry = entries[key] = _Entry(r.rid or "", r.serial, segment, t)
             entry.state = r.src or ""
+        notes = [f"VIOLATION {v.kind}: {v.message}" for v in fresh]
+        entry.violations += len(notes)
+        rid_births = births.setdefault((segment, entry.rid), [])
+        if r.ok and r.trigger == "register":
+            rid_births.append((r.t_ns, r.serial))
+            if reuse:
+                complete = len(found.reuses) == found.reused_while_unreleased
+                previous = found.reuses[-1].previous if complete else ()
+                entry.reused = ", ".join(f"#{n}" for n in previous) or "yes"
+                notes.insert(
+                    0,
+                    f"registered while {entry.reused} still held the rid: the rid was reused; "
+                    f"{entry.reused}'s copies stay theirs",
+                )
+        elif r.ok and r.op is not None and r.trigger in ("ack", "fail"):
+            late = late_completion(
+                rid_births, r.serial, r.op, entry.started.pop(r.op, r.t_ns), r.t_ns
+            )
+            if late is not None:
+                notes.insert(0, late)
+        elif r.ok and r.op is not None and r.trigger == "start_offload":
+            entry.started[r.op] = r.t_ns
         if len(entry.history) < MAX_HISTORY:
             entry.history.append(
                 [
@@ -128,6 +206,7 @@ def gather(source: Iterable[Event], *, max_lifecycles: int = MAX_LIFECYCLES) -> 
                     r.op,
                     r.inflight,
                     " ".join(f"{k}={v}" for k, v in r.detail.items()),
+                    " ".join(notes),
                 ]
             )
         else:
@@ -152,7 +231,10 @@ def gather(source: Iterable[Event], *, max_lifecycles: int = MAX_LIFECYCLES) -> 
     for entry in entries.values():
         if entry.state in entry.time:
             entry.time[entry.state] += t - entry.since
-    return ReportData(list(entries.values()), total, records, t)
+    report = checker.finish()
+    problems = int(getattr(source, "problem_count", 0))
+    verdict = Verdict.of(report, problems, allow_lost=allow_lost)
+    return ReportData(list(entries.values()), total, records, t, report, verdict)
 
 
 def _svg(data: bytes) -> str:
@@ -166,16 +248,25 @@ def build_report(
     *,
     title: str = "kvlife audit log",
     accept_tables: Iterable[str] = (),
+    checker: Callable[[], AuditChecker] | None = None,
+    allow_lost: bool = False,
 ) -> tuple[str, ReportData]:
     """The page, and what its table holds. ``events`` is called once per pass (three
     passes: the diagram, the timeline, the table), each time returning the log's events
-    afresh (an ``AuditReader`` is read once).
+    afresh (an ``AuditReader`` is read once). ``checker`` makes a fresh checker per pass
+    (``audit check``'s options: expect_released, accepted tables); by default one with
+    ``accept_tables``. The verdict is the table pass's.
 
     Raises:
         AuditTableMismatchError: the log was written with another table (not accepted).
     """
+    tables = tuple(accept_tables)
+
+    def new_checker() -> AuditChecker:
+        return checker() if checker is not None else AuditChecker(accept_tables=tables)
+
     notes: list[str] = []
-    dot = str(log_graph(events(), title=title, accept_tables=accept_tables).source)
+    dot = str(log_graph(events(), title=title, checker=new_checker()).source)
     try:
         diagram = _svg(render(dot, "svg"))
     except DotNotFoundError as exc:
@@ -184,14 +275,17 @@ def build_report(
     with tempfile.TemporaryDirectory(prefix="kvlife-report-") as tmp:
         picture = Path(tmp) / "timeline.svg"
         try:
-            plot_timeline(events(), picture, title=title)
+            plot_timeline(events(), picture, title=title, checker=new_checker())
             timeline = _svg(picture.read_bytes())
         except ModuleNotFoundError as exc:
             timeline = ""
             notes.append(f"The timeline is left out: {exc}")
-    data = gather(events())
+    data = gather(events(), checker=new_checker(), allow_lost=allow_lost)
+    verdict = data.verdict
     page = _PAGE.format(
         title=html.escape(title),
+        verdict=html.escape(f"Verdict (kvlife audit check): {verdict}"),
+        verdict_class="ok" if verdict.ok else "failed",
         summary=html.escape(
             f"{data.records} records, {data.total} lifecycles over {data.end_ms:.1f} ms"
         ),
@@ -219,12 +313,18 @@ td.text, th.text {{ text-align: left; max-width: 28em; overflow-wrap: anywhere; 
 tbody tr {{ cursor: pointer; }} tbody tr:hover {{ background: #eef5fb; }}
 tr.selected {{ background: #d6e8f7 !important; }}
 .refused {{ color: #c00; }} #wrap {{ max-height: 32em; overflow: auto; }}
+#verdict {{ font-size: 1.2em; font-weight: bold; padding: .3em .6em; display: inline-block; }}
+#verdict.ok {{ background: #e5f5e0; color: #006d2c; }}
+#verdict.failed {{ background: #fee0d2; color: #a50f15; }}
+tr.violation td {{ background: #fee0d2; }} .why {{ color: #6a3d9a; }}
 #history table {{ margin-top: .5em; }}
 </style></head>
 <body>
 <h1>{title}</h1>
+<p id="verdict" class="{verdict_class}">{verdict}</p>
 <p id="summary">{summary}</p>
 {notes}
+<div id="violations"></div>
 <div class="pictures">
 <h2>Lifecycle diagram, with the log's counts and refusals</h2>
 {diagram}
@@ -238,6 +338,8 @@ tr.selected {{ background: #d6e8f7 !important; }}
 <option value="">any</option><option>finished</option><option>aborted</option>
 <option>live</option></select></label>
 <label><input id="refused-filter" type="checkbox"> with refusals</label>
+<label><input id="violation-filter" type="checkbox"> with violations</label>
+<label><input id="reused-filter" type="checkbox"> reused a rid while unreleased</label>
 <span id="count"></span>
 </div>
 <div id="wrap"><table id="lifecycles"><thead><tr>
@@ -246,7 +348,8 @@ tr.selected {{ background: #d6e8f7 !important; }}
 <th data-key="copies">copies</th><th data-key="acks">acks</th><th data-key="fails">fails</th>
 <th data-key="allocated">allocated ms</th><th data-key="offloading">offloading ms</th>
 <th data-key="finished_pending">finished_pending ms</th>
-<th data-key="refusals">refusals</th>
+<th data-key="refusals">refusals</th><th data-key="violations">violations</th>
+<th class="text" data-key="reused">reused rid held by</th>
 </tr></thead><tbody></tbody></table></div>
 <div id="history"><p>Select a lifecycle to see its whole history.</p></div>
 <script id="data" type="application/json">{data}</script>
@@ -274,9 +377,12 @@ function render() {{
   const ridText = document.getElementById("rid-filter").value.toLowerCase();
   const outcome = document.getElementById("outcome-filter").value;
   const refusedOnly = document.getElementById("refused-filter").checked;
+  const violatingOnly = document.getElementById("violation-filter").checked;
+  const reusedOnly = document.getElementById("reused-filter").checked;
   const shown = rows.filter(r =>
     r.rid.toLowerCase().includes(ridText) &&
-    (!outcome || r.outcome === outcome) && (!refusedOnly || r.refusals > 0));
+    (!outcome || r.outcome === outcome) && (!refusedOnly || r.refusals > 0) &&
+    (!violatingOnly || r.violations > 0) && (!reusedOnly || r.reused !== ""));
   shown.sort((a, b) => {{
     const x = value(a, sortKey), y = value(b, sortKey);
     const c = typeof x === "number" && typeof y === "number" ? x - y : naturalCompare(x, y);
@@ -292,6 +398,8 @@ function render() {{
     cell(tr, r.copies); cell(tr, r.acks); cell(tr, r.fails);
     for (const k of TIMES) cell(tr, r.time[k].toFixed(3));
     cell(tr, r.refusals, r.refusals ? "refused" : "");
+    cell(tr, r.violations, r.violations ? "refused" : "");
+    cell(tr, r.reused, "text");
     body.appendChild(tr);
   }}
   const left = DATA.total - rows.length;
@@ -309,19 +417,21 @@ function showHistory(r) {{
   box.appendChild(h);
   const table = document.createElement("table");
   const head = document.createElement("tr");
-  for (const name of ["ms", "trigger", "copy", "from", "to", "in flight", "refused", "detail"]) {{
+  for (const name of ["ms", "trigger", "copy", "from", "to", "in flight", "refused", "detail",
+                      "why"]) {{
     const th = document.createElement("th");
     th.textContent = name;
     if (!["ms", "copy", "in flight"].includes(name)) th.className = "text";
     head.appendChild(th);
   }}
   table.appendChild(head);
-  for (const [t, trigger, src, dst, ok, reason, op, inflight, detail] of r.history) {{
+  for (const [t, trigger, src, dst, ok, reason, op, inflight, detail, why] of r.history) {{
     const tr = document.createElement("tr");
     if (!ok) tr.className = "refused";
+    if (why.includes("VIOLATION")) tr.className = "violation";
     cell(tr, t.toFixed(3)); cell(tr, trigger, "text"); cell(tr, op === null ? "" : op);
     cell(tr, src || "", "text"); cell(tr, dst || "", "text"); cell(tr, inflight);
-    cell(tr, ok ? "" : reason, "text"); cell(tr, detail, "text");
+    cell(tr, ok ? "" : reason, "text"); cell(tr, detail, "text"); cell(tr, why, "text why");
     table.appendChild(tr);
   }}
   box.appendChild(table);
@@ -338,13 +448,51 @@ document.querySelectorAll("#lifecycles th").forEach(th => th.addEventListener("c
   sortKey = key;
   render();
 }}));
-for (const id of ["rid-filter", "outcome-filter", "refused-filter"]) {{
+function showViolations() {{
+  const box = document.getElementById("violations");
+  if (!DATA.violations.length) return;
+  const h = document.createElement("h2");
+  h.textContent = `Violations (${{DATA.violation_count}})`;
+  box.appendChild(h);
+  const table = document.createElement("table");
+  table.id = "violation-table";
+  const head = document.createElement("tr");
+  for (const name of ["rid", "serial", "seq", "kind", "what it means", "detail"]) {{
+    const th = document.createElement("th");
+    th.textContent = name;
+    th.className = "text";
+    head.appendChild(th);
+  }}
+  table.appendChild(head);
+  for (const v of DATA.violations) {{
+    const tr = document.createElement("tr");
+    const row = rows.find(r => r.serial === v.serial && r.segment === v.segment);
+    cell(tr, v.rid === null ? "" : v.rid, "text");
+    cell(tr, v.serial === null ? "" : v.serial, "text");
+    cell(tr, v.seq === null ? "" : v.seq, "text");
+    cell(tr, v.kind, "text refused"); cell(tr, v.meaning, "text"); cell(tr, v.message, "text");
+    if (row) tr.addEventListener("click", () => {{
+      showHistory(row);
+      document.getElementById("history").scrollIntoView();
+    }});
+    table.appendChild(tr);
+  }}
+  box.appendChild(table);
+  if (DATA.violation_count > DATA.violations.length) {{
+    const p = document.createElement("p");
+    p.textContent = `... ${{DATA.violation_count - DATA.violations.length}} more`;
+    box.appendChild(p);
+  }}
+}}
+for (const id of ["rid-filter", "outcome-filter", "refused-filter", "violation-filter",
+                  "reused-filter"]) {{
   document.getElementById(id).addEventListener("input", render);
 }}
 body.addEventListener("click", event => {{
   const tr = event.target.closest("tr");
   if (tr) showHistory(rows[Number(tr.dataset.index)]);
 }});
+showViolations();
 render();
 </script>
 </body></html>

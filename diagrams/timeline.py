@@ -1,5 +1,8 @@
 """A timeline of an audit log: one row per lifecycle instance (rid + serial), coloured by
-state over time, so rid reuse and overlapping instances show at a glance.
+state over time. The log is checked in the same pass, as ``kvlife audit check`` checks it:
+every registration of a rid that another lifecycle still held (not released) is drawn as
+a purple connector from the old row to the new one at that moment, every record the
+checker finds wrong as a red diamond on its row, and the title counts both.
 
 Needs matplotlib (the ``plot`` extra: ``pip install 'kvlife[plot]'``).
 """
@@ -13,7 +16,16 @@ from pathlib import Path
 from typing import Final
 
 from kvlife.diagrams.dot import shortened
-from kvlife.fsm.audit import REGISTER, AuditLog, AuditReader, AuditRecord, Event, Segment
+from kvlife.fsm.audit import (
+    REGISTER,
+    AuditChecker,
+    AuditLog,
+    AuditReader,
+    AuditRecord,
+    AuditReport,
+    Event,
+    Segment,
+)
 from kvlife.fsm.table import State
 
 COLOURS: Final = {
@@ -22,6 +34,8 @@ COLOURS: Final = {
     State.FINISHED_PENDING.value: "#fd8d3c",
 }
 """Colour per state (released is not drawn: the row ends there)."""
+REUSE_COLOUR: Final = "#6a3d9a"
+"""The connector from an old row to the new one that reused its rid."""
 MAX_REFUSALS_PER_ROW: Final = 200
 """Refusal marks kept per row (a flood of stale deliveries draws as one smear anyway)."""
 
@@ -50,15 +64,40 @@ MAX_ROWS: Final = 200
 """The most rows a timeline draws, whatever is asked: a taller picture is unreadable."""
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """A rid registered again while ``old`` (a (segment, serial)) still held it: ``new``
+    took it at ``t`` ms."""
+
+    t: float
+    old: tuple[int, int]
+    new: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ViolationMark:
+    """A record of ``row`` (a (segment, serial)) at ``t`` ms that the checker found wrong."""
+
+    t: float
+    row: tuple[int, int]
+    kinds: tuple[str, ...]
+
+
 @dataclass
 class Timeline:
     """The rows kept, in natural (rid, segment, serial) order; ``lifecycles`` and
-    ``rids`` count the instances and distinct rids of the log (of the rids asked for)."""
+    ``rids`` count the instances and distinct rids of the log (of the rids asked for).
+    ``report`` is the check of the whole log; ``reuses`` (the first
+    [`MAX_REUSES`][kvlife.fsm.checker.MAX_REUSES]) and ``violations`` are its marks, also
+    those on rows not kept."""
 
     rows: list[Row]
     end: float
     lifecycles: int
     rids: int = 0
+    report: AuditReport = field(default_factory=AuditReport)
+    reuses: list[Reuse] = field(default_factory=list)
+    violations: list[ViolationMark] = field(default_factory=list)
 
 
 def build_timeline(
@@ -66,16 +105,27 @@ def build_timeline(
     *,
     max_rows: int | None = None,
     rids: Collection[str] | None = None,
+    checker: AuditChecker | None = None,
+    accept_tables: Collection[str] = (),
 ) -> Timeline:
-    """Replay a log into rows (times in ms from the first record), in one pass.
+    """Replay a log into rows (times in ms from the first record), in one pass, checking
+    it with ``checker`` (finished when this returns; by default one with
+    ``accept_tables``).
 
     With ``max_rows``, only that many rows are kept while reading, shared out fairly: every
     rid's first instance comes before any rid's second one (then rid order), so one rid
     with 600 lifecycles cannot push the others out. Memory stays bounded by the rows kept
     plus one counter per rid. ``rids`` keeps only the instances of those rids. Each
     segment is its own serial space: a row is one (segment, serial).
+
+    Raises:
+        AuditTableMismatchError: the log was written with another table (not accepted).
     """
     events = source.events() if isinstance(source, AuditLog) else source
+    if checker is None:
+        checker = AuditChecker(accept_tables=accept_tables)
+    feed, found = checker.feed, checker.report
+    marks: list[ViolationMark] = []
     wanted = None if rids is None else set(rids)
     kept: dict[tuple[int, int], Row] = {}
     keys: dict[tuple[int, int], tuple[object, ...]] = {}  # kept rows only: their priority
@@ -88,6 +138,8 @@ def build_timeline(
     t0: int | None = None
     t = 0.0
     for event in events:
+        before = found.violation_count
+        feed(event)
         if type(event) is Segment:
             segment, first_registered = event.index, None
             continue
@@ -98,6 +150,9 @@ def build_timeline(
             t0 = r.t_ns
         t = (r.t_ns - t0) / 1e6
         serial = r.serial
+        if found.violation_count != before and serial is not None:
+            kinds = tuple(v.kind for v in found.violations[before:])
+            marks.append(ViolationMark(t, (segment, serial), kinds))
         if serial is None:
             continue
         ident = (segment, serial)
@@ -149,7 +204,13 @@ def build_timeline(
     for ident, (since, state) in current.items():
         kept[ident].spans.append((since, t, state))
     rows = sorted(kept.values(), key=lambda row: (natural_key(row.rid), row.segment, row.serial))
-    return Timeline(rows, t, lifecycles, len(per_rid))
+    report = checker.finish()
+    start = t0 or 0
+    reuses = [
+        Reuse((u.t_ns - start) / 1e6, (u.segment, u.previous[-1]), (u.segment, u.serial))
+        for u in report.reuses
+    ]
+    return Timeline(rows, t, lifecycles, len(per_rid), report, reuses, marks)
 
 
 def timeline_rows(source: AuditReader | AuditLog | Iterable[Event]) -> tuple[list[Row], float]:
@@ -166,8 +227,12 @@ def plot_timeline(
     title: str = "kvlife lifecycles",
     max_rows: int = 80,
     rids: Collection[str] | None = None,
+    checker: AuditChecker | None = None,
+    accept_tables: Collection[str] = (),
 ) -> int:
     """Draw the timeline to ``path`` (PNG or SVG by suffix); return the rows drawn.
+    ``checker`` and ``accept_tables``: as for
+    [`build_timeline()`][kvlife.diagrams.timeline.build_timeline].
 
     Rows are grouped by rid in natural order (``req-2`` before ``req-10``), then segment and
     serial, so the instances that reused a rid sit one under the other and overlaps show. At
@@ -176,8 +241,10 @@ def plot_timeline(
     [`build_timeline()`][kvlife.diagrams.timeline.build_timeline] says; the title says what
     was left out, and ``rids`` draws just the rids you name. Every span and refusal is drawn
     at least a few pixels wide, so a short ``finished_pending`` after a rid reuse shows at
-    any zoom. Rids are cut to 24 characters. Raises ``ModuleNotFoundError`` with an install
-    hint without matplotlib.
+    any zoom. Rids are cut to 24 characters. Rid reuses and violations are marked (SVG
+    element ids ``reuse-N`` and ``violation-N``) where both rows are drawn; the title counts
+    all of them. Raises ``ModuleNotFoundError`` with an install hint without matplotlib,
+    ``AuditTableMismatchError`` as ``build_timeline()``.
     """
     try:
         import matplotlib
@@ -191,8 +258,15 @@ def plot_timeline(
         raise ModuleNotFoundError(
             "the timeline needs matplotlib: pip install 'kvlife[plot]'"
         ) from exc
-    timeline = build_timeline(source, max_rows=min(max_rows, MAX_ROWS), rids=rids)
+    timeline = build_timeline(
+        source,
+        max_rows=min(max_rows, MAX_ROWS),
+        rids=rids,
+        checker=checker,
+        accept_tables=accept_tables,
+    )
     shown, end = timeline.rows, timeline.end
+    y_of = {(row.segment, row.serial): y for y, row in enumerate(shown)}
     height = 1.6 + 0.2 * max(len(shown), 1)
     fig, ax = plt.subplots(figsize=(11, min(height, 42)), dpi=110)
     least = max(end, 1e-6) * 0.006  # about 6 px of the plot's width
@@ -218,6 +292,32 @@ def plot_timeline(
                 zorder=4,
                 clip_on=False,
             )
+    reuses_drawn = 0
+    for reuse in timeline.reuses:
+        old, new = y_of.get(reuse.old), y_of.get(reuse.new)
+        if old is None or new is None:
+            continue
+        (line,) = ax.plot(
+            [reuse.t, reuse.t],
+            [old, new],
+            color=REUSE_COLOUR,
+            linewidth=1.4,
+            marker="o",
+            markersize=3,
+            zorder=5,
+        )
+        line.set_gid(f"reuse-{reuses_drawn}")
+        reuses_drawn += 1
+    violations_drawn = 0
+    for mark in timeline.violations:
+        row_y = y_of.get(mark.row)
+        if row_y is None:
+            continue
+        (point,) = ax.plot(
+            [mark.t], [row_y], "D", color="red", markersize=8, markeredgecolor="black", zorder=6
+        )
+        point.set_gid(f"violation-{violations_drawn}")
+        violations_drawn += 1
     for y in range(1, len(shown)):
         if shown[y].rid != shown[y - 1].rid:
             ax.axhline(y - 0.5, color="gray", linewidth=0.5)
@@ -240,9 +340,30 @@ def plot_timeline(
             f"\n{len(shown)} of {timeline.lifecycles} lifecycles and {shown_rids} of "
             f"{timeline.rids} rids shown (the first instances of each rid first)"
         )
-    ax.set_title(f"{shortened(title, 80)}{note}", fontsize=10, pad=24)
+    report = timeline.report
+    counts = (
+        f"{_plural(report.violation_count, 'violation')}, "
+        f"{_plural(report.reused_while_unreleased, 'rid reuse')} while unreleased"
+    )
+    if violations_drawn < report.violation_count or reuses_drawn < len(timeline.reuses):
+        counts += f"; {violations_drawn} and {reuses_drawn} of them on the rows shown"
+    ax.set_title(f"{shortened(title, 80)}: {counts}{note}", fontsize=10, pad=24)
+    if report.violation_count:
+        ax.title.set_color("red")
     handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
     handles.append(Line2D([], [], marker="x", color="red", linestyle="none", label="refused"))
+    handles.append(Line2D([], [], color=REUSE_COLOUR, marker="o", label="rid reused"))
+    handles.append(
+        Line2D(
+            [],
+            [],
+            marker="D",
+            color="red",
+            markeredgecolor="black",
+            linestyle="none",
+            label="violation",
+        )
+    )
     # above the plot, never over a row
     ax.legend(
         handles=handles,
@@ -257,3 +378,7 @@ def plot_timeline(
     fig.savefig(path)
     plt.close(fig)
     return len(shown)
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -16,14 +16,20 @@ the transition was applied whole; a failing sink never changes what the registry
 from __future__ import annotations
 
 from kvlife.fsm.checker import (
+    MAX_REUSES,
     MAX_VIOLATIONS,
+    VIOLATION_MEANINGS,
     AuditChecker,
     AuditReport,
     AuditTableMismatchError,
     InstanceSummary,
+    RidReuse,
+    Verdict,
     Violation,
     ViolationKind,
     check_audit,
+    fed,
+    violations_by_record,
 )
 from kvlife.fsm.reader import (
     MAX_PROBLEMS,
@@ -65,10 +71,12 @@ from kvlife.fsm.sinks import (
 
 __all__ = [
     "MAX_PROBLEMS",
+    "MAX_REUSES",
     "MAX_VIOLATIONS",
     "RECORD_FIELDS",
     "REGISTER",
     "SCHEMA_VERSION",
+    "VIOLATION_MEANINGS",
     "AuditChecker",
     "AuditFormatError",
     "AuditHeader",
@@ -90,17 +98,21 @@ __all__ = [
     "LoggingSink",
     "LostRecords",
     "MemorySink",
+    "RidReuse",
     "Segment",
     "SinkStatistics",
+    "Verdict",
     "Violation",
     "ViolationKind",
     "audit_files",
     "check_audit",
     "encode_lines",
     "encode_record",
+    "fed",
     "make_header",
     "read_audit",
     "record_from_dict",
     "segment_records",
     "trim_torn_tail",
+    "violations_by_record",
 ]

@@ -18,7 +18,7 @@ records takes each instance it first meets mid-history as it finds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -28,6 +28,8 @@ from kvlife.fsm.table import LIFECYCLE, State, Trigger
 
 MAX_VIOLATIONS: Final = 1000
 """Violations kept in detail (all are counted in ``violation_count``)."""
+MAX_REUSES: Final = 1000
+"""Rid reuses kept in detail (all are counted in ``reused_while_unreleased``)."""
 
 ViolationKind = Literal[
     "seq_gap",
@@ -58,13 +60,59 @@ class AuditTableMismatchError(AuditFormatError):
 
 @dataclass(frozen=True)
 class Violation:
-    """One thing in a log that the table or the contract does not allow."""
+    """One thing in a log that the table or the contract does not allow: its kind, the
+    record (``seq``; ``None`` for a leak found at the end), the lifecycle (``serial``,
+    ``rid``) and what was wrong."""
 
     kind: ViolationKind
     seq: int | None
     serial: int | None
     message: str
     segment: int = 0
+    rid: str | None = None
+
+    @property
+    def meaning(self) -> str:
+        """What this kind of violation means, in a sentence."""
+        return VIOLATION_MEANINGS[self.kind]
+
+    def line(self) -> str:
+        """``VIOLATION kind seq=N rid='...' serial=N: message`` (the segment when not 0)."""
+        where = f" segment={self.segment}" if self.segment else ""
+        return (
+            f"VIOLATION {self.kind}{where} seq={self.seq} rid={self.rid!r} "
+            f"serial={self.serial}: {self.message}"
+        )
+
+
+#: One sentence per violation kind: what the log shows happened.
+VIOLATION_MEANINGS: Final[dict[str, str]] = {
+    "seq_gap": "records are missing from the log and no sink reported them lost",
+    "illegal_transition": "a transition the lifecycle table does not allow was accepted",
+    "state_mismatch": "a record's state before differs from the lifecycle's replayed state",
+    "inflight_mismatch": "a record's copies in flight differ from the replayed count",
+    "wrong_instance": "a copy's completion was applied to a lifecycle that did not start it",
+    "unknown_op": "a completion names a copy that was never started",
+    "duplicate_completion": "a copy was completed twice",
+    "serial_reused": "one serial was registered twice",
+    "unknown_instance": "a transition was accepted on a lifecycle never registered",
+    "after_release": "a transition was accepted on a lifecycle after its release",
+    "leaked": "a lifecycle was not released by the end of the log",
+}
+
+
+@dataclass(frozen=True)
+class RidReuse:
+    """A registration whose rid was held by other lifecycles that were not released yet
+    (``previous``: their serials, oldest first): the moment a rid-keyed bookkeeping would
+    confuse the two requests."""
+
+    segment: int
+    seq: int
+    t_ns: int
+    rid: str | None
+    serial: int
+    previous: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -108,13 +156,65 @@ class AuditReport:
     transitions: dict[str, int] = field(default_factory=dict)
     #: Most lifecycles unreleased at once.
     max_live: int = 0
-    #: Registrations whose rid was held by another unreleased lifecycle (rid reuse).
-    rid_reuses: int = 0
+    #: Registrations whose rid was held by another lifecycle not released yet.
+    reused_while_unreleased: int = 0
+    #: The first [`MAX_REUSES`][kvlife.fsm.checker.MAX_REUSES] of them, in log order.
+    reuses: list[RidReuse] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """No violations (lost records are reported in ``lost``, not as violations)."""
         return self.violation_count == 0
+
+    @property
+    def rid_reuses(self) -> int:
+        """The former name of ``reused_while_unreleased`` (kept for one release)."""
+        return self.reused_while_unreleased
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What ``kvlife audit check`` concludes from a report and the reader's unreadable
+    lines: every tool that shows a log shows this and exits as ``check`` does (0 when
+    ``ok``, else 1).
+
+    Not ok when the log has violations, unreadable lines, or records a failing sink lost
+    (unless ``allow_lost``)."""
+
+    ok: bool
+    violations: int
+    lost_records: int
+    unreadable_lines: int
+
+    @classmethod
+    def of(
+        cls, report: AuditReport, unreadable_lines: int = 0, *, allow_lost: bool = False
+    ) -> Verdict:
+        """The verdict on ``report``."""
+        lost_ok = allow_lost or not report.lost_records
+        ok = report.ok and not unreadable_lines and lost_ok
+        return cls(ok, report.violation_count, report.lost_records, unreadable_lines)
+
+    @property
+    def exit_status(self) -> int:
+        """0 when ``ok``, else 1."""
+        return 0 if self.ok else 1
+
+    def __str__(self) -> str:
+        """``OK``, or ``FAILED: 1 violation, 3 lost records, 2 unreadable lines`` (the
+        parts that are not zero)."""
+        if self.ok:
+            return "OK"
+        parts = [
+            _count(self.violations, "violation"),
+            _count(self.lost_records, "lost record"),
+            _count(self.unreadable_lines, "unreadable line"),
+        ]
+        return "FAILED: " + ", ".join(p for p in parts if p)
+
+
+def _count(n: int, noun: str) -> str:
+    return "" if not n else f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 class _Replay:
@@ -213,7 +313,7 @@ class AuditChecker:
         self.keep_instances = keep_instances
         self.report = AuditReport()
         self._segment: _SegmentState | None = None
-        self._rid_live: dict[str | None, int] = {}
+        self._rid_live: dict[str | None, list[int]] = {}  # rid -> its unreleased serials
         self._live_total = 0
 
     # ------------------------------------------------------------------ events
@@ -255,12 +355,19 @@ class AuditChecker:
         self.report.lost.append(marker)
         self.report.lost_records += marker.kvlife_lost
 
-    def _bad(self, kind: ViolationKind, seq: int | None, serial: int | None, message: str) -> None:
+    def _bad(
+        self,
+        kind: ViolationKind,
+        seq: int | None,
+        serial: int | None,
+        message: str,
+        rid: str | None = None,
+    ) -> None:
         report = self.report
         report.violation_count += 1
         if len(report.violations) < MAX_VIOLATIONS:
             index = self._segment.index if self._segment is not None else 0
-            report.violations.append(Violation(kind, seq, serial, message, index))
+            report.violations.append(Violation(kind, seq, serial, message, index, rid))
 
     def _covered(self, seg: _SegmentState, first: int, last: int) -> bool:
         """Whether lost-record markers of this segment cover ``first..last``."""
@@ -279,7 +386,7 @@ class AuditChecker:
             for inst in seg.live.values():
                 inst.resync = inst.uncertain = True
             return
-        self._bad("seq_gap", r.seq, r.serial, f"seq {previous} is followed by {r.seq}")
+        self._bad("seq_gap", r.seq, r.serial, f"seq {previous} is followed by {r.seq}", rid=r.rid)
 
     def _record(self, r: AuditRecord) -> None:
         report = self.report
@@ -311,12 +418,15 @@ class AuditChecker:
                     r.seq,
                     serial,
                     f"refusal reports state {r.src} but the instance is {state}",
+                    rid=r.rid,
                 )
             return
         trigger = r.trigger
         report.transitions[trigger] = report.transitions.get(trigger, 0) + 1
         if serial is None:
-            self._bad("unknown_instance", r.seq, None, "accepted record without a serial")
+            self._bad(
+                "unknown_instance", r.seq, None, "accepted record without a serial", rid=r.rid
+            )
             return
         if trigger == REGISTER:
             self._register(seg, r, serial)
@@ -336,6 +446,7 @@ class AuditChecker:
                 r.seq,
                 serial,
                 f"{trigger} from {r.src} but the instance was {inst.state}",
+                rid=r.rid,
             )
         before = r.inflight + _BEFORE[trigger]
         if before != inst.inflight:
@@ -344,6 +455,7 @@ class AuditChecker:
                 r.seq,
                 serial,
                 f"{trigger} implies {before} in flight before, replay has {inst.inflight}",
+                rid=r.rid,
             )
         expected = _legal_next(r.src, trigger, before)
         if expected is None or expected != r.dst:
@@ -353,6 +465,7 @@ class AuditChecker:
                 serial,
                 f"{r.src} --{trigger} (inflight {before})--> {r.dst} is not in the "
                 f"table (table says {expected})",
+                rid=r.rid,
             )
         op = r.op
         if trigger == "start_offload":
@@ -370,14 +483,20 @@ class AuditChecker:
     def _register(self, seg: _SegmentState, r: AuditRecord, serial: int) -> None:
         report = self.report
         if serial in seg.live or seg.serials.get(serial):
-            self._bad("serial_reused", r.seq, serial, f"serial {serial} registered twice")
+            self._bad(
+                "serial_reused", r.seq, serial, f"serial {serial} registered twice", rid=r.rid
+            )
         seg.live[serial] = _Replay(r.rid, r.dst or "?")
         seg.serials.set(serial, _SEEN)
         report.lifecycles += 1
-        held = self._rid_live.get(r.rid, 0)
-        if held:
-            report.rid_reuses += 1
-        self._rid_live[r.rid] = held + 1
+        held = self._rid_live.get(r.rid)
+        if held is None:
+            self._rid_live[r.rid] = [serial]
+        else:
+            report.reused_while_unreleased += 1
+            if len(report.reuses) < MAX_REUSES:
+                report.reuses.append(RidReuse(seg.index, r.seq, r.t_ns, r.rid, serial, tuple(held)))
+            held.append(serial)
         self._live_total += 1
         report.max_live = max(report.max_live, self._live_total)
         if r.dst != _ALLOCATED or r.inflight != 0:
@@ -386,6 +505,7 @@ class AuditChecker:
                 r.seq,
                 serial,
                 f"registration to {r.dst} with {r.inflight} in flight",
+                rid=r.rid,
             )
 
     def _first_seen(self, seg: _SegmentState, r: AuditRecord, serial: int) -> _Replay | None:
@@ -396,6 +516,7 @@ class AuditChecker:
                 r.seq,
                 serial,
                 f"{r.trigger} accepted on lifecycle {serial} after it was released",
+                rid=r.rid,
             )
             return None
         if not seg.partial:
@@ -404,6 +525,7 @@ class AuditChecker:
                 r.seq,
                 serial,
                 f"{r.trigger} accepted on lifecycle {serial}, which was never registered",
+                rid=r.rid,
             )
             return None
         # The log does not hold this instance's beginning: take the record's source state.
@@ -411,27 +533,36 @@ class AuditChecker:
         inst.uncertain = True
         seg.serials.set(serial, _SEEN)
         self.report.lifecycles += 1
-        self._rid_live[r.rid] = self._rid_live.get(r.rid, 0) + 1
+        self._rid_live.setdefault(r.rid, []).append(serial)
         self._live_total += 1
         return inst
 
     def _completion(self, seg: _SegmentState, inst: _Replay, r: AuditRecord, serial: int) -> None:
         op = r.op
         if op is None:
-            self._bad("unknown_op", r.seq, serial, f"{r.trigger} without a copy number")
+            self._bad("unknown_op", r.seq, serial, f"{r.trigger} without a copy number", rid=r.rid)
             return
         owner = seg.op_owner.pop(op, None)
         if owner is None:
             if seg.ops.get(op) == _DONE:
-                self._bad("duplicate_completion", r.seq, serial, f"copy {op} completed twice")
+                self._bad(
+                    "duplicate_completion", r.seq, serial, f"copy {op} completed twice", rid=r.rid
+                )
             elif not inst.uncertain:
-                self._bad("unknown_op", r.seq, serial, f"{r.trigger} of copy {op} never started")
+                self._bad(
+                    "unknown_op",
+                    r.seq,
+                    serial,
+                    f"{r.trigger} of copy {op} never started",
+                    rid=r.rid,
+                )
         elif owner != serial:
             self._bad(
                 "wrong_instance",
                 r.seq,
                 serial,
                 f"copy {op} was started by lifecycle {owner}, completed on lifecycle {serial}",
+                rid=r.rid,
             )
         seg.ops.set(op, _DONE)
 
@@ -451,7 +582,7 @@ class AuditChecker:
         del seg.live[serial]
         seg.serials.set(serial, _DONE)
         self.report.released += 1
-        self._left(inst.rid)
+        self._left(inst.rid, serial)
         if self.keep_instances:
             self.report.instances[(seg.index, serial)] = self._summary(seg, serial, inst)
 
@@ -464,17 +595,19 @@ class AuditChecker:
             self.report.live.append(summary)
             if self.keep_instances:
                 self.report.instances[(seg.index, serial)] = summary
-            self._left(inst.rid)
+            self._left(inst.rid, serial)
         self._segment = None
 
-    def _left(self, rid: str | None) -> None:
+    def _left(self, rid: str | None, serial: int) -> None:
         """An instance stopped being live (released, or its segment ended)."""
         self._live_total -= 1
-        held = self._rid_live.get(rid, 1) - 1
-        if held:
-            self._rid_live[rid] = held
-        else:
-            self._rid_live.pop(rid, None)
+        held = self._rid_live.get(rid)
+        if held is None:
+            return
+        if len(held) == 1:
+            del self._rid_live[rid]
+        elif serial in held:
+            held.remove(serial)
 
     def finish(self) -> AuditReport:
         """Close the last segment and return the report."""
@@ -488,8 +621,28 @@ class AuditChecker:
                         inst.serial,
                         f"lifecycle {inst.serial} ({inst.rid!r}) of segment {inst.segment} "
                         f"ended {inst.state} with {inst.inflight} in flight",
+                        rid=inst.rid,
                     )
         return self.report
+
+
+def fed(events: Iterable[Event], checker: AuditChecker) -> Iterator[Event]:
+    """``events``, each fed to ``checker`` before it is passed on: a tool that reads a log
+    for its own purpose checks it in the same pass (call ``checker.finish()`` after)."""
+    feed = checker.feed
+    for event in events:
+        feed(event)
+        yield event
+
+
+def violations_by_record(report: AuditReport) -> dict[tuple[int, int], list[Violation]]:
+    """The violations kept in ``report`` by (segment, seq) of the record they are about
+    (leaks, which have no record, are left out)."""
+    marks: dict[tuple[int, int], list[Violation]] = {}
+    for v in report.violations:
+        if v.seq is not None:
+            marks.setdefault((v.segment, v.seq), []).append(v)
+    return marks
 
 
 def check_audit(

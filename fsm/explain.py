@@ -5,6 +5,10 @@ one rid (every lifecycle that held it, and the calls that found no lifecycle for
 tells each lifecycle's story: every transition and refusal with its time, state and
 copy, what each refusal means, which other lifecycles held the same rid meanwhile, and,
 for a completion that arrived after the rid was reused, which lifecycle's copy it was.
+
+Given an [`AuditChecker`][kvlife.fsm.checker.AuditChecker], it checks the whole log in the
+same pass, as ``kvlife audit check`` does: each record of the story that the checker finds
+wrong is marked where it is told, and the story ends with the log's verdict.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvlife.fsm.checker import AuditChecker, Verdict, Violation, fed, violations_by_record
 from kvlife.fsm.reader import Event, segment_records
 from kvlife.fsm.records import REGISTER, AuditRecord
 
@@ -143,8 +148,34 @@ def _births(history: RidHistory) -> dict[int, list[tuple[int, int]]]:
     return births
 
 
+def late_completion(
+    births: list[tuple[int, int]], serial: int, op: int, started_ns: int, done_ns: int
+) -> str | None:
+    """The sentence for a completion of copy ``op`` of lifecycle ``serial`` that arrived
+    after its rid was reused (``births``: the rid's (registration time, serial), in time
+    order), or ``None`` when no newer lifecycle took the rid while the copy was in flight."""
+    since = bisect_left(births, (started_ns, -1))
+    until = bisect_right(births, (done_ns, sys.maxsize))
+    newer = [n for _, n in births[since:until] if n > serial]
+    if not newer:
+        return None
+    names = ", ".join(f"#{n}" for n in newer)
+    return (
+        f"late: the rid was reused by {names} while copy {op} was in flight; its ticket "
+        f"named #{serial}, so it completed #{serial} only"
+    )
+
+
+def _marked(lines: list[str], marks: list[Violation]) -> None:
+    for v in marks:
+        lines.append(f"      !! VIOLATION {v.kind}: {v.message} ({v.meaning})")
+
+
 def _story(
-    history: RidHistory, lc: LifecycleHistory, births: dict[int, list[tuple[int, int]]]
+    history: RidHistory,
+    lc: LifecycleHistory,
+    births: dict[int, list[tuple[int, int]]],
+    marks: dict[tuple[int, int], list[Violation]],
 ) -> list[str]:
     t0 = history.t0
     where = f" (segment {lc.segment})" if lc.segment else ""
@@ -168,6 +199,7 @@ def _story(
             lines.append(
                 f"  {when}  REFUSED {record.trigger}{op}: {record.reason}: {_refusal(record, lc)}"
             )
+            _marked(lines, marks.get((lc.segment, record.seq), []))
             continue
         move = f"{record.src} -> {record.dst}" if record.src else f"-> {record.dst}"
         inflight = f", {record.inflight} in flight" if record.inflight else ""
@@ -179,17 +211,17 @@ def _story(
         if record.trigger == "start_offload" and record.op is not None:
             started[record.op] = record.t_ns
         elif record.trigger in ("ack", "fail") and record.op is not None:
-            segment_births = births.get(lc.segment, [])
-            since = bisect_left(segment_births, (started.get(record.op, record.t_ns), -1))
-            until = bisect_right(segment_births, (record.t_ns, sys.maxsize))
-            newer = [n for _, n in segment_births[since:until] if n > lc.serial]
-            if newer:
-                names = ", ".join(f"#{n}" for n in newer)
-                line += (
-                    f"  <- late: the rid was reused by {names} while copy {record.op} was in "
-                    f"flight; its ticket named #{lc.serial}, so it completed #{lc.serial} only"
-                )
+            late = late_completion(
+                births.get(lc.segment, []),
+                lc.serial,
+                record.op,
+                started.get(record.op, record.t_ns),
+                record.t_ns,
+            )
+            if late is not None:
+                line += f"  <- {late}"
         lines.append(line)
+        _marked(lines, marks.get((lc.segment, record.seq), []))
     if lc.dropped:
         lines.append(f"  ... {lc.dropped} more records")
     if lc.released_ns is None:
@@ -208,15 +240,30 @@ def _state_at(lc: LifecycleHistory, t_ns: int) -> str:
 
 
 def explain(
-    source: Iterable[Event], rid: str, *, serial: int | None = None, segment: int = 0
+    source: Iterable[Event],
+    rid: str,
+    *,
+    serial: int | None = None,
+    segment: int = 0,
+    checker: AuditChecker | None = None,
+    allow_lost: bool = False,
 ) -> str:
     """The story of every lifecycle of ``rid`` in the log (or of lifecycle ``serial`` of
     ``segment`` only, with the others of its rid as context), as text.
 
+    With ``checker``, the whole log is fed to it in the same pass: records it finds wrong
+    are marked (``!! VIOLATION``) in the story, and the text ends with the verdict on the
+    log, [`Verdict`][kvlife.fsm.checker.Verdict] (``allow_lost`` as for it; unreadable
+    lines are the source's ``problem_count`` when it has one), listing this rid's
+    violations. ``checker.finish()`` has been called when this returns.
+
     Raises:
         LookupError: the log holds no record of that rid (or serial).
     """
-    history = collect(source, rid)
+    history = collect(source if checker is None else fed(source, checker), rid)
+    marks: dict[tuple[int, int], list[Violation]] = {}
+    if checker is not None:
+        marks = violations_by_record(checker.finish())
     stories = sorted(history.lifecycles.values(), key=lambda lc: (lc.segment, lc.serial))
     if serial is not None:
         stories = [lc for lc in stories if (lc.segment, lc.serial) == (segment, serial)]
@@ -231,14 +278,44 @@ def explain(
         )
     births = _births(history)
     for lc in stories[:MAX_STORIES]:
-        lines += ["", *_story(history, lc, births)]
+        lines += ["", *_story(history, lc, births, marks)]
     if len(stories) > MAX_STORIES:
         lines += ["", f"... {len(stories) - MAX_STORIES} more lifecycles of this rid"]
     if history.unknown and serial is None:
         lines += ["", "calls for this rid that found no lifecycle (unknown_request):"]
-        for _, record in history.unknown[:MAX_STEPS]:
+        for seg, record in history.unknown[:MAX_STEPS]:
             lines.append(
                 f"  {_ms(record.t_ns, history.t0)}  REFUSED {record.trigger}: the request "
                 "object was not registered (or already released, or another object)"
             )
+            _marked(lines, marks.get((seg, record.seq), []))
+    if checker is not None:
+        problems = int(getattr(source, "problem_count", 0))
+        lines += ["", *verdict_lines(checker, problems, allow_lost=allow_lost, rid=rid)]
     return "\n".join(lines)
+
+
+MAX_LISTED = 20
+"""Violations listed under a verdict; the rest are counted."""
+
+
+def verdict_lines(
+    checker: AuditChecker,
+    unreadable_lines: int = 0,
+    *,
+    allow_lost: bool = False,
+    rid: str | None = None,
+) -> list[str]:
+    """The verdict on a finished check, as ``kvlife audit check`` would give it, and the
+    violations it kept (those of ``rid`` only, when given; the others counted)."""
+    report = checker.report
+    verdict = Verdict.of(report, unreadable_lines, allow_lost=allow_lost)
+    lines = [f"verdict on the whole log (kvlife audit check): {verdict}"]
+    listed = [v for v in report.violations if rid is None or v.rid == rid]
+    lines += [f"  {v.line()}" for v in listed[:MAX_LISTED]]
+    if len(listed) > MAX_LISTED:
+        lines.append(f"  ... {len(listed) - MAX_LISTED} more")
+    others = report.violation_count - len(listed)
+    if rid is not None and others > 0:
+        lines.append(f"  {others} violation(s) of other rids: kvlife audit check shows them")
+    return lines
