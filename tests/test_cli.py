@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from kvlife.fsm import JsonLinesSink, LifecycleRegistry
 from kvlife.fsm._version import __version__
 from kvlife.offload.bench import token_count
 from tests.strategies import Req
+from tests.violations import EDITS, clean_log, edited_log, reuse_log
 
 SUBCOMMANDS = [
     [],
@@ -527,3 +529,105 @@ def test_audit_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert out.read_text().startswith("<?xml") and "rows" in capsys.readouterr().out
     assert main(["audit", "timeline", str(log), "-o", str(tmp_path / "t.gif")]) == 2
     assert "needs a .png or .svg name" in capsys.readouterr().err
+
+
+# ------------------------------------------------ one verdict in every tool that shows a log
+
+VERDICT_TOOLS = {
+    "check": lambda log, out: ["audit", "check", str(log)],
+    "why": lambda log, out: ["audit", "why", str(log), "--rid", "r"],
+    "report": lambda log, out: ["audit", "report", str(log), "-o", str(out / "page.html")],
+    "diagram": lambda log, out: ["diagram", "--from-log", str(log), "--format", "dot"],
+    "timeline": lambda log, out: ["audit", "timeline", str(log), "-o", str(out / "t.svg")],
+}
+
+
+def _shown(tool: str, out: Path, stdout: str) -> str:
+    """What the tool showed the user: its output, or the file it wrote."""
+    if tool == "report":
+        return (out / "page.html").read_text()
+    if tool == "timeline":
+        return (out / "t.svg").read_text()
+    return stdout
+
+
+@pytest.mark.parametrize("tool", VERDICT_TOOLS)
+@pytest.mark.parametrize("kind", sorted(EDITS))
+def test_every_tool_shows_each_violation_kind_and_exits_as_check_does(
+    tool: str, kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = edited_log(clean_log(tmp_path / "clean.jsonl"), kind, tmp_path / "edited.jsonl")
+    argv = [*VERDICT_TOOLS[tool](log, tmp_path), "--expect-released"]
+    status = main(argv)
+    captured = capsys.readouterr()
+    assert status == 1, captured
+    shown = _shown(tool, tmp_path, captured.out)
+    if tool in ("check", "why", "report"):
+        assert kind in shown  # by name, in the text or the page's data
+    else:  # the pictures count them in their title (in red)
+        assert re.search(r"\d+ violations?", shown), shown[:2000]
+    if tool not in ("check", "why"):
+        assert "FAILED" in captured.err  # the verdict, on stderr beside the file
+    if tool == "why":
+        assert "verdict on the whole log (kvlife audit check): FAILED" in captured.out
+        if kind != "leaked":  # a leak is about no record: it is in the verdict's list only
+            assert f"!! VIOLATION {kind}" in captured.out
+
+
+@pytest.mark.parametrize("tool", VERDICT_TOOLS)
+def test_a_clean_log_is_ok_in_every_tool(
+    tool: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "clean.jsonl")
+    assert main([*VERDICT_TOOLS[tool](log, tmp_path), "--expect-released"]) == 0
+    captured = capsys.readouterr()
+    shown = _shown(tool, tmp_path, captured.out)
+    assert "FAILED" not in captured.out + captured.err
+    assert ('"violations": []' in shown) if tool == "report" else ("VIOLATION" not in shown)
+    if tool == "check":
+        assert captured.out.rstrip().endswith("OK")
+    elif tool == "why":
+        assert "verdict on the whole log (kvlife audit check): OK" in captured.out
+    elif tool == "report":
+        assert "Verdict (kvlife audit check): OK" in shown
+    elif tool == "diagram":
+        assert "check OK" in shown
+    else:
+        assert "0 violations" in shown
+
+
+def test_why_marks_the_violating_record_where_it_is_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = edited_log(clean_log(tmp_path / "clean.jsonl"), "wrong_instance", tmp_path / "e.jsonl")
+    assert main(["audit", "why", str(log), "--serial", "1"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    ack = next(i for i, line in enumerate(lines) if "ack copy 0" in line)
+    marks = [line.strip() for line in lines[ack + 1 : ack + 3]]  # the record's own marks
+    assert "!! VIOLATION wrong_instance: copy 0 was started by lifecycle 0, completed on " in (
+        "\n".join(marks)
+    )
+    assert any("VIOLATION wrong_instance seq=5 rid='r' serial=1" in line for line in lines)
+
+
+def test_check_names_the_rid_of_each_violation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = edited_log(clean_log(tmp_path / "clean.jsonl"), "unknown_op", tmp_path / "e.jsonl")
+    assert main(["audit", "check", str(log)]) == 1
+    assert "VIOLATION unknown_op seq=6 rid='r' serial=1: ack of copy 99 never started" in (
+        capsys.readouterr().out
+    )
+    assert main(["audit", "check", str(log), "--json"]) == 1
+    (violation,) = json.loads(capsys.readouterr().out)["violations"]
+    assert violation["rid"] == "r" and violation["meaning"].startswith("a completion names")
+
+
+def test_stats_names_what_it_counts_as_a_reuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log, reused = reuse_log(tmp_path / "reuse.jsonl")
+    assert main(["audit", "stats", str(log), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["reused_while_unreleased"] == len(reused) == 9  # "later" is not counted
+    assert stats["rid_reuses"] == stats["reused_while_unreleased"]  # the former name

@@ -12,8 +12,9 @@ import pytest
 
 from kvlife.diagrams.cli import main
 from kvlife.diagrams.report import build_report, gather
-from kvlife.fsm import AuditRecord, JsonLinesSink, LifecycleRegistry, MemorySink
+from kvlife.fsm import AuditRecord, JsonLinesSink, LifecycleRegistry, MemorySink, read_audit
 from tests.strategies import Req
+from tests.violations import clean_log, edited_log, reuse_log
 
 HOSTILE = '</script><img src=x onerror="window.pwned=1">&amp;'
 
@@ -156,5 +157,56 @@ def test_the_page_works_in_a_browser(browser: Any, tmp_path: Path) -> None:
     steps = history.locator("tr")
     assert steps.count() == 1 + 5  # a header and five records
     assert "stale_instance" in steps.nth(5).text_content()
+    assert errors == []
+    page.close()
+
+
+def test_the_reuse_column_lists_exactly_the_lifecycles_that_reused_a_held_rid(
+    tmp_path: Path,
+) -> None:
+    log, reused = reuse_log(tmp_path / "reuse.jsonl")
+    data = gather(read_audit(log).events())
+    assert {e.serial for e in data.lifecycles if e.reused} == reused
+    assert data.report.reused_while_unreleased == len(reused) and data.verdict.ok
+    first = next(e for e in data.lifecycles if e.serial == 1)
+    assert first.reused == "#0"
+    notes = [h[9] for h in first.history if h[9]]
+    assert notes[0] == (
+        "registered while #0 still held the rid: the rid was reused; #0's copies stay theirs"
+    )
+    old = next(e for e in data.lifecycles if e.serial == 0)
+    late = [h[9] for h in old.history if h[1] == "ack"]
+    assert late == [
+        "late: the rid was reused by #1 while copy 0 was in flight; its ticket named #0, so it "
+        "completed #0 only"
+    ]  # the sentence `kvlife audit why` prints for it
+
+
+def test_the_page_opens_with_the_verdict_and_its_violations(browser: Any, tmp_path: Path) -> None:
+    log = edited_log(clean_log(tmp_path / "clean.jsonl"), "wrong_instance", tmp_path / "e.jsonl")
+    out = tmp_path / "page.html"
+    assert main(["audit", "report", str(log), "-o", str(out)]) == 1
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(out.as_uri())
+    verdict = page.locator("#verdict")
+    assert verdict.is_visible()
+    assert verdict.text_content() == "Verdict (kvlife audit check): FAILED: 2 violations"
+    table = page.locator("#violation-table tr")
+    assert table.count() == 1 + 2  # a header and the two violations of the edited ack
+    kinds = {table.nth(i).locator("td").nth(3).text_content() for i in (1, 2)}
+    assert kinds == {"inflight_mismatch", "wrong_instance"}
+    assert table.nth(1).locator("td").first.text_content() == "r"  # the rid is named
+    table.nth(2).click()
+    history = page.locator("#history")
+    assert history.locator("h2").text_content().startswith("History of r #1")
+    marked = history.locator("tr.violation")
+    assert marked.count() == 1 and "VIOLATION wrong_instance" in marked.text_content()
+    page.check("#reused-filter")
+    assert page.locator("#count").text_content() == "showing 1 of 2 lifecycles"
+    page.uncheck("#reused-filter")
+    page.check("#violation-filter")
+    assert page.locator("#lifecycles tbody tr").count() == 1
     assert errors == []
     page.close()

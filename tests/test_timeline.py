@@ -10,6 +10,7 @@ from kvlife.diagrams import build_timeline, plot_timeline, timeline_rows
 from kvlife.diagrams.timeline import MAX_ROWS
 from kvlife.fsm import AuditRecord, JsonLinesSink, LifecycleRegistry, MemorySink, read_audit
 from tests.strategies import Req
+from tests.violations import clean_log, edited_log, reuse_log
 
 
 def _records() -> list[AuditRecord]:
@@ -126,3 +127,27 @@ def test_a_microsecond_of_finished_pending_is_drawn_a_few_pixels_wide(tmp_path: 
     (path,) = re.findall(r'<path id="[^"]+" d="([^"]+)"\s+style="stroke: #a63603', svg)
     xs = [float(x) for x in re.findall(r"[ML] ([\d.]+) ", path)]
     assert max(xs) - min(xs) >= 4, path
+
+
+def test_every_rid_reuse_while_unreleased_is_one_mark_and_counted(tmp_path: Path) -> None:
+    log, reused = reuse_log(tmp_path / "reuse.jsonl")
+    timeline = build_timeline(read_audit(log))
+    assert {reuse.new[1] for reuse in timeline.reuses} == reused
+    assert all(reuse.old[1] == reuse.new[1] - 1 for reuse in timeline.reuses)  # the one before
+    svg = tmp_path / "t.svg"
+    plot_timeline(read_audit(log), svg)
+    text = svg.read_text()
+    assert len(re.findall(r'id="reuse-\d+"', text)) == len(reused) == 9
+    assert "0 violations, 9 rid reuses while unreleased" in text
+    assert 'id="violation-' not in text
+
+
+def test_violating_records_are_marked_on_their_rows(tmp_path: Path) -> None:
+    log = edited_log(clean_log(tmp_path / "clean.jsonl"), "unknown_op", tmp_path / "e.jsonl")
+    timeline = build_timeline(read_audit(log))
+    assert [(m.row, m.kinds) for m in timeline.violations] == [((0, 1), ("unknown_op",))]
+    svg = tmp_path / "t.svg"
+    plot_timeline(read_audit(log), svg, rids=["r"])
+    text = svg.read_text()
+    assert len(re.findall(r'id="violation-\d+"', text)) == 1
+    assert "1 violation, 1 rid reuse while unreleased" in text

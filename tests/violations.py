@@ -1,0 +1,113 @@
+"""Audit logs with known contents for the log tools' tests: a clean one, one edited to hold
+each violation kind the checker knows, and one with known rid reuses."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+from tests.strategies import Req
+
+Line = dict[str, Any]
+
+
+def clean_log(path: Path) -> Path:
+    """Rid ``r`` reused while its first lifecycle's copy is in flight, then that copy
+    completing late: records 0 register #0, 1 start copy 0, 2 finish #0, 3 register #1,
+    4 start copy 1, 5 ack copy 0 (#0 released), 6 ack copy 1, 7 finish #1 (released)."""
+    sink = JsonLinesSink(path, fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    old, new = Req("r"), Req("r")
+    registry.register(old)
+    old_copy = registry.start_offload(old, tokens=4)
+    registry.finish(old)
+    registry.register(new)
+    new_copy = registry.start_offload(new, tokens=4)
+    registry.complete(old_copy)
+    registry.complete(new_copy)
+    registry.finish(new)
+    registry.flush()
+    sink.close()
+    return path
+
+
+def _renumber(lines: list[Line]) -> list[Line]:
+    return [line | {"seq": i} if "seq" in line else line for i, line in enumerate(lines, -1)]
+
+
+def _edit(seq: int, **fields: Any) -> Callable[[list[Line]], list[Line]]:
+    def edit(lines: list[Line]) -> list[Line]:
+        return [line | fields if line.get("seq") == seq else line for line in lines]
+
+    return edit
+
+
+def _drop(seq: int) -> Callable[[list[Line]], list[Line]]:
+    return lambda lines: [line for line in lines if line.get("seq") != seq]
+
+
+def _append(make: Callable[[list[Line]], Line]) -> Callable[[list[Line]], list[Line]]:
+    def edit(lines: list[Line]) -> list[Line]:
+        return [*lines, make(lines) | {"seq": lines[-1]["seq"] + 1}]
+
+    return edit
+
+
+#: One edit of the clean log per violation kind (``leaked`` needs ``--expect-released``).
+EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
+    "seq_gap": _drop(4),
+    "illegal_transition": _edit(2, dst="released"),
+    "state_mismatch": _edit(6, src="allocated"),
+    "inflight_mismatch": _edit(4, inflight=3),
+    "wrong_instance": _edit(5, serial=1, src="offloading", dst="offloading", inflight=1),
+    "unknown_op": _edit(6, op=99),
+    "duplicate_completion": lambda lines: _renumber([*lines[:8], lines[7], *lines[8:]]),
+    "serial_reused": lambda lines: _renumber(
+        [*lines[:8], dict(lines[1]) | {"serial": 0}, *lines[8:]]
+    ),
+    "unknown_instance": _append(lambda lines: dict(lines[2]) | {"serial": 7}),
+    "after_release": _append(lambda lines: dict(lines[2]) | {"src": "released"}),
+    "leaked": lambda lines: lines[:-1],
+}
+
+
+def edited_log(clean: Path, kind: str, path: Path) -> Path:
+    """``clean`` with the edit that makes a ``kind`` violation, written to ``path``."""
+    lines = [json.loads(text) for text in clean.read_text().splitlines()]
+    edited = EDITS[kind](lines)
+    path.write_text("".join(json.dumps(line) + "\n" for line in edited))
+    return path
+
+
+def reuse_log(path: Path, rids: int = 3, generations: int = 4) -> tuple[Path, set[int]]:
+    """Each of ``rids`` rids held by ``generations`` lifecycles in turn, every new one
+    registered while the one before still had a copy in flight (a rid reuse while
+    unreleased), plus one rid registered again only after its release (not such a reuse).
+    Returns the log and the serials of the lifecycles that reused a rid while unreleased."""
+    sink = JsonLinesSink(path, fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    reused: set[int] = set()
+    for i in range(rids):
+        previous = None
+        for generation in range(generations):
+            req = Req(f"req-{i}")
+            lc = registry.register(req)
+            if generation:
+                reused.add(lc.serial)
+            ticket = registry.start_offload(req, tokens=4)
+            if previous is not None:
+                registry.complete(previous)  # the old copy completes after the reuse
+            registry.finish(req)
+            previous = ticket
+        assert previous is not None
+        registry.complete(previous)
+    for _ in range(2):  # registered again after its release: a new request, no reuse
+        req = Req("later")
+        registry.register(req)
+        registry.finish(req)
+    registry.flush()
+    sink.close()
+    return path, reused
