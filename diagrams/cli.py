@@ -629,6 +629,8 @@ def _demo(args: argparse.Namespace) -> int:
             config, sinks=[sink], progress=None if args.no_progress else text_progress()
         )
     print(summary.table())
+    print()
+    print(summary.explanation(str(audit_path), str(out)))
     report = _check(str(audit_path), AuditReader(audit_path), AuditChecker(expect_released=True))
     print(
         f"\naudit log: {audit_path} ({report.records} records): "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -152,6 +153,10 @@ class DemoSummary:
     finished: int = 0
     aborted: int = 0
     rid_reuses_in_flight: int = 0
+    #: The first rids registered again while a copy of their old lifecycle was in flight.
+    reused_rids: list[str] = field(default_factory=list)
+    #: Completions of old tickets the demo delivered again on purpose (each one refused).
+    redelivered: int = 0
     transitions: int = 0
     refusals: dict[str, int] = field(default_factory=dict)
     copies: int = 0
@@ -176,6 +181,7 @@ class DemoSummary:
             ("rid reused while its old copy was in flight", f"{self.rid_reuses_in_flight}"),
             ("accepted transitions", f"{self.transitions}"),
         ]
+        rows.append(("completions re-delivered on purpose", f"{self.redelivered}"))
         for reason, n in sorted(self.refusals.items()):
             rows.append((f"refused: {reason}", f"{n}"))
         rows += [
@@ -193,6 +199,37 @@ class DemoSummary:
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def explanation(self, audit_log: str, out: str) -> str:
+        """What the figures mean and what to run next on the demo's audit log."""
+        refused = sum(self.refusals.values())
+        which = (
+            f"All {refused} refusals come"
+            if refused == self.redelivered
+            else f"{self.redelivered} of the {refused} refusals come"
+        )
+        paragraphs = [
+            f"{which} from completions the demo delivers again on purpose after they were "
+            "delivered (a late or repeated CUDA event, the bug class kvlife exists for): "
+            "kvlife refused each one (duplicate_ack while the lifecycle was live, "
+            "stale_instance after its release), changed nothing and audited it.",
+            f"{self.rid_reuses_in_flight} times a finished request's rid was given to a new "
+            "request while a copy of the old one was still in flight: a rid-keyed "
+            "bookkeeping would have applied that copy's completion to the new request.",
+        ]
+        lines = [textwrap.fill(p, 92) for p in paragraphs]
+        if self.reused_rids:
+            shown = ", ".join(self.reused_rids)
+            first = self.reused_rids[0]
+            lines += [
+                f"Rids reused that way (first {len(self.reused_rids)}): {shown}. Next:",
+                f"  kvlife audit why {audit_log} --rid {first}",
+                f"  kvlife audit timeline {audit_log} -o {out}/timeline-{first}.png --rid {first}",
+                f"  kvlife audit report {audit_log} -o {out}/report.html",
+            ]
+        else:
+            lines.append(f"Next: kvlife audit report {audit_log} -o {out}/report.html")
+        return "\n".join(lines)
 
 
 def demo_layout(device: torch.device) -> KVLayout:
@@ -252,6 +289,8 @@ def run_workload(
             holder = registry.live(rid)
             if holder is not None and holder.inflight:
                 summary.rid_reuses_in_flight += 1
+                if len(summary.reused_rids) < 5 and rid not in summary.reused_rids:
+                    summary.reused_rids.append(rid)
             lc = manager.register(req)
             engine.admit(req, lc)
             engine.commit(req, req.prompt, gen)  # prefill
@@ -278,6 +317,7 @@ def run_workload(
                     job.run()
         if old_tickets and rng.random() < config.redeliver_rate * len(running):
             registry.deliver(rng.choice(old_tickets))  # injected bug: refused, audited
+            summary.redelivered += 1
         manager.poll()
         while backups and backups[0][0] <= summary.steps:
             for pages in backups.pop(0)[1]:

@@ -631,3 +631,17 @@ def test_stats_names_what_it_counts_as_a_reuse(
     stats = json.loads(capsys.readouterr().out)
     assert stats["reused_while_unreleased"] == len(reused) == 9  # "later" is not counted
     assert stats["rid_reuses"] == stats["reused_while_unreleased"]  # the former name
+
+
+def test_the_demo_names_reused_rids_that_why_then_finds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["demo", "--requests", "80", "--out", str(tmp_path), "--no-progress"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    command = next(line.strip() for line in out.splitlines() if "kvlife audit why" in line)
+    words = command.split()
+    assert words[:3] == ["kvlife", "audit", "why"] and words[3] == str(tmp_path / "audit.jsonl")
+    assert main(words[1:]) == 0  # runs as printed (the log is clean)
+    story = capsys.readouterr().out
+    assert "the rid was reused" in story and story.rstrip().endswith("OK")

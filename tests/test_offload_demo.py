@@ -43,3 +43,19 @@ def test_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
         show(done, 100)
     out = capsys.readouterr().out
     assert "100% 100/100" in out and out.count("\n") == 5
+
+
+def test_the_summary_explains_its_refusals_and_names_reused_rids() -> None:
+    sink = MemorySink(capacity=1 << 20)
+    summary = run_workload(DemoConfig(requests=120, seed=0), sinks=[sink])
+    records = sink.records()
+    report = check_audit(records, expect_released=True)
+    refused = sum(summary.refusals.values())
+    assert refused == summary.redelivered == sum(report.refusals.values()) > 0
+    assert 0 < len(summary.reused_rids) <= 5
+    text = summary.explanation("out/audit.jsonl", "out")
+    assert f"All {refused} refusals come from completions the demo delivers again" in text
+    assert f"kvlife audit why out/audit.jsonl --rid {summary.reused_rids[0]}" in text
+    # each rid named was registered while a lifecycle of it still had a copy in flight
+    for rid in summary.reused_rids:
+        assert any(u.rid == rid for u in report.reuses)

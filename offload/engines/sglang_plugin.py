@@ -149,8 +149,7 @@ def register() -> bool:
 
     HookRegistry.register(TARGET, ServerDecodeOffloadManager, HookType.REPLACE)
     logger.info(
-        "kvlife: SGLang %s's DecodeKVCacheOffloadManager will be kvlife's (%s=1); audit "
-        "logs in %s",
+        "kvlife: SGLang %s's DecodeKVCacheOffloadManager will be kvlife's (%s=1); audit logs in %s",
         version,
         SWITCH,
         settings.audit_dir.resolve(),
