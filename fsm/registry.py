@@ -314,6 +314,10 @@ class RegistryStatistics:
     oldest_live: tuple[str, int] | None
     #: Each attached sink's failures, backlog and drops, in attach order.
     sinks: tuple[SinkStatistics, ...] = ()
+    #: Audit records built so far (their seqs are 0 to ``records - 1``; none are built
+    #: while no sink is attached). Per sink, each is in its file, ``buffered``,
+    #: ``pending`` or ``dropped`` (see ``SinkStatistics``).
+    records: int = 0
 
 
 class LifecycleRegistry:
@@ -1022,6 +1026,7 @@ class LifecycleRegistry:
             oldest_live_age_s=None if oldest is None else self._births.age(oldest._serial),
             oldest_live=None if oldest is None else (oldest._rid, oldest._serial),
             sinks=tuple(guard.statistics() for guard in list(self._guards)),
+            records=self._seq,
         )
 
     def flush(self) -> None:

@@ -16,6 +16,13 @@ the failure to the sink's [`SinkGuard`][kvlife.fsm.sink_guard.SinkGuard], which
   marker naming that range is written before the rest (``write_lost``), so the log says
   what it is missing and the checker reports "records lost (sink error)".
 
+The account is exact: at any moment every record the registry built for a sink is in the
+sink's file, or buffered inside the sink (``buffered``: records it took and has not
+written, for a sink that buffers, like ``JsonLinesSink``), or in the backlog (``pending``),
+or counted lost with its ``seq`` range (``dropped``, ``lost``). When the guard gives up on
+a sink (``detach``, interpreter exit), what it still holds and what the sink still buffers
+become lost, and the message logged names the same ranges.
+
 While every sink is healthy the registry calls ``sink.write`` directly: a guard costs
 nothing until its sink first fails.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,10 +51,47 @@ class SinkStatistics:
     errors: int
     #: Records held for the sink, waiting to be offered again.
     pending: int
-    #: Records dropped for good because the backlog was full (each range is marked).
+    #: Records lost for good: dropped because the backlog was full (each range is marked
+    #: in the log once the sink takes records again), or given up on with the sink.
     dropped: int
     #: The last error, as ``"Type: message"``, or ``None`` if it never failed.
     last_error: str | None
+    #: Records the sink took and holds in its own buffer, not written yet (a sink that
+    #: buffers reports them with a ``buffered`` attribute; 0 for others).
+    buffered: int = 0
+    #: The ``seq`` ranges (first, last) of the ``dropped`` records, merged, oldest first.
+    lost: tuple[tuple[int, int], ...] = ()
+
+
+def seq_ranges(seqs: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted ``seqs`` as merged (first, last) ranges: ``[1, 2, 3, 7]`` -> ``[(1, 3), (7, 7)]``."""
+    ranges: list[tuple[int, int]] = []
+    for seq in sorted(seqs):
+        if ranges and seq <= ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], max(seq, ranges[-1][1]))
+        else:
+            ranges.append((seq, seq))
+    return ranges
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or adjacent (first, last) ranges merged, sorted."""
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(last, merged[-1][1]))
+        else:
+            merged.append((first, last))
+    return merged
+
+
+def format_ranges(ranges: Iterable[tuple[int, int]], limit: int = 10) -> str:
+    """``seq 3-9, 12, 20-31`` (at most ``limit`` ranges, then how many more)."""
+    items = list(ranges)
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in items[:limit])
+    if len(items) > limit:
+        text += f" and {len(items) - limit} more ranges"
+    return f"seq {text}" if items else "none"
 
 
 class SinkGuard:
@@ -55,8 +100,10 @@ class SinkGuard:
     __slots__ = (
         "_active",
         "_backlog",
+        "_flush_owed",
         "_last_try",
         "_lost",
+        "_lost_ranges",
         "_reported",
         "active",
         "backlog_limit",
@@ -77,7 +124,9 @@ class SinkGuard:
         self.last_error: str | None = None
         self._backlog: deque[AuditRecord] = deque()
         self._lost: tuple[int, int] | None = None  # seq range dropped and not yet marked
+        self._lost_ranges: list[tuple[int, int]] = []  # every range lost for good
         self._last_try = 0.0
+        self._flush_owed = False  # the sink failed since its last successful flush
         self._reported = False  # the current failure episode was logged
         # A sink with an active() method can be off (a LoggingSink whose logger is
         # disabled): then the registry leaves it out and builds no record for it alone.
@@ -107,6 +156,7 @@ class SinkGuard:
     def failed(self, record: AuditRecord | None, exc: Exception, what: str = "write") -> None:
         """The sink raised ``exc``; ``record`` (if any) was not taken."""
         self.errors += 1
+        self._flush_owed = True
         self.last_error = f"{type(exc).__name__}: {exc}"
         self._last_try = time.monotonic()
         if not self._reported:
@@ -129,6 +179,14 @@ class SinkGuard:
             self.dropped += 1
             first = seq if self._lost is None else self._lost[0]
             self._lost = (first, seq)
+            self._add_lost(seq, seq)
+
+    def _add_lost(self, first: int, last: int) -> None:
+        ranges = self._lost_ranges
+        if ranges and first == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], last)
+        else:
+            ranges.append((first, last))
 
     def write(self, record: AuditRecord) -> None:
         """Give the sink ``record``, behind any backlog (retried at most every
@@ -181,45 +239,66 @@ class SinkGuard:
             _log.warning("audit sink %r recovered after %d errors", self.sink, self.errors)
         return True
 
-    def flush(self) -> None:
-        """Retry the backlog, then flush the sink; never raises."""
+    def flush(self) -> bool:
+        """Retry the backlog, then flush the sink; never raises. Returns whether both
+        succeeded (everything the sink was given is written)."""
         if not self.healthy and not self.retry():
-            return
+            return False
         flush = getattr(self.sink, "flush", None)
         if callable(flush):
             try:
                 flush()
             except Exception as exc:
                 self.failed(None, exc, "flush")
+                return False
+        self._flush_owed = False
+        return True
 
     def settle(self) -> None:
-        """Last chance (detach, interpreter exit): offer what is owed once more, then log
-        what the sink still refused as lost."""
-        if not self.healthy:
-            self.flush()
-            self.abandon()
+        """Last chance (detach, interpreter exit) for a sink that failed: offer what is
+        owed once more and flush; if that fails, give up on what it never wrote
+        (``abandon``)."""
+        if (not self.healthy or self._flush_owed) and not self.flush():
+            self.abandon(discard_buffered=True)
 
-    def abandon(self) -> None:
-        """Give up on the records the sink never took: log them as lost."""
-        if self.healthy:
+    def abandon(self, *, discard_buffered: bool = False) -> None:
+        """Give up on the records the sink never wrote: those in the backlog and, with
+        ``discard_buffered``, those the sink still buffers (a sink with
+        ``discard_buffered()``); count them as lost and log their ranges, with the ranges
+        dropped before."""
+        discard = getattr(self.sink, "discard_buffered", None)
+        buffered: list[int] = []
+        if discard_buffered and callable(discard):
+            try:
+                buffered = list(discard())
+            except Exception as exc:
+                self.failed(None, exc, "discard_buffered")
+        if self.healthy and not buffered:
             return
-        first = self._lost[0] if self._lost is not None else self._backlog[0].seq
-        last = self._backlog[-1].seq if self._backlog else self._lost[1]  # type: ignore[index]
+        given_up = [r.seq for r in self._backlog] + buffered
+        self.dropped += len(given_up)
+        self._lost_ranges = merge_ranges([*self._lost_ranges, *seq_ranges(given_up)])
         _log.error(
-            "audit sink %r is given up on: records seq %d-%d were never written",
+            "audit sink %r is given up on: %d records were never written (%s)",
             self.sink,
-            first,
-            last,
+            self.dropped,
+            format_ranges(self._lost_ranges),
         )
-        self.dropped += len(self._backlog)
         self._backlog.clear()
         self._lost = None
 
     def statistics(self) -> SinkStatistics:
-        """A snapshot of this guard's counters."""
+        """A snapshot of this guard's counters (and of the sink's ``buffered`` count)."""
+        buffered = getattr(self.sink, "buffered", 0)
         return SinkStatistics(
-            repr(self.sink), self.errors, len(self._backlog), self.dropped, self.last_error
+            repr(self.sink),
+            self.errors,
+            len(self._backlog),
+            self.dropped,
+            self.last_error,
+            buffered if isinstance(buffered, int) else 0,
+            tuple(self._lost_ranges),
         )
 
 
-__all__ = ["SinkGuard", "SinkStatistics"]
+__all__ = ["SinkGuard", "SinkStatistics", "format_ranges", "merge_ranges", "seq_ranges"]

@@ -35,6 +35,7 @@ from kvlife.fsm.records import (
     encode_record,
     make_header,
 )
+from kvlife.fsm.sink_guard import format_ranges, seq_ranges
 
 _log: Final = logging.getLogger("kvlife.fsm.sinks")
 
@@ -273,11 +274,10 @@ class _JsonFile:
         except Exception as exc:
             seqs = [item.seq for item in self.buffer if isinstance(item, AuditRecord)]
             _log.error(
-                "audit log %s: %d buffered records (seq %s-%s) could not be written at exit: %s",
+                "audit log %s: %d buffered records (%s) could not be written at exit: %s",
                 self.path,
                 len(seqs),
-                seqs[0] if seqs else "?",
-                seqs[-1] if seqs else "?",
+                format_ranges(seq_ranges(seqs)),
                 exc,
             )
             fd, self.fd = self.fd, None
@@ -430,6 +430,23 @@ class JsonLinesSink:
     def closed(self) -> bool:
         """Whether [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] completed."""
         return self._file.fd is None
+
+    @property
+    def buffered(self) -> int:
+        """Records taken and not written to the file yet (lost markers not counted)."""
+        file = self._file
+        with file.lock:
+            return sum(type(item) is AuditRecord for item in file.buffer)
+
+    def discard_buffered(self) -> list[int]:
+        """Drop the records taken and not written (the writer is giving up on a sink
+        whose writes fail) and return their ``seq`` values; lost markers buffered are
+        dropped too. The sink stays open."""
+        file = self._file
+        with file.lock:
+            seqs = [item.seq for item in file.buffer if type(item) is AuditRecord]
+            file.buffer.clear()
+        return seqs
 
     def _write_record(self, item: _Item) -> None:
         file = self._file

@@ -4,8 +4,10 @@ counted, logged once, retried, and marked as lost when it had to be dropped."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvlife.fsm import LifecycleRegistry, LoggingSink, MemorySink, State
+from kvlife.fsm import LifecycleRegistry, LoggingSink, MemorySink, State, read_audit
 from kvlife.fsm.audit import AuditRecord, LostRecords, check_audit
 from tests.strategies import Req
 
@@ -226,7 +228,7 @@ def test_records_owed_to_a_sink_are_settled_at_exit(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert broken.returncode == 0
-    assert "records seq 0-9 were never written" in broken.stderr  # lost, but never silently
+    assert "10 records were never written (seq 0-9)" in broken.stderr  # lost, never silently
 
 
 def test_a_failure_is_charged_to_the_sink_that_failed_when_another_is_switched_off() -> None:
@@ -239,3 +241,91 @@ def test_a_failure_is_charged_to_the_sink_that_failed_when_another_is_switched_o
     stats = registry.statistics().sinks
     assert [s.errors for s in stats] == [0, 1]
     assert [r.seq for r in flaky.took] == [0, 1]  # the failed record was retried, in order
+
+
+_DISK_STAYS_FULL = """
+import json, os, resource, signal, sys
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+class Req:
+    def __init__(self, rid): self.rid = rid
+path = sys.argv[1]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+sink = JsonLinesSink(path, fsync="batch", batch_records=16)
+registry = LifecycleRegistry(sinks=[sink], sink_backlog=int(sys.argv[2]), sink_retry_s=0)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 8_000, hard))
+for i in range(1000):
+    req = Req(f"r{i}")
+    t = registry.start_offload(registry.register(req), tokens=i)
+    registry.finish(req)
+    registry.complete(t)
+registry.flush()
+try:
+    sink.close()
+except OSError as exc:
+    print("close failed:", exc, file=sys.stderr)
+def account():
+    stats = registry.statistics()
+    s = stats.sinks[0]
+    return {"records": stats.records, "pending": s.pending, "buffered": s.buffered,
+            "dropped": s.dropped, "lost": s.lost}
+print(json.dumps(account()))
+registry.detach(sink)  # given up on: what it never wrote is logged lost, by range
+"""
+
+
+@pytest.mark.parametrize("backlog", [100_000, 500])
+def test_a_disk_that_stays_full_accounts_for_every_record(tmp_path: Path, backlog: int) -> None:
+    path = tmp_path / "audit.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", _DISK_STAYS_FULL, str(path), str(backlog)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    closed = json.loads(done.stdout)
+    in_file = [r.seq for r in read_audit(path).records]
+    produced = closed["records"]
+    assert produced == 4000 and 0 < len(in_file) < produced
+    # after close(): in the file, buffered in the sink, pending in the backlog, or lost
+    assert closed["buffered"] > 0  # the sink's own batch is counted too
+    held = closed["buffered"] + closed["pending"] + closed["dropped"]
+    assert len(in_file) + held == produced
+    lost = [seq for first, last in closed["lost"] for seq in range(first, last + 1)]
+    assert len(lost) == closed["dropped"] and not set(lost) & set(in_file)
+    # after detach: what was held is given up on, and the message names every range
+    said = re.search(r"(\d+) records were never written \(seq ([-0-9, ]+)\)", done.stderr)
+    assert said is not None, done.stderr
+    lost = []
+    for part in said.group(2).split(", "):
+        first, _, last = part.partition("-")
+        lost += range(int(first), int(last or first) + 1)
+    assert int(said.group(1)) == len(lost) == produced - len(in_file)
+    assert sorted(in_file + lost) == list(range(produced))  # each seq exactly once
+
+
+def test_a_sink_that_raises_on_every_write_accounts_for_every_record(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Broken:
+        def write(self, record: object) -> None:
+            raise OSError("disk gone")
+
+        def close(self) -> None:
+            pass
+
+    sink = Broken()
+    registry = LifecycleRegistry(sinks=[sink], sink_backlog=50, sink_retry_s=0)
+    for i in range(30):
+        req = Req(f"r{i}")
+        registry.finish(registry.register(req))
+    sink.close()
+    stats = registry.statistics()
+    (account,) = stats.sinks
+    assert stats.records == 60 == account.pending + account.dropped
+    assert account.lost == ((0, 9),) and account.dropped == 10  # the oldest, by range
+    with caplog.at_level(logging.ERROR, logger="kvlife.fsm.sinks"):
+        registry.detach(sink)
+    assert "60 records were never written (seq 0-59)" in caplog.records[-1].getMessage()
