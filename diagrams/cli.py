@@ -6,7 +6,7 @@ Subcommands::
     kvlife diagram [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE]
     kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
     kvlife audit stats LOG [--json]
-    kvlife audit why LOG (--rid RID | --serial N [--segment S])
+    kvlife audit why LOG (--rid RID | --serial N [--segment INDEX|ID])
     kvlife audit report LOG -o FILE.html [--accept-table D]
     kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ from kvlife.fsm.audit import (
     AuditFormatError,
     AuditReader,
     AuditReport,
+    Segment,
     Verdict,
     audit_files,
 )
@@ -117,7 +119,10 @@ def _parser() -> _Parser:
     which.add_argument("--rid", help="every lifecycle of this rid")
     which.add_argument("--serial", type=_natural, help="the lifecycle with this serial")
     why.add_argument(
-        "--segment", type=_natural, default=0, help="the segment of --serial (default 0)"
+        "--segment",
+        type=_segment,
+        default=0,
+        help="the segment of --serial: its index or its id (default 0)",
     )
     _verdict_options(why)
     report = audit_sub.add_parser(
@@ -167,6 +172,7 @@ def _accept_table(parser: argparse.ArgumentParser, what: str) -> None:
         "--accept-table",
         action="append",
         default=[],
+        type=_digest,
         metavar="DIGEST",
         help=f"{what} with this transition table digest too",
     )
@@ -211,6 +217,27 @@ def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _digest(text: str) -> str:
+    """An argparse ``type``: a transition table digest (16 hex digits, as in a log's
+    header and ``audit check``'s message)."""
+    if not re.fullmatch(r"[0-9a-f]{16}", text):
+        raise argparse.ArgumentTypeError(
+            f"expected a table digest (16 hex digits, as in the log's header), got {text!r}"
+        )
+    return text
+
+
+def _segment(text: str) -> int | str:
+    """An argparse ``type``: a segment's index (0, 1, ...) or its id (from its header)."""
+    if text.isdigit():
+        return int(text)
+    if not re.fullmatch(r"[0-9a-f]+", text):
+        raise argparse.ArgumentTypeError(
+            f"expected a segment index (0, 1, ...) or a segment id (hex), got {text!r}"
+        )
+    return text
 
 
 _seed = _int_in(0, 2**63 - 1, "a seed between 0 and 2**63 - 1")  # what torch takes
@@ -393,7 +420,31 @@ def _say_verdict(
     return verdict.exit_status
 
 
+def _segment_index(path: str, segment: int | str) -> int:
+    """The index of the segment named by ``--segment`` (an index, or an id from a header)."""
+    if isinstance(segment, int):
+        return segment
+    ids: list[str] = []
+
+    def find() -> int | None:
+        for event in _reader(path):
+            if type(event) is Segment:
+                if event.header.segment == segment:
+                    return event.index
+                ids.append(event.header.segment)
+        return None
+
+    index = _reading(path, find)
+    if index is not None:
+        return index
+    raise UsageError(
+        f"kvlife audit why: {path} has no segment {segment!r}; its segments: "
+        + ", ".join(f"{i}={sid}" for i, sid in enumerate(ids))
+    )
+
+
 def _why(args: argparse.Namespace) -> int:
+    args.segment = _segment_index(args.log, args.segment)
     rid = args.rid
     if rid is None:
         rid = _reading(args.log, lambda: find_rid(_reader(args.log), args.serial, args.segment))

@@ -96,6 +96,18 @@ def segment_records(events: Iterable[Event]) -> Iterator[tuple[int, AuditRecord]
 
 Progress = Callable[[int, int], None]
 
+_BYTE: Final = re.compile(r"\s*\(byte (\d+)\)$")
+
+
+def _json_error(exc: Exception) -> str:
+    """msgspec's message with its 0-based byte offset in the line as a 1-based column:
+    ``JSON is malformed: invalid character at column 1``."""
+    text = str(exc)
+    match = _BYTE.search(text)
+    if match is None:
+        return text
+    return f"{text[: match.start()]} at column {int(match.group(1)) + 1}"
+
 
 def audit_files(path: str | os.PathLike[str]) -> list[Path]:
     """The files of a possibly rotated log, oldest first: ``PATH.N ... PATH.1 PATH``.
@@ -246,7 +258,7 @@ class AuditReader:
             # RecursionError: JSON nested deeper than the decoder goes (no record is)
             if number == 1:
                 raise self._not_a_log(file) from None
-            why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+            why = "nested too deep" if isinstance(exc, RecursionError) else _json_error(exc)
             self._problem(file, number, start, f"not JSON: {why}")
             return None
         if isinstance(obj, dict) and "kvlife_audit" in obj:

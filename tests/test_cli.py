@@ -645,3 +645,46 @@ def test_the_demo_names_reused_rids_that_why_then_finds(
     assert main(words[1:]) == 0  # runs as printed (the log is clean)
     story = capsys.readouterr().out
     assert "the rid was reused" in story and story.rstrip().endswith("OK")
+
+
+def test_why_takes_a_segment_by_its_id_or_its_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "two.jsonl"
+    ids = []
+    for rid in ("first", "second"):  # two writers, one segment each
+        sink = JsonLinesSink(log)
+        registry = LifecycleRegistry(sinks=[sink])
+        registry.finish(registry.register(Req(rid)))
+        registry.flush()
+        sink.close()
+        ids.append(sink.segment)
+    for segment in ("1", ids[1]):
+        assert main(["audit", "why", str(log), "--serial", "0", "--segment", segment]) == 0
+        assert "rid 'second' lifecycle #0 (segment 1)" in capsys.readouterr().out
+    assert main(["audit", "why", str(log), "--serial", "0", "--segment", "abc123"]) == 2
+    err = capsys.readouterr().err
+    assert f"has no segment 'abc123'; its segments: 0={ids[0]}, 1={ids[1]}" in err
+    assert main(["audit", "why", str(log), "--serial", "0", "--segment", "one"]) == 2
+    assert "expected a segment index (0, 1, ...) or a segment id" in capsys.readouterr().err
+
+
+def test_accept_table_takes_only_a_digest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "clean.jsonl")
+    assert main(["audit", "check", str(log), "--accept-table", "yes please"]) == 2
+    assert "expected a table digest (16 hex digits" in capsys.readouterr().err
+    assert main(["audit", "check", str(log), "--accept-table", "0123456789abcdef"]) == 0
+
+
+def test_an_unreadable_line_is_named_by_line_and_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "clean.jsonl")
+    with log.open("a") as f:
+        f.write('{"seq": 8, oops}\n')
+    assert main(["audit", "check", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert "unreadable line clean.jsonl:10: not JSON: " in out
+    assert "object keys must be strings at column 12" in out and "(byte" not in out
