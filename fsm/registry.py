@@ -48,6 +48,7 @@ from kvlife.fsm.errors import (
     UnknownRequestError,
     WrongThreadError,
 )
+from kvlife.fsm.hooks import run_all
 from kvlife.fsm.records import REGISTER, AuditRecord, DetailValue, StateName, TriggerName
 from kvlife.fsm.sink_guard import SinkGuard, SinkStatistics
 from kvlife.fsm.table import LIFECYCLE, STATES, State, Trigger
@@ -864,18 +865,8 @@ class LifecycleRegistry:
             lc._older = None
         self._released += 1
         if self._hooks:
-            self._run_hooks(lc, req)
+            run_all(self._hooks, lc, req)
 
-    def _run_hooks(self, lc: Lifecycle, req: object) -> None:
-        first: BaseException | None = None
-        for hook in list(self._hooks):
-            try:
-                hook(lc, req)
-            except Exception as exc:
-                if first is None:
-                    first = exc
-        if first is not None:
-            raise first
 
     # ------------------------------------------------------------------ refusals
 

@@ -290,25 +290,28 @@ def add_edges(machine: MachineT, edges: Iterable[Edge]) -> MachineT:
     return machine
 
 
-def _compile(machine: Machine) -> dict[Trigger, Row]:
-    """Compile the machine into per-trigger rows indexed by state index."""
+def _compile(edges: Iterable[Edge]) -> dict[Trigger, Row]:
+    """Compile checked ``edges`` into per-trigger rows indexed by state index: an
+    unguarded edge fills both places of its source's entry, a guarded one its own."""
+    places: dict[tuple[Trigger, State], list[int | None]] = {}
+    for edge in edges:
+        place = places.setdefault((edge.trigger, edge.src), [None, None])
+        dst = STATES.index(edge.dst)
+        if edge.guard in (None, Guard.MORE_IN_FLIGHT):
+            place[0] = dst
+        if edge.guard in (None, Guard.LAST_IN_FLIGHT):
+            place[1] = dst
     rows: dict[Trigger, Row] = {}
     for trigger in Trigger:
         row: list[tuple[int, int] | None] = [None] * len(STATES)
-        event = machine.events.get(trigger.value)
-        if event is not None:
-            for src_name, transitions in event.transitions.items():
-                more = last = None
-                for transition in transitions:
-                    dst = STATES.index(State(transition.dest))
-                    names = {c.func for c in transition.conditions}
-                    if not names or Guard.MORE_IN_FLIGHT.value in names:
-                        more = dst
-                    if not names or Guard.LAST_IN_FLIGHT.value in names:
-                        last = dst
-                if more is None or last is None:  # pragma: no cover - check_definition
-                    raise TableDefinitionError(f"incomplete guards on ({src_name}, {trigger})")
-                row[STATES.index(State(src_name))] = (more, last)
+        for state in STATES:
+            found = places.get((trigger, state))
+            if found is None:
+                continue
+            more, last = found
+            if more is None or last is None:  # pragma: no cover - check_definition
+                raise TableDefinitionError(f"incomplete guards on ({state}, {trigger})")
+            row[STATES.index(state)] = (more, last)
         rows[trigger] = tuple(row)
     return rows
 
@@ -330,7 +333,7 @@ def build_lifecycle_table(
         initial=initial,
         terminal=terminal,
         machine=machine,
-        rows=_compile(machine),
+        rows=_compile(edges),
         digest=table_digest(edges, initial, terminal),
     )
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvlife.fsm.hooks import FirstError
 from kvlife.offload.copy_engine import CopyJob
 
 Callback = Callable[[CopyJob], None]
@@ -83,21 +84,17 @@ class CompletionQueue:
         else:
             agreed = finished
         delivered = 0
-        first: Exception | None = None
+        first = FirstError()  # deliver the others first: they are done too
         for s, fifo in enumerate(fifos):
             for _ in range(agreed[s]):
                 job, callback = fifo.popleft()
                 finished[s] -= 1
                 job.release_resources()
                 delivered += 1
-                try:
+                with first:
                     callback(job)
-                except Exception as exc:  # deliver the others first: they are done too
-                    if first is None:
-                        first = exc
         self.delivered += delivered
-        if first is not None:
-            raise first
+        first.reraise()
         return delivered
 
     def drain(self, *, timeout_s: float = 60.0) -> int:

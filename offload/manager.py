@@ -38,6 +38,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 
 from kvlife.fsm.errors import InvalidTransitionError
+from kvlife.fsm.hooks import FirstError, run_all
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 from kvlife.offload.completion import CompletionQueue
@@ -424,15 +425,12 @@ class OffloadManager:
             self.stats.refused_deliveries += 1
             return
         ok = job.error is None
-        first: Exception | None = None
+        first = FirstError()  # the other hooks and the delivery still run
         if ok:
             taken = False
             for hook in list(self._copy_hooks):
-                try:
+                with first:
                     taken = bool(hook(progress.req, lc, copy)) or taken
-                except Exception as exc:  # the other hooks and the delivery still run
-                    if first is None:
-                        first = exc
             if taken:
                 self.stats.copies_taken += 1
             else:
@@ -448,8 +446,7 @@ class OffloadManager:
         reason = self.registry.deliver(ticket, ok=ok)
         if reason is not None:  # pragma: no cover - only if the registry was driven behind our back
             self.stats.refused_deliveries += 1
-        if first is not None:
-            raise first
+        first.reraise()
 
     def _released(self, lc: Lifecycle, req: Any) -> None:
         progress = self._progress.pop(lc.serial, None)
@@ -475,20 +472,13 @@ class OffloadManager:
             sum(c.tokens for c in kept),
             tuple(kept),
         )
-        first: Exception | None = None
-        try:
+        first = FirstError()  # the next hook may be the one that frees pages
+        with first:
             # no copy of this lifecycle is in flight any more: the device slots may go back
             self.source.release_slots(req, lc)
-        except Exception as exc:
-            first = exc
-        for hook in list(self._hooks):
-            try:
-                hook(req, result)
-            except Exception as exc:  # the next hook may be the one that frees pages
-                if first is None:
-                    first = exc
-        if first is not None:
-            raise first
+        with first:
+            run_all(self._hooks, req, result)
+        first.reraise()
 
     def lifecycle_state(self, req: Any) -> State:
         """The state of ``req``'s current lifecycle."""
