@@ -34,8 +34,9 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, Literal, NoReturn, cast
+from typing import Any, ClassVar, Final, Literal, NoReturn, cast, final
 
+from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.fsm.errors import (
     REASONS,
     DuplicateAckError,
@@ -77,7 +78,8 @@ _get_ident = threading.get_ident
 ReleaseHook = Callable[["Lifecycle", Any], None]
 
 
-class Lifecycle:
+@final
+class Lifecycle(metaclass=NoPublicConstructor):
     """The lifecycle of one request instance: its state, copies in flight and outcome.
 
     Made only by
@@ -114,8 +116,7 @@ class Lifecycle:
     # costs O(1) amortized however many share a rid, and the chain stays short.
     _older: Lifecycle | None
 
-    def __init__(self) -> None:
-        raise TypeError("Lifecycle objects are made only by LifecycleRegistry.register()")
+    _made_by: ClassVar[str] = "LifecycleRegistry.register()"
 
     @property
     def rid(self) -> str:
@@ -169,7 +170,8 @@ class Lifecycle:
         )
 
 
-class Ticket:
+@final
+class Ticket(metaclass=NoPublicConstructor):
     """Names one copy of one lifecycle instance. Returned by ``start_offload``.
 
     Deliver it exactly once, with
@@ -184,8 +186,7 @@ class Ticket:
     _op: int
     _open: bool  # Invariant: True until its completion was applied; a ticket is used once
 
-    def __init__(self) -> None:
-        raise TypeError("Ticket objects are made only by LifecycleRegistry.start_offload()")
+    _made_by: ClassVar[str] = "LifecycleRegistry.start_offload()"
 
     @property
     def lifecycle(self) -> Lifecycle:
@@ -866,7 +867,6 @@ class LifecycleRegistry:
         self._released += 1
         if self._hooks:
             run_all(self._hooks, lc, req)
-
 
     # ------------------------------------------------------------------ refusals
 

@@ -26,7 +26,7 @@ from kvlife.fsm.registry import Lifecycle
 from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_callback import HostCallbacks
-from kvlife.offload.host_pool import HostPagePool, HostPages
+from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import KVLayout
 from kvlife.offload.manager import OffloadManager, OffloadResult
 
@@ -257,7 +257,7 @@ def measure_completion_modes(
     stream = torch.cuda.Stream(device)
     callbacks = HostCallbacks()
     # the jobs here copy raw tensors, not pages
-    no_pages = HostPages(HostPagePool(KVLayout.mla(1, 1, 1, torch.uint8, 1), 1), ())
+    no_pages = HostPagePool(KVLayout.mla(1, 1, 1, torch.uint8, 1), 1).pages(())
     results: dict[str, float] = {}
     for mode in ("poll", "callback", "poll"):  # poll twice: first round warms up
         torch.cuda.synchronize(device)

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from kvlife.offload.host_callback import HostCallbacks
-from kvlife.offload.host_pool import HostPagePool, HostPages
+from kvlife.offload.host_pool import HostPagePool, HostPages, page_runs
 from kvlife.offload.layout import KVLayout
 
 
@@ -286,7 +286,7 @@ class CopyEngine:
         self, staged: torch.Tensor, chunk: tuple[int, ...], non_blocking: bool
     ) -> None:
         offset = 0
-        for first, count in HostPages(self.host, chunk).runs():
+        for first, count in page_runs(chunk):
             self.host.page_view(first, count).copy_(
                 staged[offset : offset + count], non_blocking=non_blocking
             )
@@ -324,7 +324,7 @@ class CopyEngine:
             self._copy_cpu_staged(index, pages, 0)
             return
         offset = 0
-        for first, count in HostPages(self.host, pages.indices[:whole]).runs():
+        for first, count in page_runs(pages.indices[:whole]):
             self._gather_pages(
                 device_pages[offset : offset + count], self.host.page_view(first, count)
             )
@@ -351,7 +351,7 @@ class CopyEngine:
         """Gather through staging, from host page ``first_page`` of ``pages`` on."""
         self._ensure_staging()
         skip = first_page * self.layout.page_size
-        rest = HostPages(self.host, pages.indices[first_page:])
+        rest = HostPages._create(self.host, pages.indices[first_page:])  # a subset of them
         for first_token, tokens, chunk in self._chunks(len(index) - skip, rest):
             start = skip + first_token
             staged = self._gather(index[start : start + tokens], tokens, len(chunk), 0)

@@ -7,10 +7,12 @@ of the link's speed and are not asynchronous).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import ClassVar, final
 
 import torch
 
+from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.offload.layout import KVLayout
 
 
@@ -26,14 +28,30 @@ class ForeignPageError(HostPageError):
     """The pages belong to another pool, or an index is out of range."""
 
 
-class HostPages:
-    """A set of pages allocated from one [`HostPagePool`][kvlife.offload.host_pool.HostPagePool], in
+def page_runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive page numbers as ``(first page, count)``, in order."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][0] + runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((index, 1))
+    return runs
+
+
+@final
+class HostPages(metaclass=NoPublicConstructor):
+    """A set of pages of one [`HostPagePool`][kvlife.offload.host_pool.HostPagePool], in
     allocation order.
 
-    Immutable; made only by [`HostPagePool.alloc()`][kvlife.offload.host_pool.HostPagePool.alloc].
+    Immutable; made only by the pool:
+    [`HostPagePool.alloc()`][kvlife.offload.host_pool.HostPagePool.alloc], or
+    [`HostPagePool.pages()`][kvlife.offload.host_pool.HostPagePool.pages] for pages
+    allocated elsewhere. Calling ``HostPages(...)`` or subclassing it raises ``TypeError``.
     """
 
     __slots__ = ("_indices", "_pool")
+    _made_by: ClassVar[str] = "HostPagePool.alloc() and HostPagePool.pages()"
 
     def __init__(self, pool: HostPagePool, indices: tuple[int, ...]) -> None:
         self._pool = pool
@@ -58,13 +76,7 @@ class HostPages:
     def runs(self) -> list[tuple[int, int]]:
         """Maximal runs of consecutive pages as ``(first page, count)``, in order: each run
         is one contiguous block of host memory, so one copy."""
-        runs: list[tuple[int, int]] = []
-        for index in self._indices:
-            if runs and runs[-1][0] + runs[-1][1] == index:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((index, 1))
-        return runs
+        return page_runs(self._indices)
 
     def __repr__(self) -> str:
         return f"<HostPages {len(self._indices)} pages, runs={self.runs()[:4]}>"
@@ -190,7 +202,25 @@ class HostPagePool:
     def alloc(self, n: int) -> HostPages | None:
         """``n`` pages, or ``None`` if fewer than ``n`` are free (nothing allocated then)."""
         taken = self._pages.alloc(n)
-        return None if taken is None else HostPages(self, taken)
+        return None if taken is None else HostPages._create(self, taken)
+
+    def pages(self, indices: Iterable[int]) -> HostPages:
+        """The pages ``indices`` of this pool, allocated by someone else: a worker whose
+        scheduler decides which host pages it fills (with a
+        [`PageAllocator`][kvlife.offload.host_pool.PageAllocator]). Nothing is allocated or
+        freed here.
+
+        Raises:
+            ForeignPageError: an index is not a page of this pool (nothing made).
+        """
+        taken = tuple(indices)
+        capacity = self._pages.capacity
+        bad = [i for i in taken if not (isinstance(i, int) and 0 <= i < capacity)]
+        if bad:
+            raise ForeignPageError(
+                f"pages {bad[:8]} are not pages of this pool (0..{capacity - 1})"
+            )
+        return HostPages._create(self, taken)
 
     def free(self, pages: HostPages) -> None:
         """Return pages to the pool. All or nothing: on an error no page was freed.

@@ -52,13 +52,13 @@ def test_double_free_and_foreign_pages_change_nothing() -> None:
     assert foreign is not None
     with pytest.raises(ForeignPageError):
         pool.free(foreign)
-    with pytest.raises(ForeignPageError):
-        pool.free(HostPages(pool, (99,)))
-    mixed = HostPages(pool, (keep.indices[0], 0))  # one allocated, one free
+    with pytest.raises(ForeignPageError, match=r"not pages of this pool"):
+        pool.pages((99,))
+    mixed = pool.pages((keep.indices[0], 0))  # one allocated, one free
     with pytest.raises(DoubleFreeError):
         pool.free(mixed)
     with pytest.raises(DoubleFreeError, match="twice"):
-        pool.free(HostPages(pool, (keep.indices[0], keep.indices[0])))
+        pool.free(pool.pages((keep.indices[0], keep.indices[0])))
     assert pool.is_allocated(keep.indices[0]) and pool.available == 6
     with pytest.raises(ForeignPageError):
         pool.free("pages")  # type: ignore[arg-type]
@@ -97,3 +97,16 @@ def test_a_page_allocator_is_the_pools_accounting_without_memory() -> None:
     assert pages.alloc(2) == (0, 1)  # freed pages come back first, in order
     with pytest.raises(ValueError, match="positive"):
         PageAllocator(0)
+
+
+def test_host_pages_are_made_by_their_pool_only() -> None:
+    pool = HostPagePool(LAYOUT, 4, pin_memory=False)
+    with pytest.raises(TypeError, match=r"made only by HostPagePool\.alloc\(\)"):
+        HostPages(pool, (0,))
+    with pytest.raises(TypeError, match="cannot be subclassed"):
+
+        class MyPages(HostPages):  # type: ignore[misc]
+            pass
+
+    named = pool.pages([2, 3])  # allocated elsewhere (a scheduler's PageAllocator)
+    assert named.indices == (2, 3) and named.runs() == [(2, 2)] and pool.available == 4

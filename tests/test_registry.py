@@ -432,11 +432,20 @@ def test_deliver_counts_instead_of_raising() -> None:
         registry.complete(object())  # type: ignore[arg-type]
 
 
-def test_lifecycle_and_ticket_have_no_public_constructor() -> None:
-    with pytest.raises(TypeError, match="register"):
+def test_lifecycle_and_ticket_have_no_public_constructor_and_no_subclasses() -> None:
+    with pytest.raises(TypeError, match=r"made only by LifecycleRegistry\.register\(\)"):
         Lifecycle()
-    with pytest.raises(TypeError, match="start_offload"):
+    with pytest.raises(TypeError, match=r"made only by LifecycleRegistry\.start_offload"):
         Ticket()
+    with pytest.raises(TypeError, match="cannot be subclassed"):
+
+        class MyLifecycle(Lifecycle):  # type: ignore[misc]
+            pass
+
+    with pytest.raises(TypeError, match="cannot be subclassed"):
+
+        class MyTicket(Ticket):  # type: ignore[misc]
+            pass
 
 
 def test_lifecycle_attributes_are_read_only() -> None:

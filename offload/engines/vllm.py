@@ -92,7 +92,7 @@ from kvlife.fsm import (
 )
 from kvlife.fsm import __version__ as KVLIFE_VERSION
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
-from kvlife.offload.host_pool import HostPagePool, HostPages, PageAllocator
+from kvlife.offload.host_pool import HostPagePool, PageAllocator
 from kvlife.offload.layout import KVLayout, LayoutError
 from kvlife.offload.prefix_cache import HostPrefixCache
 
@@ -755,7 +755,7 @@ class _WorkerSide:
         for store in meta.stores:
             try:
                 self.inflight[store.job_id] = copier.launch(
-                    store.block_ids, HostPages(host, tuple(store.pages))
+                    store.block_ids, host.pages(store.pages)
                 )
             except Exception:  # reported as failed; the scheduler side frees the pages
                 logger.exception("kvlife: store job %d could not be launched", store.job_id)
@@ -793,7 +793,7 @@ class _WorkerSide:
         copier, host = self._ready()
         for load in meta.loads:
             try:
-                job = copier.load(HostPages(host, tuple(load.pages)), load.block_ids)
+                job = copier.load(host.pages(load.pages), load.block_ids)
                 error = job.error  # a copy that failed while running
             except Exception as exc:  # refused before copying
                 error = exc
