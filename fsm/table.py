@@ -118,10 +118,13 @@ class _GuardModel:
         return self.inflight == 1
 
 
-Row = tuple[tuple[int, int] | None, ...]
-"""Next state for one trigger, indexed by the source state's index in
-[`STATES`][kvlife.fsm.table.STATES]: ``None`` when refused, else ``(dst if more in flight,
-dst if last in flight)`` (the two are equal for unguarded edges).
+Row = tuple[tuple[int | None, int | None, int | None], ...]
+"""Where one trigger leads, indexed by the source state's index in
+[`STATES`][kvlife.fsm.table.STATES], then by the copies in flight before it, clamped to 2
+(``row[s][min(inflight, 2)]``: 0, 1 = last in flight, 2 = more in flight): the destination
+state's index, or ``None`` when the table refuses it. The guards are evaluated here, once,
+when the table is compiled: a completion with nothing in flight is refused, a guarded pair
+splits on the last copy, an unguarded edge goes to the same place from any count.
 """
 
 
@@ -152,10 +155,8 @@ class LifecycleTable:
         """The state ``trigger`` leads to from ``state`` with ``inflight`` copies in flight
         (before the trigger), or ``None`` if the table refuses it. A completion with
         nothing in flight passes neither guard and is refused."""
-        row = self.rows[trigger][STATES.index(state)]
-        if row is None or (trigger in COMPLETION_TRIGGERS and inflight < 1):
-            return None
-        return STATES[row[0] if inflight > 1 else row[1]]
+        dst = self.rows[trigger][STATES.index(state)][min(max(inflight, 0), 2)]
+        return None if dst is None else STATES[dst]
 
     def permits(self, state: State, trigger: Trigger) -> bool:
         """Whether the table lets ``trigger`` happen in ``state`` at all (a completion:
@@ -290,29 +291,34 @@ def add_edges(machine: MachineT, edges: Iterable[Edge]) -> MachineT:
     return machine
 
 
+#: The guard each in-flight bucket (0, 1, 2 = two or more, before the trigger) passes.
+_BUCKET_GUARDS: Final[tuple[frozenset[Guard | None], ...]] = (
+    frozenset(),
+    frozenset({None, Guard.LAST_IN_FLIGHT}),
+    frozenset({None, Guard.MORE_IN_FLIGHT}),
+)
+
+
 def _compile(edges: Iterable[Edge]) -> dict[Trigger, Row]:
-    """Compile checked ``edges`` into per-trigger rows indexed by state index: an
-    unguarded edge fills both places of its source's entry, a guarded one its own."""
-    places: dict[tuple[Trigger, State], list[int | None]] = {}
+    """Compile checked ``edges`` into [`Row`][kvlife.fsm.table.Row]s: for each trigger,
+    state and in-flight bucket, the edge that applies (a completion needs a copy in flight
+    to complete; other triggers do not look at the count)."""
+    found: dict[tuple[Trigger, State, int], int] = {}
     for edge in edges:
-        place = places.setdefault((edge.trigger, edge.src), [None, None])
         dst = STATES.index(edge.dst)
-        if edge.guard in (None, Guard.MORE_IN_FLIGHT):
-            place[0] = dst
-        if edge.guard in (None, Guard.LAST_IN_FLIGHT):
-            place[1] = dst
+        for bucket, passing in enumerate(_BUCKET_GUARDS):
+            if edge.trigger not in COMPLETION_TRIGGERS or edge.guard in passing:
+                found[(edge.trigger, edge.src, bucket)] = dst
     rows: dict[Trigger, Row] = {}
     for trigger in Trigger:
-        row: list[tuple[int, int] | None] = [None] * len(STATES)
-        for state in STATES:
-            found = places.get((trigger, state))
-            if found is None:
-                continue
-            more, last = found
-            if more is None or last is None:  # pragma: no cover - check_definition
-                raise TableDefinitionError(f"incomplete guards on ({state}, {trigger})")
-            row[STATES.index(state)] = (more, last)
-        rows[trigger] = tuple(row)
+        rows[trigger] = tuple(
+            (
+                found.get((trigger, state, 0)),
+                found.get((trigger, state, 1)),
+                found.get((trigger, state, 2)),
+            )
+            for state in STATES
+        )
     return rows
 
 

@@ -37,10 +37,9 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
-from kvlife.fsm.errors import InvalidTransitionError
 from kvlife.fsm.hooks import FirstError, run_all
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
-from kvlife.fsm.table import LIFECYCLE, State, Trigger
+from kvlife.fsm.table import State, Trigger
 from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_pool import HostPages
@@ -296,7 +295,7 @@ class OffloadManager:
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.START_OFFLOAD)
         if lc.outcome is not None:  # finished or aborted: refused, audited, nothing changes
-            self._check_can(lc, Trigger.START_OFFLOAD)
+            self.registry.require(lc, Trigger.START_OFFLOAD)
         progress = self._progress[lc.serial]
         full_end = self.source.committed(req) // self.page_size * self.page_size
         waiting = (full_end - progress.launched) // self.page_size
@@ -321,7 +320,7 @@ class OffloadManager:
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.FINISH)
-        self._check_can(lc, Trigger.FINISH)
+        self.registry.require(lc, Trigger.FINISH)
         if flush:
             progress = self._progress[lc.serial]
             committed = self.source.committed(req)
@@ -361,15 +360,8 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_can(self, lc: Lifecycle, trigger: Trigger) -> None:
-        """Refuse before anything is allocated or launched. The registry, asked the same
-        question of the same table, raises the typed error and audits the refusal."""
-        if not LIFECYCLE.permits(lc.state, trigger):
-            getattr(self.registry, trigger.value)(lc)
-            raise InvalidTransitionError(f"{trigger.value} refused for {lc!r}")  # not reached
-
     def _offload(self, lc: Lifecycle, progress: _Progress, end: int) -> Ticket | None:
-        self._check_can(lc, Trigger.START_OFFLOAD)
+        self.registry.require(lc, Trigger.START_OFFLOAD)
         start = progress.launched
         tokens = end - start
         n_pages = -(-tokens // self.page_size)

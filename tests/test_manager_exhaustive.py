@@ -32,7 +32,7 @@ from kvlife.fsm import (
     UnknownRequestError,
     check_audit,
 )
-from kvlife.offload import KVLayout, OffloadManager
+from kvlife.offload import KVLayout
 from tests.engine import FakeEngine
 from tests.strategies import Req
 
@@ -361,7 +361,7 @@ def test_every_interleaving_up_to_the_depth_matches_the_model() -> None:
 def test_a_planted_bug_is_caught_within_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without its refusal pre-check the manager launches a copy for a finished request
     before the registry refuses it: the copy's host page leaks. The search finds it."""
-    monkeypatch.setattr(OffloadManager, "_check_can", lambda self, lc, trigger: None)
+    monkeypatch.setattr(LifecycleRegistry, "require", lambda self, lc, trigger: None)
     with pytest.raises(AssertionError) as info:
         explore(4)
     message = str(info.value)

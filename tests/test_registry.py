@@ -524,7 +524,7 @@ def test_statistics_show_live_states_and_oldest() -> None:
 def test_no_sink_builds_no_record_and_sinks_can_be_detached() -> None:
     registry = LifecycleRegistry()
     registry.register(Req("a"))
-    assert registry._seq == 0
+    assert registry.statistics().records == 0
     sink = MemorySink()
     registry.attach(sink)
     registry.register(Req("b"))
@@ -984,3 +984,26 @@ def test_refusals_is_a_live_view_of_the_statistics_counts() -> None:
     assert view["unknown_request"] == 1 == registry.statistics().refusals["unknown_request"]
     with pytest.raises(TypeError):
         view["unknown_request"] = 0  # type: ignore[index]
+
+
+def test_require_refuses_and_audits_what_the_call_would_refuse_and_changes_nothing() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    lc = registry.register(req)
+    registry.require(lc, Trigger.START_OFFLOAD)  # permitted: nothing happens
+    assert len(sink.records()) == 1 and registry.statistics().refusals["invalid_transition"] == 0
+    ticket = registry.start_offload(req)
+    registry.finish(req)
+    with pytest.raises(InvalidTransitionError, match="can't start_offload"):
+        registry.require(lc, Trigger.START_OFFLOAD)  # finished_pending: no new copy
+    refused = sink.records()[-1]
+    assert (refused.ok, refused.reason, refused.trigger) == (
+        False,
+        "invalid_transition",
+        "start_offload",
+    )
+    assert (lc.state, lc.inflight) == (State.FINISHED_PENDING, 1)  # unchanged
+    registry.complete(ticket)
+    with pytest.raises(StaleInstanceError):
+        registry.require(lc, Trigger.FINISH)
