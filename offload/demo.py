@@ -43,7 +43,7 @@ class DemoRequest:
     rid: str
     prompt: int
     output: int
-    seed: int
+    token_base: int  # its token ids derive from it (the admission number)
     generated: int = 0
     abort_at: int | None = None
 
@@ -107,7 +107,7 @@ class DemoEngine:
         return len(self.slots_of[self.current[id(req)]])
 
     def token_ids(self, req: Any, start: int, end: int) -> Sequence[int]:
-        return [(req.seed * 7919 + i) % 50_000 for i in range(start, end)]
+        return [(req.token_base * 7919 + i) % 50_000 for i in range(start, end)]
 
     def slots(self, req: Any, start: int, end: int) -> Sequence[int]:
         return self.slots_of[self.current[id(req)]][start:end]
@@ -282,7 +282,7 @@ def run_workload(
         while admitted < config.requests and len(running) < config.max_running and pending_rids:
             rid = f"req-{pending_rids.pop(rng.randrange(len(pending_rids)))}"
             req = DemoRequest(
-                rid, rng.randint(*config.prompt), rng.randint(*config.output), seed=admitted
+                rid, rng.randint(*config.prompt), rng.randint(*config.output), token_base=admitted
             )
             if rng.random() < config.abort_rate:
                 req.abort_at = rng.randint(0, req.output)

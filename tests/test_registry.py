@@ -928,7 +928,7 @@ def test_many_lifecycles_on_one_rid_release_in_any_order() -> None:
         assert (newest.serial if newest else None) == (max(unreleased) if unreleased else None)
         if n % 500 == 0:
             assert len(registry) == len(unreleased)
-    assert registry.live("x") is None and registry._by_rid == {}
+    assert registry.live("x") is None and len(registry) == 0 and not registry.lifecycles()
 
 
 def test_oldest_live_age_is_never_less_than_the_truth(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,7 +53,7 @@ def test_start_offload_with_a_raising_sink_still_returns_its_ticket() -> None:
     registry = LifecycleRegistry(sinks=[Flaky()])
     req = Req("a")
     registry.register(req)
-    ticket = registry.start_offload(req)  # used to raise with the lifecycle half-changed
+    ticket = registry.start_offload(req)  # the sink raises; the transition stays whole
     lc = registry.lifecycle(req)
     assert lc.state is State.OFFLOADING and lc.inflight == 1
     registry.finish(req)

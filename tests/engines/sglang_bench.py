@@ -59,6 +59,7 @@ def _measure(*, seed: int, steps: int, rounds: int) -> dict[str, float]:
     ours_us = statistics.median(ours) * 1e6
     return {
         "steps": float(len(ours)),
+        "sglang_steps": float(len(theirs)),
         "sglang_us": theirs_us,
         "kvlife_us": ours_us,
         "ratio": ours_us / theirs_us,

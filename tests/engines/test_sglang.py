@@ -341,8 +341,9 @@ def test_the_scheduler_loop_benchmark_times_both_managers_on_the_same_steps() ->
     from tests.engines.sglang_bench import main, measure  # noqa: PLC0415
 
     got = measure(seed=1, steps=30, rounds=1)
-    assert got["steps"] >= 30 and got["sglang_us"] > 0 and got["kvlife_us"] > 0
-    assert got["ratio"] == pytest.approx(got["kvlife_us"] / got["sglang_us"])
+    # the same seeded workload ran through both: the same scheduler steps were timed
+    assert got["steps"] == got["sglang_steps"] >= 30
+    assert got["sglang_us"] > 0 and got["kvlife_us"] > 0
     assert main(["--steps", "10", "--rounds", "1"]) == 0
 
 
