@@ -346,7 +346,7 @@ def plot_timeline(
         f"{_plural(report.reused_while_unreleased, 'rid reuse')} while unreleased"
     )
     if violations_drawn < report.violation_count or reuses_drawn < len(timeline.reuses):
-        counts += f"; {violations_drawn} and {reuses_drawn} of them on the rows shown"
+        counts += f" ({violations_drawn} and {reuses_drawn} of them on the rows shown)"
     ax.set_title(f"{shortened(title, 80)}: {counts}{note}", fontsize=10, pad=24)
     if report.violation_count:
         ax.title.set_color("red")
