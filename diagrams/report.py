@@ -174,9 +174,8 @@ def gather(
             entry.state = r.src or ""
         notes = [f"VIOLATION {v.kind}: {v.message}" for v in fresh]
         entry.violations += len(notes)
-        rid_births = births.setdefault((segment, entry.rid), [])
         if r.ok and r.trigger == "register":
-            rid_births.append((r.t_ns, r.serial))
+            births.setdefault((segment, entry.rid), []).append((r.t_ns, r.serial))
             if reuse:
                 complete = len(found.reuses) == found.reused_while_unreleased
                 previous = found.reuses[-1].previous if complete else ()
@@ -188,7 +187,11 @@ def gather(
                 )
         elif r.ok and r.op is not None and r.trigger in ("ack", "fail"):
             late = late_completion(
-                rid_births, r.serial, r.op, entry.started.pop(r.op, r.t_ns), r.t_ns
+                births.get((segment, entry.rid), []),
+                r.serial,
+                r.op,
+                entry.started.pop(r.op, r.t_ns),
+                r.t_ns,
             )
             if late is not None:
                 notes.insert(0, late)

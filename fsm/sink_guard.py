@@ -65,13 +65,7 @@ class SinkStatistics:
 
 def seq_ranges(seqs: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted ``seqs`` as merged (first, last) ranges: ``[1, 2, 3, 7]`` -> ``[(1, 3), (7, 7)]``."""
-    ranges: list[tuple[int, int]] = []
-    for seq in sorted(seqs):
-        if ranges and seq <= ranges[-1][1] + 1:
-            ranges[-1] = (ranges[-1][0], max(seq, ranges[-1][1]))
-        else:
-            ranges.append((seq, seq))
-    return ranges
+    return merge_ranges((seq, seq) for seq in seqs)
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
