@@ -4,6 +4,7 @@ counted, logged once, retried, and marked as lost when it had to be dropped."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -21,10 +22,14 @@ from tests.strategies import Req
 
 
 class Flaky:
-    """A sink that raises on chosen calls and keeps what it took."""
+    """A sink that raises on chosen calls and keeps what it took. Each has its own
+    ``repr``: a registry from an earlier test, collected later, logs about its own."""
+
+    _ids = itertools.count()
 
     def __init__(self, fail: Any = lambda n: True) -> None:
         self.fail = fail
+        self.id = next(self._ids)
         self.calls = 0
         self.took: list[AuditRecord] = []
         self.lost: list[LostRecords] = []
@@ -46,7 +51,14 @@ class Flaky:
         self.flushes += 1
 
     def __repr__(self) -> str:
-        return "<Flaky>"
+        return f"<Flaky {self.id}>"
+
+
+def about(sink: object, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The messages logged about ``sink`` (not about another test's sinks, whose
+    registries the garbage collector may finalize at any time)."""
+    name = repr(sink)
+    return [m for m in caplog.messages if name in m]
 
 
 def test_start_offload_with_a_raising_sink_still_returns_its_ticket() -> None:
@@ -88,7 +100,7 @@ def test_the_first_failure_is_logged_once_then_the_recovery(
             registry.register(Req(f"r{i}"))
         failing[0] = False
         registry.register(Req("after"))
-    messages = [r.getMessage() for r in caplog.records]
+    messages = about(sink, caplog)
     assert len(messages) == 2, messages
     assert "failed (write)" in messages[0] and "No space left" in messages[0]
     assert "recovered" in messages[1]
@@ -130,7 +142,7 @@ def test_detaching_a_failing_sink_logs_what_it_never_took(
     registry.register(Req("a"))
     with caplog.at_level(logging.ERROR, logger="kvlife.fsm.sinks"):
         registry.detach(sink)
-    assert "never written" in caplog.records[-1].getMessage()
+    assert "never written" in about(sink, caplog)[-1]
     assert registry.sinks == () and registry.statistics().sinks == ()
 
 
@@ -328,4 +340,4 @@ def test_a_sink_that_raises_on_every_write_accounts_for_every_record(
     assert account.lost == ((0, 9),) and account.dropped == 10  # the oldest, by range
     with caplog.at_level(logging.ERROR, logger="kvlife.fsm.sinks"):
         registry.detach(sink)
-    assert "60 records were never written (seq 0-59)" in caplog.records[-1].getMessage()
+    assert "60 records were never written (seq 0-59)" in about(sink, caplog)[-1]
