@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.fsm.bench import BenchParser, positive_ints
+from kvlife.diagrams.cli_args import BenchParser, positive_ints
+from kvlife.fsm.audit.sinks import JsonLinesSink
 from kvlife.fsm.registry import LifecycleRegistry
-from kvlife.fsm.sinks import JsonLinesSink
 
 RECORDS_PER_LIFECYCLE = 6
 """Records per lifecycle in the generated workload (without the occasional refusal)."""

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from kvlife.diagrams.cli_args import int_in
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.lifecycle import lifecycle_dot, lifecycle_mermaid
 from kvlife.diagrams.log_graph import log_graph
@@ -46,7 +47,7 @@ from kvlife.fsm.audit import (
     Verdict,
     audit_files,
 )
-from kvlife.fsm.explain import explain, find_rid
+from kvlife.fsm.audit.explain import explain, find_rid
 
 
 class UsageError(Exception):
@@ -204,21 +205,6 @@ def _verdict(args: argparse.Namespace, report: AuditReport, reader: AuditReader)
     return Verdict.of(report, reader.problem_count, allow_lost=getattr(args, "allow_lost", False))
 
 
-def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``[low, high]`` (no upper bound when ``None``)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
-        return value
-
-    return parse
-
-
 def _digest(text: str) -> str:
     """An argparse ``type``: a transition table digest (16 hex digits, as in a log's
     header and ``audit check``'s message)."""
@@ -240,9 +226,9 @@ def _segment(text: str) -> int | str:
     return text
 
 
-_seed = _int_in(0, 2**63 - 1, "a seed between 0 and 2**63 - 1")  # what torch takes
-_natural = _int_in(0, None, "an integer >= 0")
-_positive = _int_in(1, None, "a positive integer")
+_seed = int_in(0, 2**63 - 1, "a seed between 0 and 2**63 - 1")  # what torch takes
+_natural = int_in(0, None, "an integer >= 0")
+_positive = int_in(1, None, "a positive integer")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

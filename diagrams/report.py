@@ -29,8 +29,8 @@ from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.log_graph import log_graph
 from kvlife.diagrams.timeline import plot_timeline
 from kvlife.fsm.audit import AuditChecker, AuditReport, Event, Verdict, fed
-from kvlife.fsm.explain import late_completion
-from kvlife.fsm.reader import segment_records
+from kvlife.fsm.audit.explain import late_completion
+from kvlife.fsm.audit.reader import segment_records
 from kvlife.fsm.table import State
 
 MAX_LIFECYCLES: Final = 5000
@@ -137,7 +137,7 @@ def gather(
     """Read the log once into the table's rows (times in ms from the first record),
     checking it with ``checker`` (by default a plain ``AuditChecker()``) in the same pass.
     The verdict counts the source's ``problem_count`` (unreadable lines) when it has one;
-    ``allow_lost`` as for [`Verdict`][kvlife.fsm.checker.Verdict].
+    ``allow_lost`` as for [`Verdict`][kvlife.fsm.audit.checker.Verdict].
 
     Raises:
         AuditTableMismatchError: the log was written with another table (not accepted).

@@ -88,7 +88,7 @@ class Timeline:
     """The rows kept, in natural (rid, segment, serial) order; ``lifecycles`` and
     ``rids`` count the instances and distinct rids of the log (of the rids asked for).
     ``report`` is the check of the whole log; ``reuses`` (the first
-    [`MAX_REUSES`][kvlife.fsm.checker.MAX_REUSES]) and ``violations`` are its marks, also
+    [`MAX_REUSES`][kvlife.fsm.audit.checker.MAX_REUSES]) and ``violations`` are its marks, also
     those on rows not kept."""
 
     rows: list[Row]

@@ -1,10 +1,12 @@
 """kvlife.fsm: per-request lifecycle state machines for KV-cache offload.
 
-The pure core of kvlife (no torch, no graphviz): the one transition table
+No torch, no graphviz. The core is the one transition table
 ([`kvlife.fsm.table`][kvlife.fsm.table]), the identity registry with its lifecycles and
-tickets ([`kvlife.fsm.registry`][kvlife.fsm.registry]), the typed errors
-([`kvlife.fsm.errors`][kvlife.fsm.errors]) and the audit log
-([`kvlife.fsm.audit`][kvlife.fsm.audit]).
+tickets ([`kvlife.fsm.registry`][kvlife.fsm.registry]) and the typed errors
+([`kvlife.fsm.errors`][kvlife.fsm.errors]); beside it, the audit package
+([`kvlife.fsm.audit`][kvlife.fsm.audit]: records, sinks, the sink guard, the reader, the
+checker, ``why``'s narration, Prometheus metrics). The core takes from the audit package
+only the record type and what it needs to hand records to sinks (the guard).
 
 Typical use in a scheduler::
 
@@ -18,6 +20,7 @@ Typical use in a scheduler::
 
 from __future__ import annotations
 
+from kvlife.fsm import _moved
 from kvlife.fsm._version import __version__
 from kvlife.fsm.audit import (
     AuditChecker,
@@ -47,6 +50,8 @@ from kvlife.fsm.errors import (
 )
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, RegistryStatistics, Ticket
 from kvlife.fsm.table import LIFECYCLE, LIFECYCLE_EDGES, Edge, Guard, State, Trigger
+
+_moved.install()  # the audit modules' paths before the kvlife.fsm.audit package
 
 __all__ = [
     "LIFECYCLE",

@@ -13,7 +13,6 @@ the record, a ring append), next to what each ratio target leaves per record.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import logging
@@ -27,40 +26,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 from weakref import WeakKeyDictionary
 
 from transitions import Machine
 
+from kvlife.diagrams.cli_args import BenchParser, positive_ints
 from kvlife.fsm.audit import AuditRecord, JsonLinesSink, LoggingSink, MemorySink
-from kvlife.fsm.records import DetailValue
+from kvlife.fsm.audit.records import DetailValue
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
 
 COPIES = 4
 RECORDS = 2 + 2 * COPIES
 """Audit records per benchmark lifecycle (register, 4 x 2, finish)."""
-
-
-class BenchParser(argparse.ArgumentParser):
-    """The benchmarks' argument parser: a bad argument is one line on stderr (``prog:
-    message``, with a pointer to ``--help``) and exit status 2, not a usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
-def positive_ints(text: str) -> list[int]:
-    """An argparse ``type``: comma-separated positive integers (``"1000,4000"``)."""
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _quiet_logger() -> logging.Logger:
@@ -237,7 +216,7 @@ def _metrics_registry() -> LifecycleRegistry | None:
     try:
         from prometheus_client import CollectorRegistry
 
-        from kvlife.fsm.metrics import PrometheusMetrics
+        from kvlife.fsm.audit.metrics import PrometheusMetrics
     except ModuleNotFoundError:
         print("(prometheus_client is not installed: no metrics row)", file=sys.stderr)
         return None
@@ -408,7 +387,7 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
     - ``**detail``: the keyword dict CPython builds for every call of a method that
       takes ``**detail`` (an empty one too), against the same method without it;
     - ``clock read``, ``record build``, ``ring append``: what every audit record costs
-      at least (``time.monotonic_ns()``, an [`AuditRecord`][kvlife.fsm.records.AuditRecord]
+      at least (``time.monotonic_ns()``, an [`AuditRecord`][kvlife.fsm.audit.records.AuditRecord]
       of 12 fields, a ``deque.append``), against the loop alone.
     """
     registry = LifecycleRegistry()

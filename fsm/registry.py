@@ -22,7 +22,7 @@ worker threads) are queued and delivered from the owner thread, as the completio
 does. Read-only calls (``statistics``, ``len``, ``live``) may come from any thread.
 
 Audit sinks never change what the registry does: see
-[`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard].
+[`kvlife.fsm.audit.guard`][kvlife.fsm.audit.guard].
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal, NoReturn, cast, final
 
+from kvlife.fsm.audit.guard import SinkGuard, SinkStatistics
+from kvlife.fsm.audit.records import REGISTER, AuditRecord, DetailValue, StateName, TriggerName
 from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.fsm.errors import (
     REASONS,
@@ -50,8 +52,6 @@ from kvlife.fsm.errors import (
     WrongThreadError,
 )
 from kvlife.fsm.hooks import run_all
-from kvlife.fsm.records import REGISTER, AuditRecord, DetailValue, StateName, TriggerName
-from kvlife.fsm.sink_guard import SinkGuard, SinkStatistics
 from kvlife.fsm.table import LIFECYCLE, STATES, Row, State, Trigger
 
 Outcome = Literal["finished", "aborted"]
@@ -328,7 +328,8 @@ class LifecycleRegistry:
 
     Args:
         sinks: audit sinks (objects with a ``write(record)`` method, see
-            [`kvlife.fsm.sinks`][kvlife.fsm.sinks]). With none, no audit record is built.
+            [`kvlife.fsm.audit.sinks`][kvlife.fsm.audit.sinks]). With none, no audit record is
+            built.
         sink_backlog: most records kept per failing sink for a retry; older ones are
             dropped and marked as lost in the log.
         sink_retry_s: least time between two retries of a failing sink on the write path
@@ -338,7 +339,7 @@ class LifecycleRegistry:
     (state, in-flight count, references, counters, audit record, release hooks) or raises
     a [`LifecycleError`][kvlife.fsm.errors.LifecycleError] subclass and changes nothing except the
     refusal counters and the audit log. A failing sink never raises out of a registry
-    call: see [`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard].
+    call: see [`kvlife.fsm.audit.guard`][kvlife.fsm.audit.guard].
 
     Called from a thread other than its owner, every changing method raises
     [`WrongThreadError`][kvlife.fsm.errors.WrongThreadError] and changes nothing (not even a

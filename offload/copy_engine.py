@@ -211,6 +211,19 @@ class CopyEngine:
             self._gathered = [torch.cuda.Event() for _ in range(buffers)]
             self._buffer = 0
 
+    @property
+    def copy_streams(self) -> tuple[torch.cuda.Stream, ...]:
+        """The side streams the device-to-host copies run on, one per ``streams`` (copies
+        go to them in turn); empty on the CPU. Work queued on one before a copy is
+        launched runs before that copy."""
+        return tuple(self._copy_streams) if self.cuda else ()
+
+    @property
+    def callbacks(self) -> HostCallbacks | None:
+        """The host functions that mark copies done, with ``completion="callback"``
+        (``fired`` and ``waiting`` count them); ``None`` with polling."""
+        return self._callbacks
+
     def launch(self, slots: torch.Tensor | Sequence[int], pages: HostPages) -> CopyJob:
         """Copy the KV of ``slots`` (token order) into ``pages`` (filled in order).
 

@@ -24,15 +24,20 @@ import torch
 if TYPE_CHECKING:
     from kvlife.offload.copy_engine import CopyJob
 
-_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+"""The C type of a CUDA host function (``cudaHostFn_t``): ``void fn(void *data)``."""
 
 
 class HostCallbackError(RuntimeError):
     """The CUDA runtime could not be found or refused a host function."""
 
 
-def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime library PyTorch has loaded into this process."""
+def cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime library PyTorch has loaded into this process.
+
+    Raises:
+        HostCallbackError: it is not loaded and none could be found.
+    """
     torch.cuda.init()
     for line in Path("/proc/self/maps").read_text().splitlines():
         path = line.split()[-1] if line.split() else ""
@@ -50,14 +55,14 @@ class HostCallbacks:
     """Launch a host function after the work queued on a stream so far, per job."""
 
     def __init__(self) -> None:
-        lib = _cudart()
+        lib = cuda_runtime()
         self._launch = lib.cudaLaunchHostFunc
-        self._launch.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
+        self._launch.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
         self._jobs: dict[int, CopyJob] = {}  # key -> job waiting for its host function
         self._lock = threading.Lock()
         self._next = 1
-        self._fn = _HOST_FN(self._fire)  # kept alive as long as CUDA may call it
+        self._fn = HOST_FN(self._fire)  # kept alive as long as CUDA may call it
         self.fired = 0
 
     def _fire(self, key: Any) -> None:

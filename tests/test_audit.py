@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 
+import kvlife.fsm
 from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink, __version__
+from kvlife.fsm._moved import MOVED
 from kvlife.fsm.audit import (
     RECORD_FIELDS,
     AuditFormatError,
@@ -366,3 +371,36 @@ def test_a_disabled_logging_sink_gets_no_record_built(caplog: pytest.LogCaptureF
     (record,) = logged_by("kvlife.test.quiet", caplog)
     assert json.loads(record)["rid"] == "b"
     assert json.loads(record)["seq"] == 0  # nothing was skipped
+
+
+# --- the package's boundaries ------------------------------------------------------------
+
+CORE = ("table", "registry", "errors")
+OLD_PATHS = ("records", "sinks", "sink_guard", "reader", "checker", "explain", "metrics")
+
+
+def test_the_core_takes_only_the_record_type_and_the_guard_from_the_audit_package() -> None:
+    root = Path(kvlife.fsm.__file__).parent
+    for name in CORE:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        }
+        audit = {m for m in imported if m.startswith("kvlife.fsm.audit")}
+        assert audit <= {"kvlife.fsm.audit.records", "kvlife.fsm.audit.guard"}, (name, audit)
+
+
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_an_old_module_path_warns_and_holds_the_same_objects(old: str) -> None:
+    if old == "metrics":
+        pytest.importorskip("prometheus_client")
+    sys.modules.pop(f"kvlife.fsm.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"kvlife.fsm.{old} is now kvlife.fsm.audit."):
+        module = importlib.import_module(f"kvlife.fsm.{old}")
+    new = importlib.import_module(MOVED[f"kvlife.fsm.{old}"])
+    assert module.__all__ and module.__all__ == new.__all__
+    for name in new.__all__:
+        assert getattr(module, name) is getattr(new, name), name
+    assert new.__name__.startswith("kvlife.fsm.audit.")  # the moved module is untouched

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvlife.offload import CompletionQueue, CopyEngine, CopyJob, HostPagePool, KVLayout
+from tests.cuda_gate import StreamGate
 
 LAYOUT = KVLayout(
     "per_layer", layers=1, slots=4096, heads=1, head_dim=2, dtype=torch.float32, page_size=1
@@ -150,21 +151,25 @@ def test_cuda_host_callbacks_signal_each_copy_after_it_ran() -> None:
     host = HostPagePool(layout, 64, pin_memory=True)
     engine = CopyEngine(layout, [t.cuda() for t in layout.allocate()], host,
                         completion="callback")  # fmt: skip
-    with torch.cuda.stream(engine._copy_streams[0]):
-        torch.cuda._sleep(200_000_000)
+    callbacks = engine.callbacks
+    assert callbacks is not None
     queue = CompletionQueue()
     delivered: list[int] = []
-    for i in range(32):
-        pages = host.alloc(1)
-        assert pages is not None
-        queue.push(engine.launch([i], pages), lambda job, i=i: delivered.append(i))
-    assert queue.poll() == 0  # held behind the sleep: no host function has run
-    torch.cuda.synchronize()
-    deadline = time.monotonic() + 10
+    with StreamGate(engine.copy_streams[0]) as gate:  # every copy queues behind it
+        for i in range(32):
+            pages = host.alloc(1)
+            assert pages is not None
+            queue.push(engine.launch([i], pages), lambda job, i=i: delivered.append(i))
+        assert queue.poll() == 0 and delivered == []  # no copy ran: no host function either
+        assert callbacks.fired == 0 and callbacks.waiting == 32
+        gate.open()
+        torch.cuda.synchronize()
+    assert not gate.timed_out
+    deadline = time.monotonic() + 10  # the host functions run on a driver thread
     while len(delivered) < 32 and time.monotonic() < deadline:
         queue.poll()
     assert delivered == list(range(32))
-    assert engine._callbacks is not None and engine._callbacks.fired == 32
+    assert callbacks.fired == 32 and callbacks.waiting == 0
 
 
 class _NoIndexing(deque):  # type: ignore[type-arg]

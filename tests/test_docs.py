@@ -184,7 +184,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_api_reference_links_instead_of_showing_roles(site: Path) -> None:
-    for name in ("fsm", "offload", "diagrams"):
+    for name in ("fsm", "audit", "offload", "diagrams"):
         html = (site / "reference" / name / "index.html").read_text(encoding="utf-8")
         assert not _ROLE.search(html), f"reference/{name}: a Sphinx role shows as text"
         assert html.count('class="autorefs autorefs-internal"') > 5, f"reference/{name}"

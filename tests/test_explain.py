@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlife.fsm import AuditRecord, LifecycleRegistry, MemorySink, StaleInstanceError
-from kvlife.fsm.explain import MAX_STORIES, explain, find_rid
+from kvlife.fsm.audit.explain import MAX_STORIES, explain, find_rid
 from tests.strategies import Req
 
 

@@ -26,6 +26,7 @@ from kvlife.fsm import (
     check_audit,
 )
 from kvlife.offload import Blake2bPageHasher, KVLayout, OffloadResult
+from tests.cuda_gate import StreamGate
 from tests.engine import FakeEngine, host_matches
 from tests.strategies import EqByRid, Req
 from tests.test_layout import LAYOUTS
@@ -307,20 +308,21 @@ def test_tensor_parallel_lifecycles_move_only_when_every_rank_is_done(
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_slots_wait_for_a_delayed_copy() -> None:
-    """The shape of PyTorch's test_record_stream: a copy held back on its side stream by
-    ``torch.cuda._sleep`` keeps the request's device slots out of the engine's hands until
-    its event completes."""
+    """The shape of PyTorch's test_record_stream: a copy held back on its side stream (by
+    a gate the test opens) keeps the request's device slots out of the engine's hands
+    until its event completes."""
     engine = FakeEngine(SMALL, stride_pages=1, device="cuda")
     req = Req("a")
     lc = engine.admit(req)
     engine.decode(req, 8)
-    with torch.cuda.stream(engine.copier._copy_streams[0]):
-        torch.cuda._sleep(500_000_000)  # ~0.25 s at 2 GHz, ahead of the copy
-    engine.manager.step(req)
-    engine.manager.finish(req)
-    assert engine.manager.poll() == 0
-    assert lc.state is F and engine.released_serials == []
-    engine.manager.drain()
+    with StreamGate(engine.copier.copy_streams[0]) as gate:
+        engine.manager.step(req)
+        engine.manager.finish(req)
+        assert engine.manager.poll() == 0
+        assert lc.state is F and engine.released_serials == []
+        gate.open()
+        engine.manager.drain()
+    assert not gate.timed_out
     assert lc.state is R and engine.released_serials == [lc.serial]
     [(_, result)] = engine.results
     assert host_matches(engine, result, engine.admissions[lc.serial])

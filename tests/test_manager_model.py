@@ -380,7 +380,7 @@ def _ack_by_rid(monkeypatch: pytest.MonkeyPatch) -> None:
     real_deliver = LifecycleRegistry.deliver
 
     def deliver(self: LifecycleRegistry, ticket: Ticket, ok: bool = True, **detail: Any) -> Any:
-        newest = self._by_rid.get(ticket.rid)
+        newest = self.live(ticket.rid)
         if newest is not None and newest is not ticket._lc and newest.inflight:
             forged: Ticket = object.__new__(Ticket)
             forged._lc, forged._op, forged._open = newest, ticket._op, True

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlife.fsm import LifecycleRegistry, MemorySink, StaleInstanceError, WrongThreadError
-from kvlife.fsm.metrics import PrometheusMetrics
+from kvlife.fsm.audit.metrics import PrometheusMetrics
 from tests.strategies import Req
 
 

@@ -2,7 +2,7 @@
 
 A transition is applied whole before its record is built; the record then goes to every
 sink. A sink that raises is not allowed to undo or interrupt anything: the registry hands
-the failure to the sink's [`SinkGuard`][kvlife.fsm.sink_guard.SinkGuard], which
+the failure to the sink's [`SinkGuard`][kvlife.fsm.audit.guard.SinkGuard], which
 
 * counts it (``errors``, in ``LifecycleRegistry.statistics().sinks``),
 * logs the first failure through `logging` (logger ``kvlife.fsm.sinks``, once per
@@ -12,7 +12,7 @@ the failure to the sink's [`SinkGuard`][kvlife.fsm.sink_guard.SinkGuard], which
   ``registry.flush()`` and at interpreter exit (then what is still refused is logged
   with its ``seq`` range),
 * and when the backlog overflows drops its oldest records, remembering their ``seq``
-  range: once the sink takes records again, a [`LostRecords`][kvlife.fsm.records.LostRecords]
+  range: once the sink takes records again, a [`LostRecords`][kvlife.fsm.audit.records.LostRecords]
   marker naming that range is written before the rest (``write_lost``), so the log says
   what it is missing and the checker reports "records lost (sink error)".
 
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvlife.fsm.records import AuditRecord, LostRecords
+from kvlife.fsm.audit.records import AuditRecord, LostRecords
 
 _log: Final = logging.getLogger("kvlife.fsm.sinks")
 

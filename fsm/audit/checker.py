@@ -1,13 +1,13 @@
 """Replaying an audit log against the transition table, in one streaming pass.
 
-[`AuditChecker`][kvlife.fsm.checker.AuditChecker] takes the reader's events one at a time
-([`AuditChecker.feed()`][kvlife.fsm.checker.AuditChecker.feed]) and keeps only what is open
+[`AuditChecker`][kvlife.fsm.audit.checker.AuditChecker] takes the reader's events one at a time
+([`AuditChecker.feed()`][kvlife.fsm.audit.checker.AuditChecker.feed]) and keeps only what is open
 at that point of the log: the unreleased lifecycles, the copies in flight, and one byte per
 serial and per copy number seen (to tell "released" and "completed" from "never seen"). A
 log of any length is checked in memory bounded by its busiest moment.
 
 Rules, per segment (each segment is its own serial and ``seq`` space): ``seq`` is
-gap-free, except where a [`LostRecords`][kvlife.fsm.records.LostRecords] marker says a failing
+gap-free, except where a [`LostRecords`][kvlife.fsm.audit.records.LostRecords] marker says a failing
 sink lost records (reported as lost, not as tampering); every accepted transition is
 legal from the instance's previous state with its in-flight count; a refusal leaves its
 instance as it was; every ``ack``/``fail`` completes a copy that the same instance
@@ -22,8 +22,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from kvlife.fsm.reader import AuditFormatError, AuditLog, AuditReader, Event, Segment
-from kvlife.fsm.records import REGISTER, AuditRecord, LostRecords
+from kvlife.fsm.audit.reader import AuditFormatError, AuditLog, AuditReader, Event, Segment
+from kvlife.fsm.audit.records import REGISTER, AuditRecord, LostRecords
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 
 MAX_VIOLATIONS: Final = 1000
@@ -158,7 +158,7 @@ class AuditReport:
     max_live: int = 0
     #: Registrations whose rid was held by another lifecycle not released yet.
     reused_while_unreleased: int = 0
-    #: The first [`MAX_REUSES`][kvlife.fsm.checker.MAX_REUSES] of them, in log order.
+    #: The first [`MAX_REUSES`][kvlife.fsm.audit.checker.MAX_REUSES] of them, in log order.
     reuses: list[RidReuse] = field(default_factory=list)
 
     @property
@@ -653,7 +653,7 @@ def check_audit(
     keep_instances: bool = False,
 ) -> AuditReport:
     """Replay an audit log (a reader, a log read into memory, or records) against the
-    transition table. See [`AuditChecker`][kvlife.fsm.checker.AuditChecker] for the arguments.
+    transition table. See [`AuditChecker`][kvlife.fsm.audit.checker.AuditChecker] for the arguments.
 
     Raises:
         AuditTableMismatchError: a segment was written with another table, not accepted.

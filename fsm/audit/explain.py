@@ -1,12 +1,12 @@
 """A lifecycle's history told as a person would: ``kvlife audit why``.
 
-[`explain()`][kvlife.fsm.explain.explain] reads a log once and keeps only the records of
+[`explain()`][kvlife.fsm.audit.explain.explain] reads a log once and keeps only the records of
 one rid (every lifecycle that held it, and the calls that found no lifecycle for it). It
 tells each lifecycle's story: every transition and refusal with its time, state and
 copy, what each refusal means, which other lifecycles held the same rid meanwhile, and,
 for a completion that arrived after the rid was reused, which lifecycle's copy it was.
 
-Given an [`AuditChecker`][kvlife.fsm.checker.AuditChecker], it checks the whole log in the
+Given an [`AuditChecker`][kvlife.fsm.audit.checker.AuditChecker], it checks the whole log in the
 same pass, as ``kvlife audit check`` does: each record of the story that the checker finds
 wrong is marked where it is told, and the story ends with the log's verdict.
 """
@@ -18,9 +18,9 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlife.fsm.checker import AuditChecker, Verdict, Violation, fed, violations_by_record
-from kvlife.fsm.reader import Event, segment_records
-from kvlife.fsm.records import REGISTER, AuditRecord
+from kvlife.fsm.audit.checker import AuditChecker, Verdict, Violation, fed, violations_by_record
+from kvlife.fsm.audit.reader import Event, segment_records
+from kvlife.fsm.audit.records import REGISTER, AuditRecord
 
 MAX_STORIES = 20
 """Lifecycles told per call; a rid held by more says how many were left out."""
@@ -253,7 +253,7 @@ def explain(
 
     With ``checker``, the whole log is fed to it in the same pass: records it finds wrong
     are marked (``!! VIOLATION``) in the story, and the text ends with the verdict on the
-    log, [`Verdict`][kvlife.fsm.checker.Verdict] (``allow_lost`` as for it; unreadable
+    log, [`Verdict`][kvlife.fsm.audit.checker.Verdict] (``allow_lost`` as for it; unreadable
     lines are the source's ``problem_count`` when it has one), listing this rid's
     violations. ``checker.finish()`` has been called when this returns.
 
@@ -319,3 +319,17 @@ def verdict_lines(
     if rid is not None and others > 0:
         lines.append(f"  {others} violation(s) of other rids: kvlife audit check shows them")
     return lines
+
+
+__all__ = [
+    "MAX_LISTED",
+    "MAX_STEPS",
+    "MAX_STORIES",
+    "LifecycleHistory",
+    "RidHistory",
+    "collect",
+    "explain",
+    "find_rid",
+    "late_completion",
+    "verdict_lines",
+]

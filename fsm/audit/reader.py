@@ -1,22 +1,23 @@
 """Reading audit logs: one streaming reader under everything that reads a log.
 
-[`AuditReader`][kvlife.fsm.reader.AuditReader] walks a log (a file, or a rotated set
+[`AuditReader`][kvlife.fsm.audit.reader.AuditReader] walks a log (a file, or a rotated set
 ``PATH.N ... PATH.1 PATH``) line by line and yields what each line is -- a
-[`Segment`][kvlife.fsm.reader.Segment] when a writer's segment begins, an
-[`AuditRecord`][kvlife.fsm.records.AuditRecord], or a
-[`LostRecords`][kvlife.fsm.records.LostRecords] marker -- decoding records with msgspec's
+[`Segment`][kvlife.fsm.audit.reader.Segment] when a writer's segment begins, an
+[`AuditRecord`][kvlife.fsm.audit.records.AuditRecord], or a
+[`LostRecords`][kvlife.fsm.audit.records.LostRecords] marker -- decoding records with msgspec's
 typed decoder. Memory does not grow with the log: only the current line is held, plus at
-most [`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS] problem reports.
+most [`MAX_PROBLEMS`][kvlife.fsm.audit.reader.MAX_PROBLEMS] problem reports.
 
 Crash tolerance: a torn last line (a crash mid-write) is skipped and its size reported in
 ``torn_tail``; a complete line in the middle that is not a valid record is reported in
 ``problems`` (never joined with a neighbour) and skipped. A file whose first line is not
-a kvlife header is refused with [`AuditFormatError`][kvlife.fsm.reader.AuditFormatError]: it is not
+a kvlife header is refused with [`AuditFormatError`][kvlife.fsm.audit.reader.AuditFormatError]: it
+is not
 an audit log.
 
-[`read_audit()`][kvlife.fsm.reader.read_audit] reads a whole log into an
-[`AuditLog`][kvlife.fsm.reader.AuditLog] in memory, for small logs and tests; tools that may
-meet big logs iterate an [`AuditReader`][kvlife.fsm.reader.AuditReader] instead.
+[`read_audit()`][kvlife.fsm.audit.reader.read_audit] reads a whole log into an
+[`AuditLog`][kvlife.fsm.audit.reader.AuditLog] in memory, for small logs and tests; tools that may
+meet big logs iterate an [`AuditReader`][kvlife.fsm.audit.reader.AuditReader] instead.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Final
 
 import msgspec
 
-from kvlife.fsm.records import (
+from kvlife.fsm.audit.records import (
     SCHEMA_VERSION,
     AuditHeader,
     AuditRecord,
@@ -38,7 +39,7 @@ from kvlife.fsm.records import (
     LostRecords,
     check_record,
 )
-from kvlife.fsm.sinks import rotated_name
+from kvlife.fsm.audit.sinks import rotated_name
 
 MAX_PROBLEMS: Final = 100
 """Problems kept in detail per reader (all are counted in ``problem_count``)."""
@@ -52,7 +53,7 @@ _ANY: Final = msgspec.json.Decoder()
 class AuditFormatError(ValueError):
     """The input is not a kvlife audit log (no header first), or it is unreadable.
 
-    Also raised by [`read_audit()`][kvlife.fsm.reader.read_audit] in strict mode for the first
+    Also raised by [`read_audit()`][kvlife.fsm.audit.reader.read_audit] in strict mode for the first
     problem found.
     """
 
@@ -72,7 +73,7 @@ class Segment:
     """A writer's segment begins: its index in the log (0, 1, ...) and its header.
 
     Each segment is its own serial and ``seq`` space. A size-rotated segment continues
-    across files without a new [`Segment`][kvlife.fsm.reader.Segment].
+    across files without a new [`Segment`][kvlife.fsm.audit.reader.Segment].
     """
 
     index: int
@@ -134,16 +135,17 @@ class AuditReader:
 
     Args:
         source: a path (with ``rotated=True``, its rotated set, see
-            [`audit_files()`][kvlife.fsm.reader.audit_files]) or a sequence of paths read in
+            [`audit_files()`][kvlife.fsm.audit.reader.audit_files]) or a sequence of paths read in
             the given order.
         rotated: take ``PATH``'s rotated backups too (only for a single path).
-        strict: raise [`AuditFormatError`][kvlife.fsm.reader.AuditFormatError] at the first problem
+        strict: raise [`AuditFormatError`][kvlife.fsm.audit.reader.AuditFormatError] at the first
+            problem
             instead of reporting it (torn tails are not problems).
         progress: called as ``progress(bytes_read, total_bytes)`` about every 4 MiB.
 
     After (or during) iteration: ``torn_tail`` (bytes skipped after the last newline of each
     file, summed), ``problems`` (the first
-    [`MAX_PROBLEMS`][kvlife.fsm.reader.MAX_PROBLEMS]), ``problem_count``, ``records``,
+    [`MAX_PROBLEMS`][kvlife.fsm.audit.reader.MAX_PROBLEMS]), ``problem_count``, ``records``,
     ``segments``, ``files``.
 
     Raises (while iterating):
@@ -307,7 +309,7 @@ class AuditSegment:
 
 @dataclass
 class AuditLog:
-    """What [`read_audit()`][kvlife.fsm.reader.read_audit] read: segments of records plus the
+    """What [`read_audit()`][kvlife.fsm.audit.reader.read_audit] read: segments of records plus the
     problems found.
 
     ``torn_tail`` is the number of bytes after the last newline (a crash mid-write); they

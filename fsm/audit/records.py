@@ -1,11 +1,11 @@
 """What an audit log holds: records, headers and lost-record markers, and their encoding.
 
 An audit log is JSON lines. Each writer (one sink of one registry) starts a *segment* with
-an [`AuditHeader`][kvlife.fsm.records.AuditHeader]; a size-rotated file continues its
+an [`AuditHeader`][kvlife.fsm.audit.records.AuditHeader]; a size-rotated file continues its
 segment in the next file with a header of the same ``segment`` id and the next ``part``.
-Then come [`AuditRecord`][kvlife.fsm.records.AuditRecord] lines (one per accepted or refused
+Then come [`AuditRecord`][kvlife.fsm.audit.records.AuditRecord] lines (one per accepted or refused
 transition, ``seq`` gap-free per segment) and, only after a sink failed,
-[`LostRecords`][kvlife.fsm.records.LostRecords] markers naming the ``seq`` range that could
+[`LostRecords`][kvlife.fsm.audit.records.LostRecords] markers naming the ``seq`` range that could
 not be written.
 
 Decoding is typed (msgspec): a line is a record only if every field has the schema's
@@ -46,7 +46,7 @@ if set(get_args(StateName)) != {s.value for s in State} or set(get_args(TriggerN
     REGISTER,
     *(t.value for t in Trigger),
 }:  # pragma: no cover - a table edit without a schema edit
-    raise ImportError("kvlife.fsm.records: StateName/TriggerName differ from the table")
+    raise ImportError("kvlife.fsm.audit.records: StateName/TriggerName differ from the table")
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 

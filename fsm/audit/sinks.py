@@ -4,13 +4,14 @@ A sink is any object with ``write(record)``; it may also have ``write_lost(marke
 ``flush()`` and ``close()``. A sink's ``write`` either takes the record (it will be in the
 log, or the sink reports otherwise when it is closed) or raises, and then the record was
 not taken: the registry keeps it in a bounded backlog and offers it again (see
-[`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard]). A sink never takes a record half.
+[`kvlife.fsm.audit.guard`][kvlife.fsm.audit.guard]). A sink never takes a record half.
 
-* [`MemorySink`][kvlife.fsm.sinks.MemorySink] -- an in-memory ring of the newest records.
-* [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink] -- a JSON-lines file: header per segment, fsync
+* [`MemorySink`][kvlife.fsm.audit.sinks.MemorySink] -- an in-memory ring of the newest records.
+* [`JsonLinesSink`][kvlife.fsm.audit.sinks.JsonLinesSink] -- a JSON-lines file: header per segment,
+  fsync
   policy, owner-only permissions, size-based rotation, flushed at interpreter exit and when
   collected, never a partial line in the middle of the file.
-* [`LoggingSink`][kvlife.fsm.sinks.LoggingSink] -- one stdlib ``logging`` call per record.
+* [`LoggingSink`][kvlife.fsm.audit.sinks.LoggingSink] -- one stdlib ``logging`` call per record.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final, Literal
 
-from kvlife.fsm.records import (
+from kvlife.fsm.audit.guard import format_ranges, seq_ranges
+from kvlife.fsm.audit.records import (
     AuditHeader,
     AuditRecord,
     LostRecords,
@@ -35,7 +37,6 @@ from kvlife.fsm.records import (
     encode_record,
     make_header,
 )
-from kvlife.fsm.sink_guard import format_ranges, seq_ranges
 
 _log: Final = logging.getLogger("kvlife.fsm.sinks")
 
@@ -46,7 +47,7 @@ class AuditSinkError(OSError):
 
 class AuditSinkClosedError(AuditSinkError, ValueError):
     """A record was given to a sink after
-    [`JsonLinesSink.close()`][kvlife.fsm.sinks.JsonLinesSink.close] (a ``ValueError`` too,
+    [`JsonLinesSink.close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] (a ``ValueError`` too,
     like writing to a closed file)."""
 
 
@@ -59,7 +60,8 @@ class MemorySink:
 
     Appending is O(1); when the ring is full the oldest record is dropped (the ``seq`` of
     the oldest record held says how many went before it). Markers of records the
-    registry had to drop for this sink are kept in [`lost()`][kvlife.fsm.sinks.MemorySink.lost].
+    registry had to drop for this sink are kept in
+    [`lost()`][kvlife.fsm.audit.sinks.MemorySink.lost].
     """
 
     __slots__ = ("_lost", "_ring", "write")
@@ -150,7 +152,7 @@ _Item = AuditRecord | LostRecords
 
 
 class _JsonFile:
-    """The open file of a [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink]: everything its
+    """The open file of a [`JsonLinesSink`][kvlife.fsm.audit.sinks.JsonLinesSink]: everything its
     exit-time flush needs, and no reference to the sink, so the sink can be collected."""
 
     def __init__(
@@ -286,7 +288,7 @@ class _JsonFile:
 
 
 def _flush_every(file: _JsonFile, stop: threading.Event, interval: float) -> None:
-    """A [`JsonLinesSink`][kvlife.fsm.sinks.JsonLinesSink]'s flush thread: write the
+    """A [`JsonLinesSink`][kvlife.fsm.audit.sinks.JsonLinesSink]'s flush thread: write the
     buffer every ``interval`` seconds until the sink is closed. A failed write leaves
     the records buffered for the next try (or for the writer's own flush, which raises
     it); it is logged once per run of failures."""
@@ -316,7 +318,8 @@ class JsonLinesSink:
         ``"never"``: records are buffered and written in batches; the OS decides when they
             reach the disk.
         ``"batch"``: records are buffered and written every ``batch_records`` records and
-            on [`flush()`][kvlife.fsm.sinks.JsonLinesSink.flush], each write followed by ``fsync``.
+            on [`flush()`][kvlife.fsm.audit.sinks.JsonLinesSink.flush], each write followed by
+            ``fsync``.
         ``"record"``: every record is written and fsynced before `write()` returns.
 
     Rotation: with ``max_bytes``, a write that would take the file past it first renames
@@ -324,8 +327,8 @@ class JsonLinesSink:
     and continues the segment in a new ``PATH`` (its header has the same ``segment`` and
     the next ``part``). The reader takes ``PATH.N ... PATH.1 PATH`` in that order.
 
-    Buffered records are written by [`flush()`][kvlife.fsm.sinks.JsonLinesSink.flush],
-    [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] (or the ``with`` block),
+    Buffered records are written by [`flush()`][kvlife.fsm.audit.sinks.JsonLinesSink.flush],
+    [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] (or the ``with`` block),
     at interpreter exit, and when the sink is garbage collected.
 
     Time bound: with ``flush_interval_s``, a background thread also writes the buffer
@@ -339,12 +342,13 @@ class JsonLinesSink:
     closing the log, and says so in ``previous_unclean``.
 
     Errors: a write that fails (disk full, file size limit, I/O error) raises
-    [`AuditSinkError`][kvlife.fsm.sinks.AuditSinkError] or ``OSError`` and leaves the file ending at
+    [`AuditSinkError`][kvlife.fsm.audit.sinks.AuditSinkError] or ``OSError`` and leaves the file
+    ending at
     a complete line;
     the record given to that `write()` was not taken (the registry keeps it and offers
     it again) and records buffered before it stay buffered. `write()` after
-    [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] raises
-    [`AuditSinkClosedError`][kvlife.fsm.sinks.AuditSinkClosedError].
+    [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] raises
+    [`AuditSinkClosedError`][kvlife.fsm.audit.sinks.AuditSinkClosedError].
     """
 
     def __init__(
@@ -428,7 +432,7 @@ class JsonLinesSink:
 
     @property
     def closed(self) -> bool:
-        """Whether [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] completed."""
+        """Whether [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] completed."""
         return self._file.fd is None
 
     @property
@@ -503,7 +507,8 @@ class JsonLinesSink:
         """Flush and close the file. Closing twice is harmless.
 
         Raises ``OSError`` when the final write fails; the sink then stays open with its
-        records buffered, so a later [`close()`][kvlife.fsm.sinks.JsonLinesSink.close] can still
+        records buffered, so a later [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] can
+        still
         write them.
         """
         self._stop.set()

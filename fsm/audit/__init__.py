@@ -1,21 +1,24 @@
 """The audit log: records, sinks, a streaming crash-tolerant reader and a checker.
 
-This module gathers the audit API in one place; the parts live in
-[`kvlife.fsm.records`][kvlife.fsm.records] (what a log holds),
-[`kvlife.fsm.sinks`][kvlife.fsm.sinks] (where records go),
-[`kvlife.fsm.sink_guard`][kvlife.fsm.sink_guard] (what a registry does when a sink fails),
-[`kvlife.fsm.reader`][kvlife.fsm.reader] (reading) and
-[`kvlife.fsm.checker`][kvlife.fsm.checker] (replaying).
+This package's top level gathers the audit API; the parts are its modules
+[`records`][kvlife.fsm.audit.records] (what a log holds),
+[`sinks`][kvlife.fsm.audit.sinks] (where records go),
+[`guard`][kvlife.fsm.audit.guard] (what a registry does when a sink fails),
+[`reader`][kvlife.fsm.audit.reader] (reading),
+[`checker`][kvlife.fsm.audit.checker] (replaying),
+[`explain`][kvlife.fsm.audit.explain] (one rid's story, ``kvlife audit why``) and
+[`metrics`][kvlife.fsm.audit.metrics] (Prometheus counters; needs ``kvlife[metrics]`` and is
+imported only by name).
 
 A registry with no sink attached builds no record at all. With sinks attached, every
 accepted and every refused transition (and every registration) becomes one
-[`AuditRecord`][kvlife.fsm.records.AuditRecord], handed to each sink in ``seq`` order, after
+[`AuditRecord`][kvlife.fsm.audit.records.AuditRecord], handed to each sink in ``seq`` order, after
 the transition was applied whole; a failing sink never changes what the registry does.
 """
 
 from __future__ import annotations
 
-from kvlife.fsm.checker import (
+from kvlife.fsm.audit.checker import (
     MAX_REUSES,
     MAX_VIOLATIONS,
     VIOLATION_MEANINGS,
@@ -31,7 +34,8 @@ from kvlife.fsm.checker import (
     fed,
     violations_by_record,
 )
-from kvlife.fsm.reader import (
+from kvlife.fsm.audit.guard import SinkStatistics
+from kvlife.fsm.audit.reader import (
     MAX_PROBLEMS,
     AuditFormatError,
     AuditLog,
@@ -44,7 +48,7 @@ from kvlife.fsm.reader import (
     read_audit,
     segment_records,
 )
-from kvlife.fsm.records import (
+from kvlife.fsm.audit.records import (
     RECORD_FIELDS,
     REGISTER,
     SCHEMA_VERSION,
@@ -58,8 +62,7 @@ from kvlife.fsm.records import (
     make_header,
     record_from_dict,
 )
-from kvlife.fsm.sink_guard import SinkStatistics
-from kvlife.fsm.sinks import (
+from kvlife.fsm.audit.sinks import (
     AuditSinkClosedError,
     AuditSinkError,
     FsyncPolicy,

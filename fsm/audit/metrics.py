@@ -1,7 +1,7 @@
 """Prometheus metrics for a running server (the ``metrics`` extra: ``pip install
 'kvlife[metrics]'``, which brings ``prometheus_client``).
 
-[`PrometheusMetrics`][kvlife.fsm.metrics.PrometheusMetrics] is an audit sink and a
+[`PrometheusMetrics`][kvlife.fsm.audit.metrics.PrometheusMetrics] is an audit sink and a
 Prometheus collector at once. As a sink it keeps plain counters on the registry's thread
 (transitions per trigger, copy latency and time in ``finished_pending`` as histograms:
 a dict increment and a bisect per record, no lock). As a collector, registered in the
@@ -40,7 +40,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
-from kvlife.fsm.records import REGISTER, AuditRecord, LostRecords
+from kvlife.fsm.audit.records import REGISTER, AuditRecord, LostRecords
 from kvlife.fsm.table import State, Trigger
 
 if TYPE_CHECKING:
@@ -217,3 +217,6 @@ class PrometheusMetrics:
 
     def __repr__(self) -> str:
         return f"<PrometheusMetrics {self._ns}>"
+
+
+__all__ = ["DEFAULT_BUCKETS", "PrometheusMetrics"]
