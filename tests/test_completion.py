@@ -155,6 +155,7 @@ def test_cuda_host_callbacks_signal_each_copy_after_it_ran() -> None:
     assert callbacks is not None
     queue = CompletionQueue()
     delivered: list[int] = []
+    assert len(engine.copy_streams) == 1
     with StreamGate(engine.copy_streams[0]) as gate:  # every copy queues behind it
         for i in range(32):
             pages = host.alloc(1)

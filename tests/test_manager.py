@@ -315,7 +315,8 @@ def test_cuda_slots_wait_for_a_delayed_copy() -> None:
     req = Req("a")
     lc = engine.admit(req)
     engine.decode(req, 8)
-    with StreamGate(engine.copier.copy_streams[0]) as gate:
+    assert len(engine.copier.copy_streams) == 1
+    with StreamGate(engine.copier.copy_streams[0]) as gate:  # the copy queues behind it
         engine.manager.step(req)
         engine.manager.finish(req)
         assert engine.manager.poll() == 0
