@@ -328,8 +328,8 @@ class LifecycleRegistry:
 
     Args:
         sinks: audit sinks (objects with a ``write(record)`` method, see
-            [`kvlife.fsm.audit.sinks`][kvlife.fsm.audit.sinks]). With none, no audit record is
-            built.
+            [`kvlife.fsm.audit.sinks`][kvlife.fsm.audit.sinks]). With none, no audit record
+            is built.
         sink_backlog: most records kept per failing sink for a retry; older ones are
             dropped and marked as lost in the log.
         sink_retry_s: least time between two retries of a failing sink on the write path

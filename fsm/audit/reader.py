@@ -11,9 +11,8 @@ most [`MAX_PROBLEMS`][kvlife.fsm.audit.reader.MAX_PROBLEMS] problem reports.
 Crash tolerance: a torn last line (a crash mid-write) is skipped and its size reported in
 ``torn_tail``; a complete line in the middle that is not a valid record is reported in
 ``problems`` (never joined with a neighbour) and skipped. A file whose first line is not
-a kvlife header is refused with [`AuditFormatError`][kvlife.fsm.audit.reader.AuditFormatError]: it
-is not
-an audit log.
+a kvlife header is refused with
+[`AuditFormatError`][kvlife.fsm.audit.reader.AuditFormatError]: it is not an audit log.
 
 [`read_audit()`][kvlife.fsm.audit.reader.read_audit] reads a whole log into an
 [`AuditLog`][kvlife.fsm.audit.reader.AuditLog] in memory, for small logs and tests; tools that may
@@ -138,9 +137,8 @@ class AuditReader:
             [`audit_files()`][kvlife.fsm.audit.reader.audit_files]) or a sequence of paths read in
             the given order.
         rotated: take ``PATH``'s rotated backups too (only for a single path).
-        strict: raise [`AuditFormatError`][kvlife.fsm.audit.reader.AuditFormatError] at the first
-            problem
-            instead of reporting it (torn tails are not problems).
+        strict: raise [`AuditFormatError`][kvlife.fsm.audit.reader.AuditFormatError] at the
+            first problem instead of reporting it (torn tails are not problems).
         progress: called as ``progress(bytes_read, total_bytes)`` about every 4 MiB.
 
     After (or during) iteration: ``torn_tail`` (bytes skipped after the last newline of each

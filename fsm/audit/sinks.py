@@ -7,10 +7,9 @@ not taken: the registry keeps it in a bounded backlog and offers it again (see
 [`kvlife.fsm.audit.guard`][kvlife.fsm.audit.guard]). A sink never takes a record half.
 
 * [`MemorySink`][kvlife.fsm.audit.sinks.MemorySink] -- an in-memory ring of the newest records.
-* [`JsonLinesSink`][kvlife.fsm.audit.sinks.JsonLinesSink] -- a JSON-lines file: header per segment,
-  fsync
-  policy, owner-only permissions, size-based rotation, flushed at interpreter exit and when
-  collected, never a partial line in the middle of the file.
+* [`JsonLinesSink`][kvlife.fsm.audit.sinks.JsonLinesSink] -- a JSON-lines file: header per
+  segment, fsync policy, owner-only permissions, size-based rotation, flushed at interpreter
+  exit and when collected, never a partial line in the middle of the file.
 * [`LoggingSink`][kvlife.fsm.audit.sinks.LoggingSink] -- one stdlib ``logging`` call per record.
 """
 
@@ -343,11 +342,9 @@ class JsonLinesSink:
 
     Errors: a write that fails (disk full, file size limit, I/O error) raises
     [`AuditSinkError`][kvlife.fsm.audit.sinks.AuditSinkError] or ``OSError`` and leaves the file
-    ending at
-    a complete line;
-    the record given to that `write()` was not taken (the registry keeps it and offers
-    it again) and records buffered before it stay buffered. `write()` after
-    [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] raises
+    ending at a complete line; the record given to that `write()` was not taken (the
+    registry keeps it and offers it again) and records buffered before it stay buffered.
+    `write()` after [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] raises
     [`AuditSinkClosedError`][kvlife.fsm.audit.sinks.AuditSinkClosedError].
     """
 
@@ -507,9 +504,8 @@ class JsonLinesSink:
         """Flush and close the file. Closing twice is harmless.
 
         Raises ``OSError`` when the final write fails; the sink then stays open with its
-        records buffered, so a later [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] can
-        still
-        write them.
+        records buffered, so a later [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close]
+        can still write them.
         """
         self._stop.set()
         self._file.close()
