@@ -15,6 +15,7 @@ stream is never stuck behind a Python thread that waits for that same stream.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,12 +33,8 @@ class HostCallbackError(RuntimeError):
     """The CUDA runtime could not be found or refused a host function."""
 
 
-def cuda_runtime() -> ctypes.CDLL:
-    """The CUDA runtime library PyTorch has loaded into this process.
-
-    Raises:
-        HostCallbackError: it is not loaded and none could be found.
-    """
+def _cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime library PyTorch has loaded into this process."""
     torch.cuda.init()
     for line in Path("/proc/self/maps").read_text().splitlines():
         path = line.split()[-1] if line.split() else ""
@@ -51,14 +48,34 @@ def cuda_runtime() -> ctypes.CDLL:
     raise HostCallbackError("libcudart is not loaded and could not be found")
 
 
+@functools.cache
+def _launcher() -> Any:
+    """``cudaLaunchHostFunc`` of that runtime, typed once."""
+    launch = _cuda_runtime().cudaLaunchHostFunc
+    launch.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    return launch
+
+
+def launch_host_function(stream: torch.cuda.Stream, fn: Any, data: int | None = None) -> None:
+    """Queue ``fn`` (a ``HOST_FN``; the caller keeps it alive until it ran) on ``stream``:
+    CUDA calls ``fn(data)`` on a driver thread once the work queued before it is done,
+    and the stream's later work waits until it returns.
+
+    Raises:
+        HostCallbackError: the CUDA runtime could not be found, or refused the function
+            (nothing was queued).
+    """
+    status = _launcher()(ctypes.c_void_p(stream.cuda_stream), fn, ctypes.c_void_p(data))
+    if status != 0:
+        raise HostCallbackError(f"cudaLaunchHostFunc failed with CUDA error {status}")
+
+
 class HostCallbacks:
     """Launch a host function after the work queued on a stream so far, per job."""
 
     def __init__(self) -> None:
-        lib = cuda_runtime()
-        self._launch = lib.cudaLaunchHostFunc
-        self._launch.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
-        self._launch.restype = ctypes.c_int
+        _launcher()  # no runtime: HostCallbackError now, not at the first copy
         self._jobs: dict[int, CopyJob] = {}  # key -> job waiting for its host function
         self._lock = threading.Lock()
         self._next = 1
@@ -84,12 +101,13 @@ class HostCallbacks:
             self._next += 1
             self._jobs[key] = job
         job.signalled = False
-        status = self._launch(ctypes.c_void_p(stream.cuda_stream), self._fn, ctypes.c_void_p(key))
-        if status != 0:
+        try:
+            launch_host_function(stream, self._fn, key)
+        except HostCallbackError:
             with self._lock:
                 self._jobs.pop(key, None)
             job.signalled = None
-            raise HostCallbackError(f"cudaLaunchHostFunc failed with CUDA error {status}")
+            raise
 
     @property
     def waiting(self) -> int:

@@ -3,13 +3,12 @@ waits until ``open()``, however long the test takes, instead of racing a timed s
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from types import TracebackType
 
 import torch
 
-from kvlife.offload.host_callback import HOST_FN, HostCallbackError, cuda_runtime
+from kvlife.offload.host_callback import HOST_FN, launch_host_function
 
 
 class StreamGate:
@@ -23,12 +22,7 @@ class StreamGate:
         self.timed_out = False
         self.passed = threading.Event()  # set once the stream went through the gate
         self._fn = HOST_FN(self._wait)  # kept alive until the host function ran
-        launch = cuda_runtime().cudaLaunchHostFunc
-        launch.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
-        launch.restype = ctypes.c_int
-        status = launch(ctypes.c_void_p(stream.cuda_stream), self._fn, None)
-        if status != 0:
-            raise HostCallbackError(f"cudaLaunchHostFunc failed with CUDA error {status}")
+        launch_host_function(stream, self._fn)
 
     def _wait(self, _data: object) -> None:
         self.timed_out = not self._opened.wait(self.timeout_s)
