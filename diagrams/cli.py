@@ -215,10 +215,9 @@ def _digest(text: str) -> str:
     return text
 
 
-def _segment(text: str) -> int | str:
-    """An argparse ``type``: a segment's index (0, 1, ...) or its id (from its header)."""
-    if text.isdigit():
-        return int(text)
+def _segment(text: str) -> str:
+    """An argparse ``type``: a segment's index (0, 1, ...) or its id (from its header),
+    told apart by ``_segment_index`` once the log is read (an id can be all digits)."""
     if not re.fullmatch(r"[0-9a-f]+", text):
         raise argparse.ArgumentTypeError(
             f"expected a segment index (0, 1, ...) or a segment id (hex), got {text!r}"
@@ -407,7 +406,8 @@ def _say_verdict(
 
 
 def _segment_index(path: str, segment: int | str) -> int:
-    """The index of the segment named by ``--segment`` (an index, or an id from a header)."""
+    """The index of the segment named by ``--segment``: the segment with that id, else
+    (digits) the segment with that index."""
     if isinstance(segment, int):
         return segment
     ids: list[str] = []
@@ -423,6 +423,8 @@ def _segment_index(path: str, segment: int | str) -> int:
     index = _reading(path, find)
     if index is not None:
         return index
+    if segment.isdigit():
+        return int(segment)
     raise UsageError(
         f"kvlife audit why: {path} has no segment {segment!r}; its segments: "
         + ", ".join(f"{i}={sid}" for i, sid in enumerate(ids))

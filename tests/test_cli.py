@@ -10,13 +10,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvlife.diagrams.audit_bench import write_workload
 from kvlife.diagrams.cli import main
-from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry, MemorySink
 from kvlife.fsm._version import __version__
+from kvlife.fsm.audit import encode_lines, make_header
 from kvlife.offload.bench import token_count
 from tests.strategies import Req
 from tests.violations import EDITS, clean_log, edited_log, reuse_log
@@ -667,6 +669,22 @@ def test_why_takes_a_segment_by_its_id_or_its_index(
     assert f"has no segment 'abc123'; its segments: 0={ids[0]}, 1={ids[1]}" in err
     assert main(["audit", "why", str(log), "--serial", "0", "--segment", "one"]) == 2
     assert "expected a segment index (0, 1, ...) or a segment id" in capsys.readouterr().err
+
+
+def test_a_segment_id_of_digits_only_is_taken_as_the_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "digits.jsonl"
+    items: list[Any] = []
+    for segment, rid in (("1", "first"), ("0", "second")):  # ids that read as indexes
+        memory = MemorySink()
+        registry = LifecycleRegistry(sinks=[memory])
+        registry.finish(registry.register(Req(rid)))
+        items += [make_header(segment), *memory.records()]
+    log.write_bytes(encode_lines(items))
+    for segment, rid in (("1", "first"), ("0", "second")):
+        assert main(["audit", "why", str(log), "--serial", "0", "--segment", segment]) == 0
+        assert f"rid {rid!r} lifecycle #0" in capsys.readouterr().out
 
 
 def test_accept_table_takes_only_a_digest(
