@@ -19,8 +19,9 @@ host page is one contiguous block: a request's pages can be copied in large runs
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -199,3 +200,74 @@ class KVLayout:
                 for kv in range(2)
             ]
         return [t.reshape(self.slots, self.elems) for t in tensors]
+
+
+def block_views(
+    caches: Mapping[str, torch.Tensor], num_blocks: int, order: tuple[int, ...] | None = None
+) -> list[torch.Tensor]:
+    """A block-paged engine's per-layer KV caches as one ``[num_blocks, *block]`` view per
+    component (a layer, or a layer's K and V when they are split), without copying: the
+    components of a ``"blocks"`` layout.
+
+    Each tensor is either a 4-D ``[B, H, N, C]`` view (blocks, heads, tokens, content: K
+    and V side by side or interleaved in it) of some allocation, with any strides, or a
+    ``[2, B, ...]`` tensor (K/V split). ``B`` is ``num_blocks`` or a multiple of it
+    (kernel blocks that split one engine block: they become one more dimension). When the
+    engine declares the memory ``order`` of its 4-D views (outermost dimension first), the
+    strides must follow it. Each view's block interior is permuted into memory order, so a
+    contiguous block is copied as the bytes the engine holds.
+
+    Raises:
+        LayoutError: no tensors; a tensor whose block dimension cannot be found; strides
+            that are not the declared order's; or layers that differ in block shape or
+            dtype, or sit on several devices. The message names the layer, its shape and
+            strides. Nothing was built.
+    """
+    if not caches:
+        raise LayoutError("the engine registered no KV cache tensors")
+    views: list[torch.Tensor] = []
+    for name, tensor in caches.items():
+        where = f"layer {name!r}: shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}"
+        if tensor.dim() == 4:
+            if order is not None and not _strides_follow(tensor, order):
+                raise LayoutError(f"{where} do not follow the declared memory order {order}")
+            parts = [tensor]
+        elif tensor.dim() == 5 and tensor.shape[0] == 2:
+            parts = [tensor[0], tensor[1]]  # K/V split: [2, B, ...]
+        else:
+            raise LayoutError(
+                "kvlife takes per-layer block caches [blocks, heads, tokens, content] "
+                f"(any strides) or [2, blocks, ...] (K/V split); {where}"
+            )
+        for whole in parts:
+            blocks = whole.shape[0]
+            if blocks % num_blocks:
+                raise LayoutError(
+                    f"{where}: {blocks} blocks is not a multiple of the engine's {num_blocks}"
+                )
+            part = whole  # kernel blocks: one engine block is `ratio` of them
+            if blocks != num_blocks:
+                part = whole.unflatten(0, (num_blocks, blocks // num_blocks))
+            inner = sorted(range(1, part.dim()), key=lambda d: -part.stride()[d])
+            views.append(part.permute(0, *inner))
+    first = views[0]
+    for name, view in zip(caches, views, strict=False):
+        if view.shape[1:] != first.shape[1:] or view.dtype != first.dtype:
+            raise LayoutError(
+                f"kvlife needs one block shape and dtype for every layer; layer {name!r} "
+                f"has {tuple(view.shape[1:])} {view.dtype}, the first "
+                f"{tuple(first.shape[1:])} {first.dtype} (several KV cache groups, as "
+                "hybrid models have, are not supported)"
+            )
+    devices = {view.device for view in views}
+    if len(devices) != 1:
+        raise LayoutError(f"KV caches are on several devices: {sorted(map(str, devices))}")
+    return views
+
+
+def _strides_follow(tensor: torch.Tensor, order: tuple[int, ...]) -> bool:
+    """Whether ``tensor``'s strides put its dimensions in memory ``order`` (outermost
+    first), ignoring dimensions of size 1, whose stride says nothing."""
+    sized = [d for d in order if tensor.shape[d] > 1]
+    strides = [tensor.stride(d) for d in sized]
+    return all(a >= b for a, b in itertools.pairwise(strides))

@@ -101,6 +101,14 @@ class HostPrefixCache:
         self.stats.hits += len(pages)
         return pages
 
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """Make the cached pages of ``keys`` the most recently used (they are needed
+        again), in the order given; keys not cached, or pinned, are passed over."""
+        lru = self._lru
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+
     def pin(self, pages: Sequence[int]) -> None:
         """Mark ``pages`` as read by one more load each (they move out of the eviction
         order) and as the most recently used.

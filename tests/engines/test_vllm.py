@@ -61,19 +61,19 @@ def test_a_finished_requests_blocks_are_fenced_until_its_stores_are_over(tmp_pat
     free_at_start = _free_blocks(engine)
     request = make_request("a", prompt=40, max_tokens=2)
     store = engine.prefill_holding_its_store(request)  # 40 tokens: two full blocks
-    assert len(store.block_ids) == 2
+    assert len(store.slots) == 2
     engine.step()  # the last token: finished with the store in flight
     lc = engine.connector.registry.lifecycles()[0]
     assert request.is_finished() and lc.state is State.FINISHED_PENDING
     # vLLM has the blocks and the id back at once; kvlife fences the blocks instead
     assert "a" not in engine.scheduler.requests and _free_blocks(engine) == free_at_start
-    assert set(engine.connector._scheduler.fenced) == set(store.block_ids)
+    assert set(engine.connector.planner.fenced) == set(store.slots)
     engine.scheduler.add_request(make_request("c", prompt=40, max_tokens=2, first=3000))
     out = engine.step()  # c is given a's blocks: the workers finish a's store first
-    assert out.kv_connector_metadata.wait_jobs == {store.job_id}
-    assert not engine.connector._scheduler.fenced
+    assert out.kv_connector_metadata.wait_jobs == {store.op}
+    assert not engine.connector.planner.fenced
     engine.hold_all = False
-    engine.step(release=[store.job_id])  # the copy is over: the lifecycle is released
+    engine.step(release=[store.op])  # the copy is over: the lifecycle is released
     assert lc.state is State.RELEASED
     engine.run_until_idle()
     engine.connector.registry.flush()
@@ -94,17 +94,17 @@ def test_the_id_reuse_race_is_harmless_with_kvlife(tmp_path: Any) -> None:
     assert new_lc is not old_lc and old_lc.state is State.FINISHED_PENDING
     before = (new_lc.state, new_lc.inflight, new_lc.copies_started)
     engine.hold_all = False
-    engine.step(release=[store.job_id])  # the old copy lands: the old lifecycle alone
+    engine.step(release=[store.op])  # the old copy lands: the old lifecycle alone
     assert old_lc.state is State.RELEASED
     assert (new_lc.state, new_lc.inflight, new_lc.copies_started) == before
-    engine.step(release=[store.job_id])  # the old job's completion, late and again
-    engine.step(release=[store.job_id])
+    engine.step(release=[store.op])  # the old job's completion, late and again
+    engine.step(release=[store.op])
     stats = engine.connector.registry.statistics()
     assert stats.refusals["stale_instance"] == 2
     engine.connector.registry.flush()
     refused = [r for r in read_audit(audit).records if not r.ok]
     assert [(r.trigger, r.reason, r.serial, r.op) for r in refused] == [
-        ("ack", "stale_instance", 0, store.job_id)
+        ("ack", "stale_instance", 0, store.op)
     ] * 2  # each late delivery named the old lifecycle and its copy
 
 
@@ -115,11 +115,13 @@ def test_an_abort_with_a_store_in_flight_releases_after_the_copy() -> None:
     lc = engine.connector.registry.lifecycles()[0]
     assert lc.state is State.FINISHED_PENDING and lc.outcome == "aborted"
     assert "a" not in engine.scheduler.requests  # vLLM freed it; its blocks are fenced
-    assert engine.connector.free_host_pages < 64  # the copy still writes its pages
+    assert engine.connector.account().storing == 2  # the copy still writes its pages
     engine.hold_all = False
-    engine.step(release=[store.job_id])
+    engine.step(release=[store.op])
     assert lc.state is State.RELEASED
-    assert engine.connector.free_host_pages == 64  # every host page back
+    # the whole copy of its two full blocks is named by their hashes: cached, not lost
+    account = engine.connector.account()
+    assert (account.free, account.cached, account.storing, account.pinned) == (62, 2, 0, 0)
 
 
 def test_a_failed_store_is_a_fail_and_gives_its_pages_back() -> None:
@@ -140,9 +142,9 @@ def test_every_worker_must_report_a_store() -> None:
     store = engine.prefill_holding_its_store(make_request("a", max_tokens=3))
     engine.hold_all = False
     lc = engine.connector.registry.lifecycles()[0]
-    engine.step(release=[store.job_id])  # one worker
+    engine.step(release=[store.op])  # one worker
     assert lc.inflight == 1
-    engine.step(release=[store.job_id])  # the other, a step later
+    engine.step(release=[store.op])  # the other, a step later
     assert lc.inflight == 0
 
 
@@ -159,11 +161,7 @@ def test_a_preemption_names_the_stores_that_read_its_blocks(tmp_path: Any) -> No
             break
     assert out.preempted_req_ids == {"b"}
     meta = out.kv_connector_metadata
-    in_flight_of_b = {
-        job_id
-        for job_id, job in engine.connector._scheduler.jobs.items()
-        if job.ticket.lifecycle.rid == "b"
-    }
+    in_flight_of_b = set(engine.connector.planner.inflight_of(engine.connector.registry.live("b")))
     assert in_flight_of_b and meta.wait_jobs == in_flight_of_b
     engine.hold_all = False
     engine.step(release=list(engine.held))  # every copy lands
@@ -190,24 +188,24 @@ def _cached_prefix(engine: Engine, prompt: int = 48) -> Any:
 def test_a_finished_requests_blocks_are_loaded_back_for_the_same_prefix() -> None:
     engine = Engine()
     stores = _cached_prefix(engine)
-    assert sum(len(s.block_ids) for s in stores) == 3  # 50 tokens: three full blocks
+    assert sum(len(s.slots) for s in stores) == 3  # 50 tokens: three full blocks
     b = make_request("b", prompt=48, max_tokens=2)  # the same 48 prompt tokens
     engine.scheduler.add_request(b)
     out = engine.step()  # a hit of two blocks (vLLM computes the 48th token itself)
     (load,) = out.kv_connector_metadata.loads
-    assert load.req_id == "b" and len(load.block_ids) == 2
     lc = engine.connector.registry.lifecycle(b)
-    # the load is a copy on b's own lifecycle, scheduled with b in the same step (so is
-    # the store of its third block, which b computes itself)
-    assert lc.copies_started == 2
-    loaded = [engine.device_block(block).clone() for block in load.block_ids]
-    stored = {p: engine.expected[s.job_id][i] for s in stores for i, p in enumerate(s.pages)}
+    assert load.first == 0 and len(load.slots) == 2
+    # the load is a copy on b's own lifecycle, scheduled with b in the same step; its
+    # third block, which b computes itself, is not stored: the host cache holds a's
+    assert lc.copies_started == 1 and out.kv_connector_metadata.stores == []
+    loaded = [engine.device_block(block).clone() for block in load.slots]
+    stored = {p: engine.expected[s.op][i] for s in stores for i, p in enumerate(s.pages)}
     for page, block in zip(load.pages, loaded, strict=True):  # a's bytes, now b's blocks
         assert torch.equal(engine.host_block(page), block)
         assert torch.equal(block, stored[page])
     engine.run_until_idle()
     assert b.num_computed_tokens >= 48 and lc.state is State.RELEASED
-    assert not engine.connector._scheduler.cache.pinned  # nothing pinned once loads are over
+    assert not engine.connector.planner.cache.pinned  # nothing pinned once loads are over
 
 
 def test_a_different_prompt_is_a_miss() -> None:
@@ -229,9 +227,9 @@ def test_an_abort_while_loading_releases_only_after_the_load() -> None:
     lc = engine.connector.registry.lifecycle(b)
     engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     assert lc.state is State.FINISHED_PENDING and "b" not in engine.scheduler.requests
-    assert engine.connector._scheduler.cache.pinned  # the pages it reads cannot be evicted
+    assert engine.connector.planner.cache.pinned  # the pages it reads cannot be evicted
     engine.run_until_idle()  # the late load completion: b alone is released, then freed
-    assert lc.state is State.RELEASED and not engine.connector._scheduler.cache.pinned
+    assert lc.state is State.RELEASED and not engine.connector.planner.cache.pinned
     assert not engine.scheduler.requests
 
 
@@ -242,18 +240,18 @@ def test_a_page_being_loaded_is_never_evicted_and_an_evicted_page_is_a_miss() ->
     engine.scheduler.add_request(b)
     engine.hold_all = True
     engine.step()  # b's load pins two pages
-    sched = engine.connector._scheduler
+    sched = engine.connector.planner
     pinned = sched.cache.pinned
     engine.scheduler.add_request(make_request("d", prompt=48, max_tokens=40, first=7000))
     engine.step()  # d wants three pages: one free and one evictable are not enough
-    assert sched.counts["skipped_stores"] >= 1 and sched.cache.pinned == pinned
+    assert sched.counters()["skipped_stores"] >= 1 and sched.cache.pinned == pinned
     assert len(sched.cache) == 3  # the pinned pages are still cached
     engine.run_until_idle()  # now d's stores evict what no load reads
     engine.scheduler.reset_prefix_cache()
     e = make_request("e", prompt=48, max_tokens=2)
     engine.scheduler.add_request(e)
     out = engine.step()
-    hit = sum(len(load.block_ids) for load in out.kv_connector_metadata.loads)
+    hit = sum(len(load.slots) for load in out.kv_connector_metadata.loads)
     assert hit < 2  # a's first blocks were evicted for d's: a miss from there on
 
 
@@ -281,9 +279,8 @@ from kvlife.offload.engines.vllm import (  # noqa: E402
     KVLifeConnector,
     KVLifeConnectorMetadata,
     KVLifeConnectorStats,
-    LoadJob,
-    StoreJob,
 )
+from kvlife.offload.planner import LoadOrder, StoreOrder  # noqa: E402
 
 LAYOUT_BLOCKS, LAYOUT_LAYERS = 12, 3
 
@@ -334,7 +331,9 @@ def test_every_vllm_layout_stores_and_loads_blocks_byte_for_byte(layout: KVCache
     worker.register_kv_caches(caches)
     before = {name: view.clone() for name, view in caches.items()}
     stored, pages = [3, 7, 1], [0, 1, 2]
-    assert _run_jobs(worker, KVLifeConnectorMetadata(stores=[StoreJob(5, stored, pages)])) == {5: 1}
+    assert _run_jobs(
+        worker, KVLifeConnectorMetadata(stores=[StoreOrder(5, tuple(stored), tuple(pages), 0)])
+    ) == {5: 1}
     host = worker.host_pages.tensor
     for page, block in zip(pages, stored, strict=True):
         for layer, view in enumerate(caches.values()):
@@ -346,7 +345,7 @@ def test_every_vllm_layout_stores_and_loads_blocks_byte_for_byte(layout: KVCache
                 start = (view[block].data_ptr() - raw.data_ptr()) // view.element_size()
                 assert torch.equal(held, _bits(raw).view(-1)[start : start + held.numel()])
     targets = [9, 4, 10]  # loaded into other blocks, as vLLM allocates them for a hit
-    loads = [LoadJob(6, "r", targets, pages)]
+    loads = [LoadOrder(6, tuple(targets), tuple(pages), 0)]
     assert _run_jobs(worker, KVLifeConnectorMetadata(loads=loads)) == {6: 1}
     for name, view in caches.items():
         for source, target in zip(stored, targets, strict=True):
@@ -362,8 +361,8 @@ def test_kernel_blocks_that_split_a_vllm_block_are_copied_as_one_block() -> None
     worker = _worker(config, "LBHNC")
     worker.register_kv_caches(caches)
     before = {name: v.clone() for name, v in caches.items()}
-    _run_jobs(worker, KVLifeConnectorMetadata(stores=[StoreJob(1, [5], [0])]))
-    _run_jobs(worker, KVLifeConnectorMetadata(loads=[LoadJob(2, "r", [2], [0])]))
+    _run_jobs(worker, KVLifeConnectorMetadata(stores=[StoreOrder(1, (5,), (0,), 0)]))
+    _run_jobs(worker, KVLifeConnectorMetadata(loads=[LoadOrder(2, (2,), (0,), 0)]))
     for name, v in caches.items():  # vLLM block 5 is kernel blocks 10 and 11
         assert torch.equal(_bits(v[4:6]), _bits(before[name][10:12]))
 
@@ -379,13 +378,13 @@ def test_unsupported_caches_are_refused_at_registration_naming_them() -> None:
     with pytest.raises(LayoutError, match=r"one block shape.*model\.layers\.2\.attn"):
         worker.register_kv_caches(uneven)
     odd = {"layer": torch.zeros(LAYOUT_BLOCKS + 1, 2, 16, 16, dtype=torch.float16)}
-    with pytest.raises(LayoutError, match="13 blocks is not a multiple of vLLM's 12"):
+    with pytest.raises(LayoutError, match="13 blocks is not a multiple of the engine's 12"):
         worker.register_kv_caches(odd)
     with pytest.raises(LayoutError, match="no KV cache tensors"):
         worker.register_kv_caches({})
     # caches strided as LBNHC while vLLM says LBHNC: the block interior is not vLLM's
     other_config, other, _ = _vllm_caches(KVCacheLayout.LBNHC)
-    with pytest.raises(LayoutError, match="do not follow vLLM's LBHNC layout"):
+    with pytest.raises(LayoutError, match=r"LBHNC layout.*do not follow"):
         _worker(other_config, "LBHNC").register_kv_caches(other)
     with pytest.raises(RuntimeError, match="register_kv_caches"):
         _ = worker.host_pages  # nothing was built by the refused calls

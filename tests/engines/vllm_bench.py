@@ -66,7 +66,7 @@ def _new_jobs(config: str, out: Any) -> list[int]:
     if config == "vllm":
         return list(meta.store_jobs)
     if config.startswith("kvlife"):
-        return [store.job_id for store in meta.stores]
+        return [store.op for store in meta.stores]
     return []
 
 
@@ -124,9 +124,8 @@ def copy_speed(
     from kvlife.offload.engines.vllm import (  # noqa: PLC0415
         KVLifeConnector,
         KVLifeConnectorMetadata,
-        LoadJob,
-        StoreJob,
     )
+    from kvlife.offload.planner import LoadOrder, StoreOrder  # noqa: PLC0415
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     page = spec.page_size_bytes
@@ -150,8 +149,12 @@ def copy_speed(
                 target.copy_(source[:nbytes])
             else:
                 meta = KVLifeConnectorMetadata(
-                    stores=[StoreJob(r, block_ids, pages)] if kind == "store" else [],
-                    loads=[LoadJob(r, "r", block_ids, pages)] if kind == "load" else [],
+                    stores=[StoreOrder(r, tuple(block_ids), tuple(pages), 0)]
+                    if kind == "store"
+                    else [],
+                    loads=[LoadOrder(r, tuple(block_ids), tuple(pages), 0)]
+                    if kind == "load"
+                    else [],
                 )
                 worker.bind_connector_metadata(meta)
                 worker.start_load_kv(None)  # type: ignore[arg-type]

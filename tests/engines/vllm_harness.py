@@ -224,8 +224,8 @@ class Engine:
         self.worker.register_kv_caches(self.kv)
         self.held: dict[int, int] = {}  # job id -> 1 (done), held back
         self.hold_all = False
-        self.stores: list[Any] = []  # every StoreJob the scheduler sent
-        self.loads: list[Any] = []  # every LoadJob the scheduler sent
+        self.stores: list[Any] = []  # every StoreOrder the scheduler sent
+        self.loads: list[Any] = []  # every LoadOrder the scheduler sent
         self.fail: set[int] = set()  # job ids the worker reports failed
         self.expected: dict[int, list[torch.Tensor]] = {}  # job id -> device blocks at launch
 
@@ -251,7 +251,7 @@ class Engine:
         self.worker.start_load_kv(None)  # before the forward pass, as the model runner does
         self._forward(out)
         for store in meta.stores:  # what each store must copy, as the device holds it now
-            self.expected[store.job_id] = [self.device_block(b).clone() for b in store.block_ids]
+            self.expected[store.op] = [self.device_block(b).clone() for b in store.slots]
         self.worker.handle_preemptions(meta)
         self.worker.wait_for_save()
         # CPU copies run at launch: each store's host pages hold its blocks now, before
@@ -298,8 +298,8 @@ class Engine:
     def assert_host_copies_exact(self, stores: Iterable[Any]) -> None:
         """Each store's host pages hold exactly the device blocks it was given."""
         for store in stores:
-            for page, block in zip(store.pages, self.expected[store.job_id], strict=True):
-                assert torch.equal(self.host_block(page), block), (store.job_id, page)
+            for page, block in zip(store.pages, self.expected[store.op], strict=True):
+                assert torch.equal(self.host_block(page), block), (store.op, page)
 
     def host_block(self, page: int) -> torch.Tensor:
         """Host page ``page`` as the worker holds it: [components, BLOCK, elems]."""

@@ -1,0 +1,236 @@
+"""``KVLifeConnector``: vLLM's connector interface, every call delegated to the scheduler
+side ([`SchedulerSide`][kvlife.offload.engines.vllm.scheduler.SchedulerSide]) or the
+worker side ([`WorkerSide`][kvlife.offload.engines.vllm.worker.WorkerSide])."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvlife.fsm import LifecycleRegistry
+from kvlife.fsm import __version__ as KVLIFE_VERSION
+from kvlife.offload.engines.vllm.config import (
+    TESTED_VLLM,
+    ConnectorConfig,
+    audit_path,
+    block_bytes,
+)
+from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata
+from kvlife.offload.engines.vllm.scheduler import SchedulerSide
+from kvlife.offload.engines.vllm.stats import KVLifeConnectorStats
+from kvlife.offload.engines.vllm.worker import WorkerSide, resolved_layout
+from kvlife.offload.host_pool import HostPagePool
+from kvlife.offload.layout import LayoutError
+from kvlife.offload.planner import OffloadPlanner, PageAccount
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# A child of vLLM's logger: kvlife's lines appear in vLLM's own log, formatted as its own.
+logger = logging.getLogger("vllm.kvlife")
+
+
+class KVLifeConnector(KVConnectorBase_V1):
+    """The vLLM KV connector; ``kv_connector_extra_config`` is a
+    [`ConnectorConfig`][kvlife.offload.engines.vllm.ConnectorConfig].
+
+    Raises (at construction, so the engine does not start): ``ValueError`` for an
+    unknown extra-config key or a bad value, naming it.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
+        version = str(getattr(vllm, "__version__", "unknown"))
+        if not version.startswith(TESTED_VLLM):
+            logger.warning(
+                "kvlife: vLLM %s is not a version kvlife's connector was tested on (%s)",
+                version,
+                ", ".join(f"{v}x" for v in TESTED_VLLM),
+            )
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            raise LayoutError(
+                f"kvlife's vLLM connector copies one KV cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model): not supported"
+            )
+        pages = config.pages(block_bytes(kv_cache_config))
+        self.config = config
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            audit = config.audit_log and audit_path(config.audit_log, vllm_config)
+            self._scheduler = SchedulerSide(
+                pages=pages,
+                block_size=vllm_config.cache_config.block_size,
+                workers=vllm_config.parallel_config.world_size,
+                config=config,
+                audit_log=audit,
+            )
+            logger.info(
+                "kvlife %s connector active (vLLM %s): host cache %d blocks, audit log %s",
+                KVLIFE_VERSION,
+                version,
+                pages,
+                audit or "off",
+            )
+        else:
+            self._worker = WorkerSide(
+                pages=pages,
+                num_blocks=kv_cache_config.num_blocks,
+                layout=resolved_layout(vllm_config),
+            )
+
+    @property
+    def registry(self) -> LifecycleRegistry:
+        """The scheduler side's lifecycle registry (statistics, audit sinks, hooks)."""
+        return self._scheduler_side().registry
+
+    @property
+    def planner(self) -> OffloadPlanner:
+        """The scheduler side's offload planner (orders in flight, fences, host cache)."""
+        return self._scheduler_side().planner
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The scheduler side's counters since start (the keys of
+        [`COUNTERS`][kvlife.offload.planner.COUNTERS]; vLLM's metrics get their growth
+        per interval)."""
+        return self._scheduler_side().planner.counters()
+
+    def account(self) -> PageAccount:
+        """Where every host page is now: free, cached, pinned by loads, written by stores
+        in flight (they sum to the capacity); also in the stats vLLM logs."""
+        return self._scheduler_side().planner.account()
+
+    @property
+    def free_host_pages(self) -> int:
+        """Host pages no one holds now (cached pages are not counted: a store may evict
+        them)."""
+        return self.account().free
+
+    @property
+    def host_pages(self) -> HostPagePool:
+        """The worker side's host page pool (after ``register_kv_caches``)."""
+        return self._worker_side().host
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on a worker-side connector")
+        return self._scheduler
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call on a scheduler-side connector")
+        return self._worker
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None  # any layout the attention backend picks: the block views adapt
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVLifeConnectorStats(data=dict(data)) if data else KVLifeConnectorStats()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is None:
+            return None  # the scheduler side counts everything
+        return self._scheduler.stats()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---------------------------------------------------------------- scheduler side
+    def on_new_request(self, request: Request) -> None:
+        side = self._scheduler_side()
+        side.on_new_request(request)
+        side.written()
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        blocks = self._scheduler_side().lookup(request, num_computed_tokens)
+        return blocks * self._scheduler_side().block_size, False  # loaded before the forward
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        side = self._scheduler_side()
+        side.load(request, blocks, num_external_tokens)
+        side.written()
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        side = self._scheduler_side()
+        meta = side.build_meta(scheduler_output)
+        side.written()
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        side = self._scheduler_side()
+        side.update_connector_output(connector_output)
+        side.written()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        side = self._scheduler_side()
+        delay = side.request_finished(request)
+        side.written()
+        return delay, None
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVLifeConnectorMetadata):
+            self._worker_side().wait_for(kv_connector_metadata.wait_jobs)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVLifeConnectorMetadata):
+            self._worker_side().load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # stores are launched once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVLifeConnectorMetadata):
+            self._worker_side().save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # no free is delayed and loads are synchronous: nothing by id
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_side().worker_meta()

@@ -1,0 +1,516 @@
+"""The scheduler half of kvlife's offload core: it plans copies and takes their reports.
+
+An engine that runs its scheduler and its copies in different processes (vLLM: an engine
+core and one worker per rank) splits kvlife's offload core along the same line. This half
+runs beside the scheduler and imports no torch. It holds:
+
+- the [`LifecycleRegistry`][kvlife.fsm.registry.LifecycleRegistry] (one lifecycle per
+  request object, one ticket per copy);
+- the host pages' account: a [`PageAllocator`][kvlife.offload.host_pool.PageAllocator] (the
+  pages the workers hold, by number) and a
+  [`HostPrefixCache`][kvlife.offload.prefix_cache.HostPrefixCache] of stored blocks named by
+  their hashes;
+- each lifecycle's progress (the device blocks its request holds, how many of them are on
+  the host or being copied there, its copies in flight);
+- the orders in flight and how many workers reported each (a copy is over when every
+  worker reported it, as tensor parallelism needs);
+- the fences: device blocks of finished requests that a store still reads.
+
+It plans copies as orders ([`StoreOrder`][kvlife.offload.planner.StoreOrder],
+[`LoadOrder`][kvlife.offload.planner.LoadOrder]) that name the lifecycle's copy number (its
+ticket's ``op``), device blocks and host pages; the worker half copies them and reports
+each order's copy number back; [`report()`][kvlife.offload.planner.OffloadPlanner.report]
+delivers the ticket when every worker's report is in.
+
+A store copies only blocks the host cache does not hold: a block whose hash is cached is
+refreshed in the eviction order instead, and one that another order is storing right now
+is left to that order. A completed store's pages join the host cache at once (a block's
+hash names its content, whichever request computed it and however it ended); a failed
+store's pages are freed. Every page is in exactly one place of the account (free, cached,
+pinned by loads, or written by stores in flight), so
+[`account()`][kvlife.offload.planner.OffloadPlanner.account] sums to the capacity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
+from kvlife.fsm.table import LIFECYCLE, State, Trigger
+from kvlife.offload.host_pool import PageAllocator, page_runs
+from kvlife.offload.prefix_cache import HostPrefixCache
+
+MAX_REMEMBERED_ORDERS = 65536
+"""Orders over whose tickets are kept, so that a late or repeated report of one is
+delivered (and refused, counted and audited by the registry) rather than dropped."""
+
+
+class UnknownOrderError(KeyError):
+    """A report names a copy number this planner never ordered (or forgot: more than
+    [`MAX_REMEMBERED_ORDERS`][kvlife.offload.planner.MAX_REMEMBERED_ORDERS] ago). Nothing
+    changed."""
+
+    def __init__(self, op: int) -> None:
+        super().__init__(op)
+        self.op = op
+
+    def __str__(self) -> str:
+        return f"a report for copy {self.op}, which this planner never ordered"
+
+
+@dataclass(frozen=True)
+class StoreOrder:
+    """Copy device blocks into host pages: ``slots[i]`` into ``pages[i]``.
+
+    ``op`` is the copy number of the store's ticket (what the workers report back);
+    ``first`` is the index, among the request's blocks, of ``slots[0]`` (the order's
+    blocks are consecutive blocks of the request).
+    """
+
+    op: int
+    slots: tuple[int, ...]
+    pages: tuple[int, ...]
+    first: int
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """Copy host pages into device blocks: ``pages[i]`` into ``slots[i]``; ``op`` and
+    ``first`` as for [`StoreOrder`][kvlife.offload.planner.StoreOrder]."""
+
+    op: int
+    slots: tuple[int, ...]
+    pages: tuple[int, ...]
+    first: int
+
+
+@dataclass(frozen=True)
+class PageAccount:
+    """Where every host page is now. ``free + cached + pinned + storing == capacity``.
+
+    Attributes:
+        capacity: host pages in all.
+        free: pages no one holds.
+        cached: pages of the host cache that no load reads (evictable).
+        pinned: pages of the host cache that loads read now.
+        storing: pages that stores in flight write.
+    """
+
+    capacity: int
+    free: int
+    cached: int
+    pinned: int
+    storing: int
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the four places hold every page exactly once."""
+        return self.free + self.cached + self.pinned + self.storing == self.capacity
+
+
+COUNTERS = (
+    "stores",
+    "stored_blocks",
+    "store_failures",
+    "skipped_stores",
+    "held_blocks",
+    "loads",
+    "loaded_blocks",
+    "load_failures",
+    "hit_blocks",
+    "evictions",
+    "refusals",
+)
+"""The planner's counters since start, as
+[`counters()`][kvlife.offload.planner.OffloadPlanner.counters] names them: stores and loads
+over (and their blocks), failed ones, stores skipped for want of host pages, blocks a store
+did not copy because the host cache held them or another store was copying them, blocks
+offered to the engine from the host cache, cached pages evicted, and calls the registry
+refused (late or repeated reports, stale instances)."""
+
+
+@dataclass
+class _Order:
+    ticket: Ticket
+    slots: tuple[int, ...]
+    pages: tuple[int, ...]
+    hashes: tuple[Hashable, ...]  # one per page (stores); empty for loads
+    load: bool
+    reported: int = 0
+    failed: int = 0
+
+
+@dataclass
+class _Progress:
+    req: Any
+    slots: list[int] = field(default_factory=list)  # device blocks the request holds
+    covered: int = 0  # its first blocks that are on the host or being copied there
+    ops: set[int] = field(default_factory=set)  # its orders in flight
+    hit: tuple[int, list[int]] | None = None  # a lookup's (first block, pages)
+
+
+class OffloadPlanner:
+    """The scheduler half: plans stores and loads, takes the workers' reports.
+
+    Args:
+        pages: host pages the workers hold (one block of every layer each).
+        registry: the lifecycle registry (a new one if ``None``); the planner adds a
+            release hook to it.
+        reporters: workers that must report each order before it is over (the tensor
+            parallel world size).
+
+    Raises:
+        ValueError: ``pages`` or ``reporters`` is not a positive int.
+    """
+
+    def __init__(
+        self, pages: int, *, registry: LifecycleRegistry | None = None, reporters: int = 1
+    ) -> None:
+        if not isinstance(reporters, int) or isinstance(reporters, bool) or reporters <= 0:
+            raise ValueError(f"reporters must be a positive int, got {reporters!r}")
+        self.allocator = PageAllocator(pages)
+        self.cache = HostPrefixCache()
+        self.registry = registry if registry is not None else LifecycleRegistry()
+        self.reporters = reporters
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._progress: dict[int, _Progress] = {}  # by lifecycle serial
+        self._orders: dict[int, _Order] = {}  # in flight, by copy number
+        # Invariant: a hash is in _storing while exactly that order writes its page.
+        self._storing: dict[Hashable, int] = {}
+        self._storing_pages = 0
+        self._over: OrderedDict[int, Ticket] = OrderedDict()  # newest last
+        # device block of a finished request -> the stores in flight that read it
+        self._fences: dict[int, set[int]] = {}
+        self.registry.on_release(self._released)
+
+    # ------------------------------------------------------------------ requests
+
+    def admit(self, req: object, rid: str | None = None) -> Lifecycle:
+        """Register ``req`` (see
+        [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]);
+        its errors leave nothing registered."""
+        lc = self.registry.register(req, rid)
+        self._progress[lc.serial] = _Progress(req)
+        return lc
+
+    def find(self, req: object) -> Lifecycle | None:
+        """``req``'s live lifecycle here, or ``None`` (nothing counted or audited)."""
+        if req not in self.registry:
+            return None
+        return self.registry.lifecycle(req)
+
+    def slots(self, lc: Lifecycle) -> list[int]:
+        """The device blocks ``lc``'s request holds, as the engine told (a copy).
+
+        Raises:
+            KeyError: ``lc`` is not a live lifecycle of this planner.
+        """
+        return list(self._progress[lc.serial].slots)
+
+    def add_slots(self, lc: Lifecycle, slots: Iterable[int], *, fresh: bool = False) -> set[int]:
+        """The engine gave ``lc``'s request the device blocks ``slots`` (after those it
+        holds; ``fresh``: instead of them, as after a preemption). Returns the stores in
+        flight that still read any of those blocks for a finished request: the workers
+        must finish them before the blocks are written. Those blocks' fences are lifted.
+
+        Raises:
+            KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+        """
+        progress = self._progress[lc.serial]
+        slots = list(slots)
+        if fresh:
+            progress.slots = slots
+        else:
+            progress.slots += slots
+        return self.reused(slots)
+
+    def reused(self, slots: Iterable[int]) -> set[int]:
+        """The engine hands ``slots`` to a request: the stores in flight that read any of
+        them for a finished request (the workers finish them first); their fences go."""
+        fences = self._fences
+        if not fences:
+            return set()
+        wait: set[int] = set()
+        for slot in slots:
+            ops = fences.pop(slot, None)
+            if ops:
+                wait |= ops
+        return wait
+
+    def preempted(self, lc: Lifecycle) -> set[int]:
+        """``lc``'s request was preempted: the engine takes its device blocks back. Returns
+        its copies in flight (they read or write those blocks: the workers finish them
+        first); it holds no blocks until it resumes (``add_slots(..., fresh=True)``).
+
+        Raises:
+            KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+        """
+        progress = self._progress[lc.serial]
+        progress.slots = []
+        return set(progress.ops)
+
+    def end(self, lc: Lifecycle, *, aborted: bool = False) -> Lifecycle:
+        """``lc``'s request finished (or was aborted); the engine takes its device blocks
+        back now. Blocks that stores in flight still read are fenced (see ``add_slots``);
+        the lifecycle is released when its last copy is over.
+
+        Raises:
+            The errors of ``LifecycleRegistry.finish`` / ``abort``; nothing changed then.
+        """
+        progress = self._progress[lc.serial]
+        if aborted:
+            self.registry.abort(lc)
+        else:
+            self.registry.finish(lc)
+        progress.hit = None
+        if lc.state is State.FINISHED_PENDING:
+            for op in progress.ops:
+                order = self._orders[op]
+                if not order.load:
+                    for slot in order.slots:
+                        self._fences.setdefault(slot, set()).add(op)
+        return lc
+
+    # ------------------------------------------------------------------ stores
+
+    def store(
+        self, lc: Lifecycle, full: int, hashes: Sequence[Hashable], *, stride: int = 1
+    ) -> list[StoreOrder]:
+        """Plan the stores of ``lc``'s first ``full`` blocks (those whose KV is final once
+        the step ran) that are not on the host or being copied there, once ``stride`` of
+        them wait. ``hashes[i]`` names block ``i``'s content (a block without a hash yet
+        waits). A block the host cache holds is not copied (it becomes the most recently
+        used instead), nor one another order stores now. Returns one order per run of
+        consecutive blocks to copy; none when nothing waits, when the state refuses a
+        store, or when the host pages (free and evictable) are too few: then nothing
+        changed and the blocks are tried again at the next call.
+
+        Raises:
+            KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+        """
+        progress = self._progress[lc.serial]
+        first = progress.covered
+        full = min(full, len(progress.slots), len(hashes))
+        if full - first < stride or not LIFECYCLE.permits(lc.state, Trigger.START_OFFLOAD):
+            return []
+        cache, storing = self.cache, self._storing
+        new: list[int] = []
+        held: list[Hashable] = []
+        seen: set[Hashable] = set()
+        for index in range(first, full):
+            key = hashes[index]
+            if key in cache:
+                held.append(key)
+            elif key not in storing and key not in seen:
+                seen.add(key)
+                new.append(index)
+        pages = cache.take(self.allocator, len(new)) if new else ()
+        if pages is None:
+            self._counts["skipped_stores"] += 1
+            return []
+        cache.touch(held)
+        self._counts["held_blocks"] += full - first - len(new)
+        progress.covered = full
+        orders: list[StoreOrder] = []
+        taken = iter(pages)
+        for start, count in page_runs(new):
+            run_pages = tuple(next(taken) for _ in range(count))
+            orders.append(self._order_store(lc, progress, start, count, run_pages, hashes))
+        return orders
+
+    def _order_store(
+        self,
+        lc: Lifecycle,
+        progress: _Progress,
+        start: int,
+        count: int,
+        pages: tuple[int, ...],
+        hashes: Sequence[Hashable],
+    ) -> StoreOrder:
+        slots = tuple(progress.slots[start : start + count])
+        keys = tuple(hashes[start : start + count])
+        ticket = self.registry.start_offload(lc, blocks=count, first_block=start)
+        op = ticket.op
+        self._orders[op] = _Order(ticket, slots, pages, keys, load=False)
+        progress.ops.add(op)
+        for key in keys:
+            self._storing[key] = op
+        self._storing_pages += count
+        return StoreOrder(op, slots, pages, start)
+
+    # ------------------------------------------------------------------ loads
+
+    def lookup(self, lc: Lifecycle, first: int, hashes: Sequence[Hashable]) -> int:
+        """Blocks of ``lc``'s request from block ``first`` on that the host cache holds
+        (the longest cached run of ``hashes``); noted for ``load``. Counted as hit blocks.
+
+        Raises:
+            KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+        """
+        progress = self._progress[lc.serial]
+        pages = self.cache.lookup(hashes) if hashes else []
+        progress.hit = (first, pages)
+        self._counts["hit_blocks"] += len(pages)
+        return len(pages)
+
+    def load(self, lc: Lifecycle, count: int, blocks: Sequence[int]) -> LoadOrder | None:
+        """The engine took the first ``count`` blocks of the last ``lookup`` and allocated
+        device blocks for them: plan the load of their host pages into them (the pages
+        are pinned until it is over). ``blocks`` are all of the request's device blocks
+        from its first (those the engine's own prefix cache supplied included), so the
+        load writes ``blocks[first:first + count]``, ``first`` being the lookup's. ``None``
+        when ``count`` is 0 (the lookup's note is dropped then too).
+
+        Raises:
+            ValueError: ``count`` exceeds the lookup's blocks, or ``blocks`` ends before
+                them. Nothing changed.
+            The errors of ``LifecycleRegistry.start_offload``; nothing changed then.
+        """
+        progress = self._progress[lc.serial]
+        first, pages = progress.hit or (0, [])
+        slots = tuple(blocks[first : first + count])
+        if count > len(pages) or len(slots) < count:
+            raise ValueError(
+                f"a load of {count} blocks from block {first} for {lc!r}: the lookup found "
+                f"{len(pages)}, the request has {len(blocks)} device blocks"
+            )
+        progress.hit = None
+        if count == 0:
+            return None
+        taken = tuple(pages[:count])
+        ticket = self.registry.start_offload(lc, kind="load", blocks=count, first_block=first)
+        self.cache.pin(taken)
+        op = ticket.op
+        self._orders[op] = _Order(ticket, slots, taken, (), load=True)
+        progress.ops.add(op)
+        progress.covered = max(progress.covered, first + count)  # already on the host
+        return LoadOrder(op, slots, taken, first)
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, op: int, ok: bool = True, count: int = 1) -> bool:
+        """``count`` workers reported order ``op`` over (``ok``) or failed. When every
+        worker reported it, its ticket is delivered (failed if any worker failed) and the
+        order's pages go where they belong. Returns whether the order ended now. A report
+        for an order already over is delivered again: the registry refuses, counts and
+        audits it, and nothing else changes.
+
+        Raises:
+            UnknownOrderError: no order ``op`` was made (or it was forgotten). Nothing
+                changed.
+        """
+        order = self._orders.get(op)
+        if order is None:
+            ticket = self._over.get(op)
+            if ticket is None:
+                raise UnknownOrderError(op)
+            self.registry.deliver(ticket, ok, job=op)  # refused: counted, audited
+            return False
+        if ok:
+            order.reported += count
+        else:
+            order.failed += count
+        if order.reported + order.failed < self.reporters:
+            return False
+        del self._orders[op]
+        self._over[op] = order.ticket
+        if len(self._over) > MAX_REMEMBERED_ORDERS:
+            self._over.popitem(last=False)
+        self._ended(op, order)
+        return True
+
+    def _ended(self, op: int, order: _Order) -> None:
+        progress = self._progress.get(order.ticket.serial)
+        if progress is not None:
+            progress.ops.discard(op)
+        counts, failed = self._counts, order.failed > 0
+        if order.load:
+            self.cache.unpin(order.pages)  # no longer read
+            if failed:
+                counts["load_failures"] += 1
+            else:
+                counts["loads"] += 1
+                counts["loaded_blocks"] += len(order.pages)
+        else:
+            self._lift_fences(op, order.slots)
+            self._storing_pages -= len(order.pages)
+            storing = self._storing
+            for key in order.hashes:
+                if storing.get(key) == op:
+                    del storing[key]
+            if failed:  # the host copy is incomplete: its pages back
+                counts["store_failures"] += 1
+                self.allocator.free(order.pages)
+            else:
+                counts["stores"] += 1
+                counts["stored_blocks"] += len(order.pages)
+                spare = [
+                    page
+                    for key, page in zip(order.hashes, order.pages, strict=True)
+                    if not self.cache.insert(key, page)
+                ]
+                if spare:  # the same content was cached meanwhile
+                    self.allocator.free(spare)
+        self.registry.deliver(order.ticket, not failed, job=op)
+
+    def _lift_fences(self, op: int, slots: Iterable[int]) -> None:
+        fences = self._fences
+        if not fences:
+            return
+        for slot in slots:
+            ops = fences.get(slot)
+            if ops is not None:
+                ops.discard(op)
+                if not ops:
+                    del fences[slot]
+
+    def _released(self, lc: Lifecycle, req: Any) -> None:
+        self._progress.pop(lc.serial, None)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def inflight(self) -> int:
+        """Orders not yet reported by every worker."""
+        return len(self._orders)
+
+    def inflight_of(self, lc: Lifecycle) -> frozenset[int]:
+        """The copy numbers of ``lc``'s orders in flight (empty once released)."""
+        progress = self._progress.get(lc.serial)
+        return frozenset(progress.ops) if progress is not None else frozenset()
+
+    @property
+    def fenced(self) -> frozenset[int]:
+        """Device blocks of finished requests that stores in flight still read."""
+        return frozenset(self._fences)
+
+    def account(self) -> PageAccount:
+        """Where every host page is now (free, cached, pinned by loads, written by stores
+        in flight); the four sum to the capacity."""
+        pinned = len(self.cache.pinned)
+        return PageAccount(
+            capacity=self.allocator.capacity,
+            free=self.allocator.available,
+            cached=len(self.cache) - pinned,
+            pinned=pinned,
+            storing=self._storing_pages,
+        )
+
+    def counters(self) -> dict[str, int]:
+        """Every counter since start (the keys of
+        [`COUNTERS`][kvlife.offload.planner.COUNTERS])."""
+        counts = dict(self._counts)
+        counts["evictions"] = self.cache.stats.evictions
+        counts["refusals"] = sum(self.registry.refusals.values())
+        return counts
+
+    def __repr__(self) -> str:
+        a = self.account()
+        return (
+            f"<OffloadPlanner {len(self._progress)} lifecycles, {len(self._orders)} orders "
+            f"in flight, pages free={a.free} cached={a.cached} pinned={a.pinned} "
+            f"storing={a.storing}>"
+        )
