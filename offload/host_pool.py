@@ -14,29 +14,23 @@ import torch
 
 from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.offload.layout import KVLayout
+from kvlife.offload.pages import (
+    DoubleFreeError,
+    ForeignPageError,
+    HostPageError,
+    PageAllocator,
+    page_runs,
+)
 
-
-class HostPageError(ValueError):
-    """A free that the pool refuses. Nothing was freed: the call is all or nothing."""
-
-
-class DoubleFreeError(HostPageError):
-    """A page is already free (or listed twice in one call)."""
-
-
-class ForeignPageError(HostPageError):
-    """The pages belong to another pool, or an index is out of range."""
-
-
-def page_runs(indices: Iterable[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive page numbers as ``(first page, count)``, in order."""
-    runs: list[tuple[int, int]] = []
-    for index in indices:
-        if runs and runs[-1][0] + runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((index, 1))
-    return runs
+__all__ = [
+    "DoubleFreeError",
+    "ForeignPageError",
+    "HostPageError",
+    "HostPagePool",
+    "HostPages",
+    "PageAllocator",
+    "page_runs",
+]
 
 
 @final
@@ -80,73 +74,6 @@ class HostPages(metaclass=NoPublicConstructor):
 
     def __repr__(self) -> str:
         return f"<HostPages {len(self._indices)} pages, runs={self.runs()[:4]}>"
-
-
-class PageAllocator:
-    """Page numbers ``0 .. pages-1``, handed out and taken back: the accounting of a
-    [`HostPagePool`][kvlife.offload.host_pool.HostPagePool] without its memory, for a
-    scheduler that decides which host pages its workers fill.
-
-    ``alloc(n)`` hands out ``n`` pages or none; a fresh allocator hands pages out in order
-    and freed pages are reused first, so allocations come in long runs of consecutive
-    pages. ``free`` is all or nothing: a double free or a page out of range raises and
-    frees none of the pages given.
-    """
-
-    __slots__ = ("_allocated", "_free")
-
-    def __init__(self, pages: int) -> None:
-        if not isinstance(pages, int) or isinstance(pages, bool) or pages <= 0:
-            raise ValueError(f"pages must be a positive int, got {pages!r}")
-        self._free: list[int] = list(range(pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
-        self._allocated = bytearray(pages)  # 1 while a page is handed out
-
-    @property
-    def capacity(self) -> int:
-        """Pages in all."""
-        return len(self._allocated)
-
-    @property
-    def available(self) -> int:
-        """Pages free now."""
-        return len(self._free)
-
-    def alloc(self, n: int) -> tuple[int, ...] | None:
-        """``n`` pages, or ``None`` if fewer than ``n`` are free (nothing allocated then)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"alloc needs a positive page count, got {n!r}")
-        free = self._free
-        if len(free) < n:
-            return None
-        taken = free[-n:]
-        del free[-n:]
-        taken.reverse()
-        for index in taken:
-            self._allocated[index] = 1
-        return tuple(taken)
-
-    def free(self, indices: Sequence[int]) -> None:
-        """Take pages back. All or nothing: on an error no page was freed.
-
-        Raises:
-            ForeignPageError: an index is out of range.
-            DoubleFreeError: a page is already free or listed twice.
-        """
-        allocated = self._allocated
-        if len(set(indices)) != len(indices):
-            raise DoubleFreeError(f"pages {list(indices)[:8]} list a page twice; nothing freed")
-        for index in indices:
-            if not 0 <= index < len(allocated):
-                raise ForeignPageError(f"page {index} is out of range; nothing freed")
-            if not allocated[index]:
-                raise DoubleFreeError(f"page {index} is already free; nothing freed")
-        for index in indices:
-            allocated[index] = 0
-        self._free.extend(sorted(indices, reverse=True))
-
-    def is_allocated(self, index: int) -> bool:
-        """Whether page ``index`` is handed out."""
-        return bool(self._allocated[index])
 
 
 class HostPagePool:
@@ -207,7 +134,7 @@ class HostPagePool:
     def pages(self, indices: Iterable[int]) -> HostPages:
         """The pages ``indices`` of this pool, allocated by someone else: a worker whose
         scheduler decides which host pages it fills (with a
-        [`PageAllocator`][kvlife.offload.host_pool.PageAllocator]). Nothing is allocated or
+        [`PageAllocator`][kvlife.offload.pages.PageAllocator]). Nothing is allocated or
         freed here.
 
         Raises:

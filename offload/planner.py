@@ -6,7 +6,7 @@ runs beside the scheduler and imports no torch. It holds:
 
 - the [`LifecycleRegistry`][kvlife.fsm.registry.LifecycleRegistry] (one lifecycle per
   request object, one ticket per copy);
-- the host pages' account: a [`PageAllocator`][kvlife.offload.host_pool.PageAllocator] (the
+- the host pages' account: a [`PageAllocator`][kvlife.offload.pages.PageAllocator] (the
   pages the workers hold, by number) and a
   [`HostPrefixCache`][kvlife.offload.prefix_cache.HostPrefixCache] of stored blocks named by
   their hashes;
@@ -40,7 +40,7 @@ from typing import Any
 
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
-from kvlife.offload.host_pool import PageAllocator, page_runs
+from kvlife.offload.pages import PageAllocator, page_runs
 from kvlife.offload.prefix_cache import HostPrefixCache
 
 MAX_REMEMBERED_ORDERS = 65536

@@ -8,7 +8,7 @@ are evicted least recently used first when new stores need pages.
 
 The cache holds page *numbers*; who owns the memory is the caller's business (a
 [`HostPagePool`][kvlife.offload.host_pool.HostPagePool] on a worker, a
-[`PageAllocator`][kvlife.offload.host_pool.PageAllocator] on a scheduler). Every
+[`PageAllocator`][kvlife.offload.pages.PageAllocator] on a scheduler). Every
 operation is O(1) per page: the pinned pages are kept out of the eviction order, so an
 eviction never scans past them.
 """
@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvlife.offload.host_pool import PageAllocator
+from kvlife.offload.pages import PageAllocator
 
 
 class PrefixCacheError(ValueError):

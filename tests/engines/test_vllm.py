@@ -10,6 +10,7 @@ xfail: if vLLM fixes it, the test says so.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -253,6 +254,106 @@ def test_a_page_being_loaded_is_never_evicted_and_an_evicted_page_is_a_miss() ->
     out = engine.step()
     hit = sum(len(load.slots) for load in out.kv_connector_metadata.loads)
     assert hit < 2  # a's first blocks were evicted for d's: a miss from there on
+
+
+def _stored_blocks(engine: Engine) -> int:
+    return sum(len(store.slots) for store in engine.stores)
+
+
+def test_a_store_never_copies_a_block_the_host_cache_holds() -> None:
+    engine = Engine()
+    p = make_request("p", prompt=48, max_tokens=1)  # P: three full blocks
+    engine.scheduler.add_request(p)
+    engine.run_until_idle()
+    for rid in ("pq", "pq again"):  # P+Q (two more blocks), then the same again
+        engine.scheduler.add_request(make_request(rid, prompt=80, max_tokens=1))
+        engine.run_until_idle()
+    assert _stored_blocks(engine) == 5  # 3 + 2 + 0: each distinct block once
+    counts = engine.connector.counters
+    assert counts["stored_blocks"] == 5 and counts["held_blocks"] == 3 + 5
+    account = engine.connector.account()
+    assert account.cached == 5 and account.balanced
+
+
+def test_a_chat_that_resends_its_conversation_copies_each_block_once() -> None:
+    engine = Engine(blocks=128, host_pages=64)
+    for turn in range(10):  # each turn re-sends the conversation and adds two blocks
+        request = make_request(f"turn {turn}", prompt=32 * (turn + 1), max_tokens=1)
+        engine.scheduler.add_request(request)
+        engine.run_until_idle()
+    assert _stored_blocks(engine) == engine.connector.counters["stored_blocks"] == 20
+
+
+def test_two_requests_storing_one_prefix_at_once_copy_it_once() -> None:
+    engine = Engine()
+    store = engine.prefill_holding_its_store(make_request("a", prompt=48, max_tokens=1))
+    assert len(store.slots) == 3
+    assert engine.scheduler.reset_prefix_cache()  # vLLM's own cache cannot supply b
+    b = make_request("b", prompt=48, max_tokens=1)
+    engine.scheduler.add_request(b)
+    out = engine.step()  # a's store is still in flight: b stores none of those blocks
+    assert out.kv_connector_metadata.stores == [] and out.kv_connector_metadata.loads == []
+    assert engine.connector.account().storing == 3
+    engine.run_until_idle()
+    assert _stored_blocks(engine) == 3 and engine.connector.account().cached == 3
+
+
+def test_a_load_after_the_blocks_vllm_supplies_lands_in_the_right_blocks() -> None:
+    engine = Engine()
+    a_stores = _cached_prefix(engine)  # a's 48 prompt tokens: three blocks on the host
+    a_blocks = {
+        store.first + i: engine.expected[store.op][i]
+        for store in a_stores
+        for i in range(len(store.slots))
+    }
+    engine.scheduler.add_request(make_request("z", prompt=17, max_tokens=1))
+    engine.run_until_idle()  # vLLM's own prefix cache holds block 0 now, and only it
+    loads_before = len(engine.loads)
+    b = make_request("b", prompt=64, max_tokens=1)  # a's three blocks, then a fourth
+    engine.scheduler.add_request(b)
+    out = engine.step()
+    (load,) = engine.loads[loads_before:]
+    assert load.first == 1 and len(load.slots) == 2  # vLLM supplied block 0 itself
+    (scheduled,) = out.scheduled_new_reqs
+    b_blocks = scheduled.block_ids[0]
+    assert load.slots == tuple(b_blocks[1:3])
+    for index in range(3):  # block 0 from vLLM's cache, 1 and 2 loaded: all a's bytes
+        assert torch.equal(engine.device_block(b_blocks[index]), a_blocks[index]), index
+    (store,) = out.kv_connector_metadata.stores  # b's fourth block is its own: stored
+    assert store.first == 3 and store.slots == (b_blocks[3],)
+    engine.run_until_idle()
+
+
+def test_the_page_account_sums_to_the_capacity_after_every_step() -> None:
+    for seed in range(3):
+        rng = random.Random(seed)
+        engine = Engine(blocks=24, host_pages=12)
+        checked = 0
+        for _ in range(120):
+            live = set(engine.scheduler.requests)
+            if len(live) < 4 and rng.random() < 0.5:
+                rid = rng.choice("abcdef")  # a small id space: ids come back
+                if rid not in live:
+                    prefix = rng.choice((1000, 2000))  # two shared prefixes
+                    request = make_request(
+                        rid, prompt=rng.randint(10, 80), max_tokens=rng.randint(1, 40), first=prefix
+                    )
+                    engine.scheduler.add_request(request)
+            if live and rng.random() < 0.1:
+                engine.scheduler.finish_requests(
+                    rng.choice(sorted(live)), RequestStatus.FINISHED_ABORTED
+                )
+            engine.hold_all = rng.random() < 0.3  # reports held back, then released
+            release = [] if engine.hold_all else list(engine.held)
+            engine.step(release=release)
+            account = engine.connector.account()
+            assert account.balanced and account.capacity == 12, (seed, account)
+            checked += 1
+        engine.run_until_idle(400)
+        account = engine.connector.account()
+        assert account.balanced and account.storing == account.pinned == 0
+        assert not engine.connector.planner.fenced and engine.connector.planner.inflight == 0
+        assert checked == 120
 
 
 def test_a_request_the_connector_never_saw_is_refused_not_raised() -> None:

@@ -1,0 +1,296 @@
+"""The scheduler half on its own: orders, reports from several workers, refusals that
+change nothing, stores that never copy a held block, and a page account that always sums
+to the capacity."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvlife.fsm import Lifecycle, LifecycleRegistry, State
+from kvlife.offload.planner import (
+    LoadOrder,
+    OffloadPlanner,
+    PageAccount,
+    StoreOrder,
+    UnknownOrderError,
+)
+
+
+class Req:
+    """A request object: the planner knows it by identity, never by its id."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+
+
+def _hashes(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def _admitted(planner: OffloadPlanner, rid: str, blocks: int, first_slot: int = 0) -> Lifecycle:
+    req = Req(rid)
+    lc = planner.admit(req, rid)
+    planner.add_slots(lc, range(first_slot, first_slot + blocks))
+    return lc
+
+
+def _done(planner: OffloadPlanner, orders: list[StoreOrder], ok: bool = True) -> None:
+    for order in orders:
+        assert planner.report(order.op, ok) is True
+
+
+def test_the_scheduler_half_imports_no_torch() -> None:
+    code = "import sys, kvlife.offload.planner; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_store_orders_the_full_blocks_and_its_pages_join_the_cache_when_reported() -> None:
+    planner = OffloadPlanner(8)
+    lc = _admitted(planner, "a", 4, first_slot=10)
+    (order,) = planner.store(lc, 3, _hashes("p", 4))
+    assert (order.slots, order.pages, order.first) == ((10, 11, 12), (0, 1, 2), 0)
+    assert planner.account() == PageAccount(capacity=8, free=5, cached=0, pinned=0, storing=3)
+    assert planner.store(lc, 3, _hashes("p", 4)) == []  # nothing new is full
+    _done(planner, [order])
+    assert planner.account() == PageAccount(capacity=8, free=5, cached=3, pinned=0, storing=0)
+    assert planner.counters()["stores"] == 1 and planner.counters()["stored_blocks"] == 3
+
+
+def test_a_store_never_copies_a_block_the_host_cache_holds() -> None:
+    planner = OffloadPlanner(16)
+    p, q = _hashes("p", 3), _hashes("q", 2)
+    first = _admitted(planner, "P", 3)
+    _done(planner, planner.store(first, 3, p))
+    second = _admitted(planner, "PQ", 5, first_slot=3)
+    (order,) = planner.store(second, 5, p + q)  # P is held: only Q is copied
+    assert (order.first, order.slots) == (3, (6, 7))
+    _done(planner, [order])
+    third = _admitted(planner, "PQ again", 5, first_slot=8)
+    assert planner.store(third, 5, p + q) == []  # everything is held
+    counts = planner.counters()
+    assert counts["stored_blocks"] == 5 and counts["held_blocks"] == 3 + 5
+    assert planner.account().cached == 5
+
+
+def test_two_requests_storing_one_prefix_at_once_copy_it_once() -> None:
+    planner = OffloadPlanner(16)
+    a, b = _admitted(planner, "a", 4), _admitted(planner, "b", 4, first_slot=4)
+    (order,) = planner.store(a, 4, _hashes("p", 4))
+    assert planner.store(b, 4, _hashes("p", 4)) == []  # a is copying every block of it
+    assert planner.account().storing == 4
+    _done(planner, [order])
+    assert planner.account().cached == 4 and planner.counters()["held_blocks"] == 4
+
+
+def test_a_block_stored_by_another_order_is_skipped_in_the_middle_of_a_run() -> None:
+    planner = OffloadPlanner(16)
+    a = _admitted(planner, "a", 1, first_slot=1)
+    (mid,) = planner.store(a, 1, ["h1"])
+    b = _admitted(planner, "b", 3, first_slot=10)
+    orders = planner.store(b, 3, ["h0", "h1", "h2"])  # h1 is being stored by a
+    assert [(o.first, o.slots) for o in orders] == [(0, (10,)), (2, (12,))]
+    _done(planner, [mid, *orders])
+    assert planner.account().cached == 3
+
+
+def test_a_held_block_needed_again_is_the_most_recently_used() -> None:
+    planner = OffloadPlanner(3)
+    a = _admitted(planner, "a", 3)
+    _done(planner, planner.store(a, 3, ["x", "y", "z"]))
+    b = _admitted(planner, "b", 1, first_slot=3)
+    assert planner.store(b, 1, ["x"]) == []  # x is held: refreshed, not copied
+    c = _admitted(planner, "c", 1, first_slot=4)
+    _done(planner, planner.store(c, 1, ["w"]))  # the cache is full: evicts y, not x
+    assert "x" in planner.cache and "y" not in planner.cache
+
+
+def test_an_order_is_over_when_every_worker_reported_it_and_failed_if_one_failed() -> None:
+    planner = OffloadPlanner(8, reporters=2)
+    lc = _admitted(planner, "a", 2)
+    (order,) = planner.store(lc, 2, _hashes("p", 2))
+    assert planner.report(order.op, True) is False and lc.inflight == 1
+    assert planner.report(order.op, False) is True and lc.inflight == 0
+    assert planner.counters()["store_failures"] == 1
+    assert planner.account() == PageAccount(capacity=8, free=8, cached=0, pinned=0, storing=0)
+    assert planner.store(lc, 2, _hashes("p", 2)) == []  # not retried: those blocks are passed
+
+
+def test_a_repeated_report_is_refused_by_the_registry_and_changes_nothing() -> None:
+    planner = OffloadPlanner(8)
+    lc = _admitted(planner, "a", 2)
+    (order,) = planner.store(lc, 2, _hashes("p", 2))
+    _done(planner, [order])
+    before = planner.account()
+    assert planner.report(order.op) is False
+    assert planner.registry.refusals["duplicate_ack"] == 1 and planner.account() == before
+    with pytest.raises(UnknownOrderError, match="copy 99, which this planner never ordered"):
+        planner.report(99)
+    assert planner.account() == before and planner.counters()["stores"] == 1
+
+
+def test_without_pages_a_store_waits_and_nothing_changes() -> None:
+    planner = OffloadPlanner(2)
+    lc = _admitted(planner, "a", 3)
+    assert planner.store(lc, 3, _hashes("p", 3)) == []
+    assert planner.counters()["skipped_stores"] == 1 and lc.copies_started == 0
+    assert planner.account().free == 2
+
+
+def test_a_store_of_a_finished_request_is_refused_by_the_table() -> None:
+    planner = OffloadPlanner(8)
+    lc = _admitted(planner, "a", 2)
+    planner.end(lc)
+    assert lc.state is State.RELEASED
+    with pytest.raises(KeyError):
+        planner.store(lc, 2, _hashes("p", 2))  # released: no progress left to plan on
+
+
+def test_a_finished_requests_blocks_are_fenced_until_its_stores_are_over() -> None:
+    planner = OffloadPlanner(8)
+    lc = _admitted(planner, "a", 2, first_slot=5)
+    (order,) = planner.store(lc, 2, _hashes("p", 2))
+    planner.end(lc)
+    assert lc.state is State.FINISHED_PENDING and planner.fenced == {5, 6}
+    other = _admitted(planner, "b", 0)
+    assert planner.add_slots(other, [6, 9]) == {order.op}  # finish a's store first
+    assert planner.fenced == {5}
+    _done(planner, [order])
+    assert lc.state is State.RELEASED and planner.fenced == frozenset()
+
+
+def test_a_preempted_request_names_its_copies_in_flight_and_resumes_on_new_blocks() -> None:
+    planner = OffloadPlanner(8)
+    lc = _admitted(planner, "a", 2)
+    (order,) = planner.store(lc, 2, _hashes("p", 2))
+    assert planner.preempted(lc) == {order.op} and planner.slots(lc) == []
+    planner.add_slots(lc, [7, 8, 9], fresh=True)
+    assert planner.slots(lc) == [7, 8, 9]
+
+
+def test_a_load_writes_the_blocks_after_those_the_engine_supplied() -> None:
+    planner = OffloadPlanner(8)
+    a = _admitted(planner, "a", 3)
+    _done(planner, planner.store(a, 3, _hashes("p", 3)))
+    planner.end(a)
+    b = planner.admit(Req("b"), "b")
+    assert planner.lookup(b, 1, _hashes("p", 3)[1:3]) == 2  # the engine holds block 0
+    order = planner.load(b, 2, [20, 21, 22, 23])
+    assert order is not None and (order.first, order.slots) == (1, (21, 22))
+    assert order.pages == (1, 2) and planner.account().pinned == 2
+    assert planner.store(b, 3, _hashes("p", 3)) == []  # loaded blocks are not stored again
+    assert planner.report(order.op) is True
+    assert planner.account() == PageAccount(capacity=8, free=5, cached=3, pinned=0, storing=0)
+    assert planner.counters()["loaded_blocks"] == 2
+
+
+def test_a_load_larger_than_the_lookup_is_refused_and_changes_nothing() -> None:
+    planner = OffloadPlanner(8)
+    a = _admitted(planner, "a", 1)
+    _done(planner, planner.store(a, 1, ["h"]))
+    b = planner.admit(Req("b"), "b")
+    assert planner.lookup(b, 0, ["h"]) == 1
+    with pytest.raises(ValueError, match="a load of 2 blocks from block 0"):
+        planner.load(b, 2, [4, 5])
+    assert planner.account().pinned == 0 and b.copies_started == 0
+    assert planner.load(b, 1, [4]) is not None  # the lookup's note is still there
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="reporters must be a positive int"):
+        OffloadPlanner(4, reporters=0)
+    with pytest.raises(ValueError, match="pages must be a positive int"):
+        OffloadPlanner(0)
+
+
+def test_a_given_registry_is_used() -> None:
+    registry = LifecycleRegistry()
+    planner = OffloadPlanner(4, registry=registry)
+    lc = _admitted(planner, "a", 1)
+    assert registry.lifecycle(lc.req) is lc
+
+
+class PlannerModel(RuleBasedStateMachine):
+    """Requests over a shared vocabulary of blocks (ids reused, aborts, preemptions,
+    reports held back, repeated and failed, two workers): after every step each host page
+    is in exactly one place of the account, and the orders in flight write distinct
+    pages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planner = OffloadPlanner(6, reporters=2)
+        self.live: dict[str, Lifecycle] = {}  # rid -> lifecycle
+        self.ever: list[int] = []  # copy numbers ever ordered
+        self.open: dict[int, StoreOrder | LoadOrder] = {}  # not yet over
+        self.slot = 0
+
+    @rule(rid=st.sampled_from("abc"), blocks=st.integers(0, 4))
+    def admit(self, rid: str, blocks: int) -> None:
+        if rid in self.live:
+            return
+        lc = self.planner.admit(Req(rid), rid)
+        self.planner.add_slots(lc, range(self.slot, self.slot + blocks))
+        self.slot += blocks
+        self.live[rid] = lc
+
+    def _ordered(self, order: StoreOrder | LoadOrder) -> None:
+        self.ever.append(order.op)
+        self.open[order.op] = order
+
+    @rule(rid=st.sampled_from("abc"), full=st.integers(0, 4), base=st.sampled_from("pq"))
+    def store(self, rid: str, full: int, base: str) -> None:
+        lc = self.live.get(rid)
+        if lc is not None:
+            for order in self.planner.store(lc, full, _hashes(base, 4)):
+                self._ordered(order)
+
+    @rule(rid=st.sampled_from("abc"), base=st.sampled_from("pq"), count=st.integers(0, 3))
+    def load(self, rid: str, base: str, count: int) -> None:
+        lc = self.live.get(rid)
+        if lc is None or lc.outcome is not None:
+            return
+        hit = self.planner.lookup(lc, 0, _hashes(base, 3))
+        order = self.planner.load(lc, min(count, hit), list(range(100, 104)))
+        if order is not None:
+            self._ordered(order)
+
+    @rule(rid=st.sampled_from("abc"), aborted=st.booleans())
+    def end(self, rid: str, aborted: bool) -> None:
+        lc = self.live.pop(rid, None)
+        if lc is not None:
+            self.planner.end(lc, aborted=aborted)
+
+    @rule(rid=st.sampled_from("abc"))
+    def preempt(self, rid: str) -> None:
+        lc = self.live.get(rid)
+        if lc is not None:
+            self.planner.preempted(lc)
+            self.planner.add_slots(lc, range(self.slot, self.slot + 4), fresh=True)
+            self.slot += 4
+
+    @precondition(lambda self: self.ever)
+    @rule(data=st.data(), ok=st.booleans())
+    def report(self, data: st.DataObject, ok: bool) -> None:
+        op = data.draw(st.sampled_from(self.ever))
+        if self.planner.report(op, ok):  # late and repeated reports: refused, not raised
+            del self.open[op]
+
+    @invariant()
+    def every_page_is_in_one_place(self) -> None:
+        account = self.planner.account()
+        assert account.balanced, account
+        stores = [o for o in self.open.values() if isinstance(o, StoreOrder)]
+        loads = [o for o in self.open.values() if isinstance(o, LoadOrder)]
+        written = [page for order in stores for page in order.pages]
+        assert account.storing == len(written) == len(set(written))
+        read = {page for order in loads for page in order.pages}
+        assert account.pinned == len(read) and not read & set(written)
+        assert self.planner.inflight == len(self.open)
+
+
+test_planner_model = PlannerModel.TestCase

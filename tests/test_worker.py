@@ -1,0 +1,85 @@
+"""The worker half on its own (CPU): orders copied byte for byte, polled once each,
+refused orders reported failed with their blocks, and block views of engine caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlife.offload import LayoutError, LoadOrder, OffloadWorker, StoreOrder, block_views
+
+BLOCKS = 8
+
+
+def _caches(layers: int = 2) -> dict[str, torch.Tensor]:
+    """Per-layer [blocks, heads, tokens, content] caches with a distinct value per block."""
+    caches = {}
+    for layer in range(layers):
+        cache = torch.empty(BLOCKS, 2, 4, 3)
+        for block in range(BLOCKS):
+            cache[block] = 100 * layer + block
+        caches[f"layer.{layer}"] = cache
+    return caches
+
+
+def _worker(caches: dict[str, torch.Tensor], pages: int = 4) -> OffloadWorker:
+    return OffloadWorker(block_views(caches, BLOCKS), pages)
+
+
+def test_a_store_then_a_load_moves_blocks_byte_for_byte() -> None:
+    caches = _caches()
+    worker = _worker(caches)
+    worker.store([StoreOrder(1, (5, 2), (0, 1), 0)])
+    assert worker.poll() == ([1], [])
+    assert worker.poll() == ([], [])  # each order is reported once
+    worker.load([LoadOrder(2, (7, 6), (0, 1), 0)])  # into other blocks
+    assert worker.poll() == ([2], []) and worker.inflight == 0
+    for layer, cache in enumerate(caches.values()):
+        assert torch.equal(cache[7], torch.full((2, 4, 3), 100.0 * layer + 5))
+        assert torch.equal(cache[6], torch.full((2, 4, 3), 100.0 * layer + 2))
+        assert torch.equal(cache[0], torch.full((2, 4, 3), 100.0 * layer))  # untouched
+
+
+def test_an_order_the_copy_engine_refuses_is_reported_failed() -> None:
+    caches = _caches()
+    worker = _worker(caches)
+    before = {name: cache.clone() for name, cache in caches.items()}
+    worker.store([StoreOrder(3, (1,), (9,), 0)])  # page 9 of 4
+    worker.load([LoadOrder(4, (2, 3), (0, 9), 0)])
+    assert worker.poll() == ([], [3, 4])
+    assert worker.take_load_errors() == {2, 3} and worker.take_load_errors() == set()
+    for name, cache in caches.items():
+        assert torch.equal(cache, before[name])  # a refused load wrote nothing
+
+
+def test_wait_and_shutdown_return_on_the_cpu_where_copies_are_done_at_launch() -> None:
+    worker = _worker(_caches())
+    worker.store([StoreOrder(1, (0,), (0,), 0)])
+    worker.wait({1, 99})
+    worker.shutdown()
+    assert worker.poll() == ([1], [])
+
+
+def test_block_views_take_kv_split_caches_and_kernel_blocks() -> None:
+    split = {"l": torch.arange(2 * BLOCKS * 8, dtype=torch.float32).reshape(2, BLOCKS, 4, 1, 2)}
+    key, value = block_views(split, BLOCKS)  # K and V are components of their own
+    assert key.shape[0] == value.shape[0] == BLOCKS and key.numel() == 8 * BLOCKS
+    assert torch.equal(value[3].flatten(), torch.arange(88, 96, dtype=torch.float32))
+    kernel = {"l": torch.zeros(2 * BLOCKS, 1, 4, 3)}  # two kernel blocks per engine block
+    (view,) = block_views(kernel, BLOCKS)
+    assert view.shape == (BLOCKS, 2, 1, 4, 3)
+
+
+def test_block_views_refuse_what_they_cannot_copy_naming_the_layer() -> None:
+    with pytest.raises(LayoutError, match="no KV cache tensors"):
+        block_views({}, BLOCKS)
+    with pytest.raises(LayoutError, match=r"layer 'flat': shape \(8, 24\)"):
+        block_views({"flat": torch.zeros(BLOCKS, 24)}, BLOCKS)
+    with pytest.raises(LayoutError, match="9 blocks is not a multiple of the engine's 8"):
+        block_views({"odd": torch.zeros(9, 1, 4, 3)}, BLOCKS)
+    with pytest.raises(LayoutError, match=r"one block shape and dtype.*'b'"):
+        block_views({"a": torch.zeros(BLOCKS, 1, 4, 3), "b": torch.zeros(BLOCKS, 1, 4, 2)}, BLOCKS)
+    heads_inside = torch.zeros(BLOCKS, 4, 2, 3).permute(0, 2, 1, 3)  # [B, H, N, C] as B N H C
+    with pytest.raises(LayoutError, match="do not follow the declared memory order"):
+        block_views({"l": heads_inside}, BLOCKS, order=(0, 1, 2, 3))
+    assert block_views({"l": heads_inside}, BLOCKS, order=(0, 2, 1, 3))  # as declared
