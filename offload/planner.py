@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
@@ -61,13 +61,13 @@ class UnknownOrderError(KeyError):
         return f"a report for copy {self.op}, which this planner never ordered"
 
 
-@dataclass(frozen=True)
-class StoreOrder:
+class StoreOrder(NamedTuple):
     """Copy device blocks into host pages: ``slots[i]`` into ``pages[i]``.
 
     ``op`` is the copy number of the store's ticket (what the workers report back);
     ``first`` is the index, among the request's blocks, of ``slots[0]`` (the order's
-    blocks are consecutive blocks of the request).
+    blocks are consecutive blocks of the request). Immutable and picklable (it crosses
+    process lines).
     """
 
     op: int
@@ -76,8 +76,7 @@ class StoreOrder:
     first: int
 
 
-@dataclass(frozen=True)
-class LoadOrder:
+class LoadOrder(NamedTuple):
     """Copy host pages into device blocks: ``pages[i]`` into ``slots[i]``; ``op`` and
     ``first`` as for [`StoreOrder`][kvlife.offload.planner.StoreOrder]."""
 
@@ -132,7 +131,7 @@ offered to the engine from the host cache, cached pages evicted, and calls the r
 refused (late or repeated reports, stale instances)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Order:
     ticket: Ticket
     slots: tuple[int, ...]
@@ -143,13 +142,22 @@ class _Order:
     failed: int = 0
 
 
-@dataclass
-class _Progress:
+@dataclass(slots=True)
+class Progress:
+    """What the planner knows of one lifecycle's request. Read it, never change it: the
+    planner's methods do (an adapter may keep it beside the lifecycle to ask, without a
+    call, whether a store is due: ``full - covered >= stride``)."""
+
+    #: The request object.
     req: Any
-    slots: list[int] = field(default_factory=list)  # device blocks the request holds
-    covered: int = 0  # its first blocks that are on the host or being copied there
-    ops: set[int] = field(default_factory=set)  # its orders in flight
-    hit: tuple[int, list[int]] | None = None  # a lookup's (first block, pages)
+    #: The device blocks the request holds, as the engine told.
+    slots: list[int] = field(default_factory=list)
+    #: Its first blocks that are on the host, or being copied there, or passed over.
+    covered: int = 0
+    #: The copy numbers of its orders in flight.
+    ops: set[int] = field(default_factory=set)
+    #: The last lookup's (first block, pages), until a load takes it.
+    hit: tuple[int, list[int]] | None = None
 
 
 class OffloadPlanner:
@@ -176,7 +184,8 @@ class OffloadPlanner:
         self.registry = registry if registry is not None else LifecycleRegistry()
         self.reporters = reporters
         self._counts = dict.fromkeys(COUNTERS, 0)
-        self._progress: dict[int, _Progress] = {}  # by lifecycle serial
+        self._changes = 0  # calls that may have changed a counter
+        self._progress: dict[int, Progress] = {}  # by lifecycle serial
         self._orders: dict[int, _Order] = {}  # in flight, by copy number
         # Invariant: a hash is in _storing while exactly that order writes its page.
         self._storing: dict[Hashable, int] = {}
@@ -193,8 +202,17 @@ class OffloadPlanner:
         [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]);
         its errors leave nothing registered."""
         lc = self.registry.register(req, rid)
-        self._progress[lc.serial] = _Progress(req)
+        self._progress[lc.serial] = Progress(req)
         return lc
+
+    def progress(self, lc: Lifecycle) -> Progress:
+        """``lc``'s [`Progress`][kvlife.offload.planner.Progress] (the same object for the
+        lifecycle's whole life).
+
+        Raises:
+            KeyError: ``lc`` is not a live lifecycle of this planner.
+        """
+        return self._progress[lc.serial]
 
     def find(self, req: object) -> Lifecycle | None:
         """``req``'s live lifecycle here, or ``None`` (nothing counted or audited)."""
@@ -293,51 +311,65 @@ class OffloadPlanner:
         """
         progress = self._progress[lc.serial]
         first = progress.covered
+        if full - first < stride:  # the common case, decided before anything is counted
+            return []
         full = min(full, len(progress.slots), len(hashes))
         if full - first < stride or not LIFECYCLE.permits(lc.state, Trigger.START_OFFLOAD):
             return []
+        self._changes += 1
         cache, storing = self.cache, self._storing
-        new: list[int] = []
-        held: list[Hashable] = []
-        seen: set[Hashable] = set()
-        for index in range(first, full):
-            key = hashes[index]
-            if key in cache:
-                held.append(key)
-            elif key not in storing and key not in seen:
-                seen.add(key)
-                new.append(index)
-        pages = cache.take(self.allocator, len(new)) if new else ()
+        keys = hashes[first:full]
+        absent, held = cache.missing(keys)
+        if storing and absent:  # another order may be copying some of them now
+            absent = [offset for offset in absent if keys[offset] not in storing]
+        if len(absent) > 1 and len({keys[offset] for offset in absent}) != len(absent):
+            unique: dict[Hashable, int] = {}  # a block that repeats is copied once
+            for offset in absent:
+                unique.setdefault(keys[offset], offset)
+            absent = list(unique.values())
+        count = len(absent)
+        pages = cache.take(self.allocator, count) if count else ()
         if pages is None:
             self._counts["skipped_stores"] += 1
             return []
-        cache.touch(held)
-        self._counts["held_blocks"] += full - first - len(new)
+        if held:
+            cache.touch(held)
+        self._counts["held_blocks"] += full - first - count
         progress.covered = full
+        if not count:
+            return []
+        if absent[-1] - absent[0] == count - 1:  # one run: the common case
+            return [self._order_store(lc, progress, first + absent[0], pages, keys, absent[0])]
         orders: list[StoreOrder] = []
-        taken = iter(pages)
-        for start, count in page_runs(new):
-            run_pages = tuple(next(taken) for _ in range(count))
-            orders.append(self._order_store(lc, progress, start, count, run_pages, hashes))
+        used = 0
+        for start, run in page_runs(absent):
+            taken = pages[used : used + run]
+            orders.append(self._order_store(lc, progress, first + start, taken, keys, start))
+            used += run
         return orders
 
     def _order_store(
         self,
         lc: Lifecycle,
-        progress: _Progress,
+        progress: Progress,
         start: int,
-        count: int,
         pages: tuple[int, ...],
-        hashes: Sequence[Hashable],
+        keys: Sequence[Hashable],
+        offset: int,
     ) -> StoreOrder:
+        """One store of blocks ``start ..`` (``len(pages)`` of them) whose hashes are
+        ``keys[offset ..]``."""
+        count = len(pages)
         slots = tuple(progress.slots[start : start + count])
-        keys = tuple(hashes[start : start + count])
-        ticket = self.registry.start_offload(lc, blocks=count, first_block=start)
+        names = tuple(keys[offset : offset + count])
+        if self.registry.audited:
+            ticket = self.registry.start_offload(lc, blocks=count, first_block=start)
+        else:  # no record is built: no detail to build and check either
+            ticket = self.registry.start_offload(lc)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, pages, keys, load=False)
+        self._orders[op] = _Order(ticket, slots, pages, names, False)
         progress.ops.add(op)
-        for key in keys:
-            self._storing[key] = op
+        self._storing.update(dict.fromkeys(names, op))
         self._storing_pages += count
         return StoreOrder(op, slots, pages, start)
 
@@ -351,6 +383,7 @@ class OffloadPlanner:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
         """
         progress = self._progress[lc.serial]
+        self._changes += 1
         pages = self.cache.lookup(hashes) if hashes else []
         progress.hit = (first, pages)
         self._counts["hit_blocks"] += len(pages)
@@ -384,7 +417,7 @@ class OffloadPlanner:
         ticket = self.registry.start_offload(lc, kind="load", blocks=count, first_block=first)
         self.cache.pin(taken)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, taken, (), load=True)
+        self._orders[op] = _Order(ticket, slots, taken, (), True)
         progress.ops.add(op)
         progress.covered = max(progress.covered, first + count)  # already on the host
         return LoadOrder(op, slots, taken, first)
@@ -402,6 +435,7 @@ class OffloadPlanner:
             UnknownOrderError: no order ``op`` was made (or it was forgotten). Nothing
                 changed.
         """
+        self._changes += 1
         order = self._orders.get(op)
         if order is None:
             ticket = self._over.get(op)
@@ -435,7 +469,8 @@ class OffloadPlanner:
                 counts["loads"] += 1
                 counts["loaded_blocks"] += len(order.pages)
         else:
-            self._lift_fences(op, order.slots)
+            if self._fences:
+                self._lift_fences(op, order.slots)
             self._storing_pages -= len(order.pages)
             storing = self._storing
             for key in order.hashes:
@@ -447,19 +482,16 @@ class OffloadPlanner:
             else:
                 counts["stores"] += 1
                 counts["stored_blocks"] += len(order.pages)
-                spare = [
-                    page
-                    for key, page in zip(order.hashes, order.pages, strict=True)
-                    if not self.cache.insert(key, page)
-                ]
+                spare = self.cache.insert_all(order.hashes, order.pages)
                 if spare:  # the same content was cached meanwhile
                     self.allocator.free(spare)
-        self.registry.deliver(order.ticket, not failed, job=op)
+        if self.registry.audited:
+            self.registry.deliver(order.ticket, not failed, job=op)
+        else:
+            self.registry.deliver(order.ticket, not failed)
 
     def _lift_fences(self, op: int, slots: Iterable[int]) -> None:
         fences = self._fences
-        if not fences:
-            return
         for slot in slots:
             ops = fences.get(slot)
             if ops is not None:
@@ -498,6 +530,12 @@ class OffloadPlanner:
             pinned=pinned,
             storing=self._storing_pages,
         )
+
+    @property
+    def changes(self) -> int:
+        """A number that grows whenever a counter may have changed (compare two readings
+        to skip building ``counters()`` when nothing happened)."""
+        return self._changes + sum(self.registry.refusals.values())
 
     def counters(self) -> dict[str, int]:
         """Every counter since start (the keys of

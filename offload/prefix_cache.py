@@ -85,6 +85,43 @@ class HostPrefixCache:
         self.stats.inserts += 1
         return True
 
+    def insert_all(self, keys: Sequence[Hashable], pages: Sequence[int]) -> list[int]:
+        """``insert`` each of ``pages`` under the key at the same place of ``keys``;
+        returns the pages not taken (their key was cached already, or listed before).
+
+        Raises:
+            PrefixCacheError: a page is cached already, or the lengths differ. Nothing
+                was inserted.
+        """
+        key_of, lru, pinned = self._key, self._lru, self._pinned
+        if len(keys) != len(pages) or not key_of.keys().isdisjoint(pages):
+            raise PrefixCacheError(
+                f"cannot insert pages {list(pages)[:8]} under {len(keys)} keys: a page is "
+                "cached already or the lengths differ; nothing inserted"
+            )
+        spare = []
+        for key, page in zip(keys, pages, strict=True):
+            if key in lru or key in pinned:
+                spare.append(page)
+            else:
+                lru[key] = page
+                key_of[page] = key
+        self.stats.inserts += len(pages) - len(spare)
+        return spare
+
+    def missing(self, keys: Iterable[Hashable]) -> tuple[list[int], list[Hashable]]:
+        """Which of ``keys`` the cache does not hold (their positions in ``keys``) and
+        which it holds (the keys). Counts nothing and changes nothing."""
+        lru, pinned = self._lru, self._pinned
+        absent: list[int] = []
+        held: list[Hashable] = []
+        for index, key in enumerate(keys):
+            if key in lru or key in pinned:
+                held.append(key)
+            else:
+                absent.append(index)
+        return absent, held
+
     def lookup(self, keys: Iterable[Hashable]) -> list[int]:
         """The pages of the longest cached prefix of ``keys``, in order. Counts a hit per
         page and a miss when it stops at a key the cache does not hold; changes nothing

@@ -519,6 +519,7 @@ def test_the_connector_asks_vllm_for_no_layout() -> None:
         ({"audit_fsync": "always"}, "audit_fsync must be one of never, batch, record"),
         ({"audit_backups": -1}, "audit_backups must be an integer >= 0"),
         ({"audit_log": ""}, "audit_log must be a file path"),
+        ({"stats_interval_s": -1}, "stats_interval_s must be a number >= 0"),
     ],
 )
 def test_bad_extra_config_stops_the_engine_with_a_line_naming_the_key(
@@ -540,7 +541,7 @@ def test_host_bytes_is_as_many_whole_blocks_as_fit() -> None:
 
 
 def test_stats_are_the_counters_growth_and_aggregate_as_vllm_expects() -> None:
-    engine = Engine()
+    engine = Engine(stats_interval_s=0)  # at every step
     engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=2))
     engine.run_until_idle()  # vLLM took each step's growth through the stats hook
     counts = engine.connector.counters
@@ -551,6 +552,31 @@ def test_stats_are_the_counters_growth_and_aggregate_as_vllm_expects() -> None:
     total = rebuilt.aggregate(KVLifeConnectorStats(data={"stores": 1, "evictions": 4}))
     assert total.reduce()["stores"] == 3 and total.reduce()["evictions"] == 4
     assert not total.is_empty() and KVLifeConnector.build_kv_connector_stats().is_empty()
+
+
+def test_stats_are_handed_over_once_per_interval_and_lose_no_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]  # vLLM's clock stands still unless the test moves it
+    monkeypatch.setattr("kvlife.offload.engines.vllm.scheduler.monotonic", lambda: now[0])
+    engine = Engine(stats_interval_s=10)
+    connector = engine.connector
+    engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=1))
+    engine.step()  # a's store is done: vLLM is handed the first growth in this step
+    first = dict(connector.counters)
+    assert first["stores"] == 1
+    engine.scheduler.add_request(make_request("b", prompt=40, max_tokens=1, first=3000))
+    engine.run_until_idle()  # b's store and its report, within the interval
+    assert connector.get_kv_connector_stats() is None
+    now[0] += 10
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None
+    growth = stats.reduce()
+    assert {key: growth[key] for key in first} == {
+        key: connector.counters[key] - first[key] for key in first
+    }
+    assert growth["stores"] == 1 and growth["host_pages_cached"] == 4
+    assert connector.get_kv_connector_stats() is None  # nothing new in this interval
 
 
 def test_every_connector_call_leaves_its_records_in_the_file(tmp_path: Any) -> None:

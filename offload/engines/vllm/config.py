@@ -39,6 +39,9 @@ class ConnectorConfig:
         audit_fsync: ``"never"``, ``"batch"`` (default) or ``"record"``.
         audit_max_bytes: rotate the log past this size (default: never).
         audit_backups: rotated files kept (default 5).
+        stats_interval_s: most often, in seconds, the connector hands its counters to
+            vLLM's stats hook (default 0.5; 0: at every step). Counts of the steps in
+            between are not lost: they are in the next interval's growth.
     """
 
     host_pages: int | None = None
@@ -49,6 +52,7 @@ class ConnectorConfig:
     audit_fsync: str = "batch"
     audit_max_bytes: int | None = None
     audit_backups: int = 5
+    stats_interval_s: float = 0.5
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -81,6 +85,13 @@ class ConnectorConfig:
         backups = extra.get("audit_backups", 5)
         if not isinstance(backups, int) or isinstance(backups, bool) or backups < 0:
             raise ValueError(f"kvlife: audit_backups must be an integer >= 0, got {backups!r}")
+        interval = extra.get("stats_interval_s", 0.5)
+        if (
+            not isinstance(interval, (int, float))
+            or isinstance(interval, bool)
+            or not 0 <= interval < float("inf")
+        ):
+            raise ValueError(f"kvlife: stats_interval_s must be a number >= 0, got {interval!r}")
         flush = extra.get("audit_flush_s", 1.0)
         if (
             not isinstance(flush, (int, float))
@@ -101,6 +112,7 @@ class ConnectorConfig:
                 **extra,
                 "stride_blocks": extra.get("stride_blocks") or 1,
                 "audit_flush_s": float(flush),
+                "stats_interval_s": float(interval),
             }
         )
 

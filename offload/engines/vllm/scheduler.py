@@ -9,6 +9,7 @@ scheduler holds under it now, since vLLM's scheduler output names requests by id
 from __future__ import annotations
 
 import logging
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
@@ -17,7 +18,7 @@ from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleRegistry, Trigger, Unk
 from kvlife.offload.engines.vllm.config import ConnectorConfig
 from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLifeWorkerMetadata
 from kvlife.offload.engines.vllm.stats import KVLifeConnectorStats, account_stats
-from kvlife.offload.planner import COUNTERS, OffloadPlanner, UnknownOrderError
+from kvlife.offload.planner import COUNTERS, OffloadPlanner, Progress, UnknownOrderError
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -63,55 +64,57 @@ class SchedulerSide:
         self.registry = registry
         self.block_size = block_size
         self.stride = config.stride_blocks
-        self.requests: dict[str, Request] = {}  # the request vLLM holds under an id now
+        # the lifecycle (and its progress) of the request vLLM holds under an id now
+        self.requests: dict[str, tuple[Lifecycle, Progress]] = {}
         self._reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # given to vLLM so far
+        self._changes = 0  # the planner's change count when vLLM was last given them
+        self._stats_at = -float("inf")  # when vLLM was last given them
+        self.stats_interval_s = config.stats_interval_s
         self._pending_loads: KVLifeConnectorMetadata = KVLifeConnectorMetadata()
 
     def on_new_request(self, request: Request) -> None:
-        self.planner.admit(request, rid=request.request_id)
-        self.requests[request.request_id] = request
-
-    def _lifecycle(self, req_id: str) -> Lifecycle | None:
-        request = self.requests.get(req_id)
-        return None if request is None else self.planner.find(request)
+        lc = self.planner.admit(request, rid=request.request_id)
+        self.requests[request.request_id] = (lc, self.planner.progress(lc))
 
     def build_meta(self, out: SchedulerOutput) -> KVLifeConnectorMetadata:
         meta, self._pending_loads = self._pending_loads, KVLifeConnectorMetadata()
-        planner = self.planner
-        wait = meta.wait_jobs
+        planner, live = self.planner, self.requests
+        size, stride, stores, wait = self.block_size, self.stride, meta.stores, meta.wait_jobs
+        scheduled = out.num_scheduled_tokens
         for req_id in out.preempted_req_ids or ():
-            lc = self._lifecycle(req_id)
-            if lc is not None:
-                wait |= planner.preempted(lc)
+            entry = live.get(req_id)
+            if entry is not None:
+                wait |= planner.preempted(entry[0])
         for new in out.scheduled_new_reqs:
-            lc = self._lifecycle(new.req_id)
-            if lc is None:
+            entry = live.get(new.req_id)
+            if entry is None:
                 wait |= planner.reused(new.block_ids[0])
                 continue
+            lc, progress = entry
             wait |= planner.add_slots(lc, new.block_ids[0], fresh=True)
-            computed = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
-            self._store(lc, computed, meta)
+            full = (new.num_computed_tokens + scheduled[new.req_id]) // size
+            if full - progress.covered >= stride:
+                stores += planner.store(lc, full, lc.req.block_hashes, stride=stride)
         cached = out.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        new_block_ids, computed = cached.new_block_ids, cached.num_computed_tokens
         for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            lc = self._lifecycle(req_id)
-            if lc is None:
+            new_ids = new_block_ids[i]
+            entry = live.get(req_id)
+            if entry is None:
                 if new_ids:
                     wait |= planner.reused(new_ids[0])
                 continue
-            resumed = req_id in cached.resumed_req_ids
-            if new_ids or resumed:
-                wait |= planner.add_slots(lc, new_ids[0] if new_ids else (), fresh=resumed)
-            computed = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
-            self._store(lc, computed, meta)
+            lc, progress = entry
+            if new_ids or req_id in resumed:
+                fresh = req_id in resumed
+                wait |= planner.add_slots(lc, new_ids[0] if new_ids else (), fresh=fresh)
+            # a store is due once `stride` blocks are full past those covered (the
+            # planner's own progress, read here so that most steps make no call)
+            full = (computed[i] + scheduled.get(req_id, 0)) // size
+            if full - progress.covered >= stride:
+                stores += planner.store(lc, full, lc.req.block_hashes, stride=stride)
         return meta
-
-    def _store(self, lc: Lifecycle, computed: int, meta: KVLifeConnectorMetadata) -> None:
-        """Offload the blocks that are full once this step ran, ``stride`` at a time."""
-        request = lc.req
-        meta.stores += self.planner.store(
-            lc, computed // self.block_size, request.block_hashes, stride=self.stride
-        )
 
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
         """Blocks of ``request`` past ``num_computed_tokens`` that the host cache holds,
@@ -156,7 +159,8 @@ class SchedulerSide:
             return False
         rid: str = request.request_id
         aborted = request.status == RequestStatus.FINISHED_ABORTED
-        if self.requests.get(rid) is request:
+        entry = self.requests.get(rid)
+        if entry is not None and entry[0] is lc:
             del self.requests[rid]
         self.planner.end(lc, aborted=aborted)
         return False  # vLLM frees the blocks and the id now; stores in flight fence them
@@ -170,8 +174,17 @@ class SchedulerSide:
             self.sink.write_out()
 
     def stats(self) -> KVLifeConnectorStats | None:
-        """The counters' growth since the last call and the page account now, or ``None``
-        when no counter grew."""
+        """The counters' growth since they were last handed over and the page account
+        now; ``None`` when no counter grew, or within ``stats_interval_s`` of the last
+        hand-over (the growth waits for the next one: vLLM calls this at every step, and
+        logs and exports per interval of seconds)."""
+        now = monotonic()
+        if now - self._stats_at < self.stats_interval_s:
+            return None
+        changes = self.planner.changes
+        if changes == self._changes:
+            return None
+        self._changes, self._stats_at = changes, now
         counts, reported = self.planner.counters(), self._reported
         delta: dict[str, Any] = {key: counts[key] - reported[key] for key in COUNTERS}
         if not any(delta.values()):
