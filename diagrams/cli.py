@@ -99,14 +99,14 @@ def _parser() -> _Parser:
         help="replay a log against the table (exit 1 on violations)",
         description="Replay LOG against the transition table; exit 1 when it finds violations.",
     )
-    check.add_argument("log")
+    check.add_argument("log", nargs="+", metavar="LOG", help=_LOG_HELP)
     check.add_argument("--json", action="store_true", help="machine-readable output")
     _verdict_options(check)
     _accept_table(check, "replay segments written")
     stats = audit_sub.add_parser(
         "stats", help="counts per trigger, reason and instance", description="Summarize LOG."
     )
-    stats.add_argument("log")
+    stats.add_argument("log", nargs="+", metavar="LOG", help=_LOG_HELP)
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     why = audit_sub.add_parser(
         "why",
@@ -115,7 +115,7 @@ def _parser() -> _Parser:
         "each transition and refusal, the other lifecycles that held the rid meanwhile, and "
         "which lifecycle a late completion belonged to.",
     )
-    why.add_argument("log")
+    why.add_argument("log", nargs="+", metavar="LOG", help=_LOG_HELP)
     which = why.add_mutually_exclusive_group(required=True)
     which.add_argument("--rid", help="every lifecycle of this rid")
     which.add_argument("--serial", type=_natural, help="the lifecycle with this serial")
@@ -132,7 +132,7 @@ def _parser() -> _Parser:
         description="Write a self-contained HTML page: the log-annotated diagram, the "
         "timeline, and a sortable, filterable table of lifecycles with each one's history.",
     )
-    report.add_argument("log")
+    report.add_argument("log", nargs="+", metavar="LOG", help=_LOG_HELP)
     report.add_argument("-o", "--output", required=True, metavar="FILE", help="the .html page")
     _accept_table(report, "include segments written")
     _verdict_options(report)
@@ -141,7 +141,7 @@ def _parser() -> _Parser:
         help="draw a log's timeline (PNG or SVG)",
         description="Draw one row per lifecycle instance, coloured by state over time.",
     )
-    timeline.add_argument("log")
+    timeline.add_argument("log", nargs="+", metavar="LOG", help=_LOG_HELP)
     timeline.add_argument("-o", "--output", required=True, metavar="FILE", help=".png or .svg")
     timeline.add_argument(
         "--rid", action="append", metavar="RID", help="draw only this rid (repeatable)"
@@ -271,6 +271,8 @@ def _os_error(exc: OSError) -> str:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if isinstance(getattr(args, "log", None), list):  # the audit subcommands
+        args.logs, args.log = args.log, _label(args.log)
     usage_of: argparse.ArgumentParser = args.usage_of
     if args.command is None or (args.command == "audit" and args.audit_command is None):
         sys.stderr.write(usage_of.format_help())
@@ -315,19 +317,51 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
     return show
 
 
-def _reader(path: str) -> AuditReader:
-    """A streaming reader of LOG and its rotated backups; usage errors for bad paths."""
-    if not path:
-        raise UsageError("kvlife: the audit log path is empty")
-    base = Path(path)
-    if base.is_dir():
-        raise UsageError(f"kvlife: {path} is a directory, not an audit log")
-    files = audit_files(base)
-    if not files[-1].exists():
-        raise UsageError(f"kvlife: no such audit log: {path}")
-    reader = AuditReader(files)
+_LOG_HELP = (
+    "an audit log (with its rotated files), several, or a directory of them: one per "
+    "writer (each engine core under data parallelism), each checked as its own sequence"
+)
+
+
+def _label(logs: Sequence[str]) -> str:
+    """How messages name the logs given."""
+    return logs[0] if len(logs) == 1 else f"{logs[0]} (and {len(logs) - 1} more)"
+
+
+def log_files(logs: Sequence[str]) -> list[Path]:
+    """The files of the logs given, in reading order: each log's rotated files oldest
+    first; a directory stands for every ``*.jsonl`` log in it (by name). Each writer's
+    log begins with its own header, so the reader sees it as a segment of its own.
+
+    Raises:
+        UsageError: a path is empty, names no audit log, or is a directory without one.
+    """
+    files: list[Path] = []
+    for path in logs:
+        if not path:
+            raise UsageError("kvlife: the audit log path is empty")
+        base = Path(path)
+        if base.is_dir():
+            writers = sorted(p for p in base.iterdir() if p.name.endswith(".jsonl") and p.is_file())
+            if not writers:
+                raise UsageError(f"kvlife: {path} is a directory with no audit log (*.jsonl)")
+            for writer in writers:
+                files += audit_files(writer)
+            continue
+        found = audit_files(base)
+        if not found[-1].exists():
+            raise UsageError(f"kvlife: no such audit log: {path}")
+        files += found
+    return files
+
+
+def _reader(logs: str | Sequence[str]) -> AuditReader:
+    """A streaming reader of the logs given (see ``log_files``); usage errors for bad
+    paths."""
+    paths = [logs] if isinstance(logs, str) else list(logs)
+    reader = AuditReader(log_files(paths))
     if sys.stderr.isatty() and reader.total_bytes() >= _PROGRESS_MIN_BYTES:
-        reader.progress = _progress_bar(f"reading {base.name}")
+        reader.progress = _progress_bar(f"reading {Path(paths[0]).name}")
     return reader
 
 
@@ -405,7 +439,7 @@ def _say_verdict(
     return verdict.exit_status
 
 
-def _segment_index(path: str, segment: int | str) -> int:
+def _segment_index(path: str, logs: Sequence[str], segment: int | str) -> int:
     """The index of the segment named by ``--segment``: the segment with that id, else
     (digits) the segment with that index."""
     if isinstance(segment, int):
@@ -413,7 +447,7 @@ def _segment_index(path: str, segment: int | str) -> int:
     ids: list[str] = []
 
     def find() -> int | None:
-        for event in _reader(path):
+        for event in _reader(logs):
             if type(event) is Segment:
                 if event.header.segment == segment:
                     return event.index
@@ -432,16 +466,16 @@ def _segment_index(path: str, segment: int | str) -> int:
 
 
 def _why(args: argparse.Namespace) -> int:
-    args.segment = _segment_index(args.log, args.segment)
+    args.segment = _segment_index(args.log, args.logs, args.segment)
     rid = args.rid
     if rid is None:
-        rid = _reading(args.log, lambda: find_rid(_reader(args.log), args.serial, args.segment))
+        rid = _reading(args.log, lambda: find_rid(_reader(args.logs), args.serial, args.segment))
         if rid is None:
             raise UsageError(
                 f"kvlife audit why: {args.log} has no lifecycle #{args.serial} in segment "
                 f"{args.segment}"
             )
-    reader = _reader(args.log)
+    reader = _reader(args.logs)
     checker = _checker(args)
     try:
         text = _reading(
@@ -469,7 +503,7 @@ def _timeline(args: argparse.Namespace) -> int:
         raise UsageError(f"kvlife audit timeline: -o needs a .png or .svg name, got {suffix!r}")
     if Path(args.output).is_dir():
         raise UsageError(f"kvlife: {args.output} is a directory; give a file name")
-    reader = _reader(args.log)
+    reader = _reader(args.logs)
     checker = _checker(args)
     try:
         rows = _reading(
@@ -498,11 +532,11 @@ def _report(args: argparse.Namespace) -> int:
 
     if Path(args.output).is_dir():
         raise UsageError(f"kvlife: {args.output} is a directory; give a file name")
-    _reader(args.log)  # a missing or foreign path is a usage error before any work
+    _reader(args.logs)  # a missing or foreign path is a usage error before any work
     readers: list[AuditReader] = []
 
     def events() -> AuditReader:
-        readers.append(_reader(args.log))
+        readers.append(_reader(args.logs))
         return readers[-1]
 
     page, data = _reading(
@@ -530,7 +564,7 @@ def _audit(args: argparse.Namespace) -> int:
         return _report(args)
     if args.audit_command == "timeline":
         return _timeline(args)
-    reader = _reader(args.log)
+    reader = _reader(args.logs)
     checker = AuditChecker(
         expect_released=args.audit_command == "check" and args.expect_released,
         accept_tables=getattr(args, "accept_table", ()),

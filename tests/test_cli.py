@@ -706,3 +706,53 @@ def test_an_unreadable_line_is_named_by_line_and_column(
     out = capsys.readouterr().out
     assert "unreadable line clean.jsonl:10: not JSON: " in out
     assert "object keys must be strings at column 12" in out and "(byte" not in out
+
+
+# ------------------------------------------------------------ one log per writer
+
+
+def _two_writers(directory: Path) -> tuple[Path, Path]:
+    """Two engine cores' logs, as data parallelism writes them: each a clean story of its
+    own, with the same serials and sequence numbers."""
+    directory.mkdir()
+    return clean_log(directory / "kvlife.dp0.jsonl"), clean_log(directory / "kvlife.dp1.jsonl")
+
+
+@pytest.mark.parametrize("given", ["directory", "files"])
+def test_every_audit_tool_takes_a_directory_or_several_logs(
+    given: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dp0, dp1 = _two_writers(tmp_path / "logs")
+    logs = [str(tmp_path / "logs")] if given == "directory" else [str(dp0), str(dp1)]
+    assert main(["audit", "check", *logs, "--expect-released"]) == 0
+    out = capsys.readouterr().out
+    assert "16 records in 2 segment(s), 4 lifecycles, 0 live" in out and "OK" in out
+    assert main(["audit", "stats", *logs, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lifecycles"] == 4
+    assert main(["audit", "why", *logs, "--serial", "1", "--segment", "1"]) == 0
+    assert "registered" in capsys.readouterr().out
+    assert main(["audit", "report", *logs, "-o", str(tmp_path / "r.html")]) == 0
+    assert main(["audit", "timeline", *logs, "-o", str(tmp_path / "t.svg")]) == 0
+    assert (tmp_path / "r.html").stat().st_size and (tmp_path / "t.svg").stat().st_size
+
+
+def test_two_writers_in_one_file_is_what_the_checker_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dp0, dp1 = _two_writers(tmp_path / "logs")
+    lines0, lines1 = dp0.read_text().splitlines(), dp1.read_text().splitlines()
+    mixed = [lines0[0], lines1[0]]  # both headers, then the records interleaved
+    for a, b in zip(lines0[1:], lines1[1:], strict=True):
+        mixed += [a, b]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(mixed) + "\n")
+    assert main(["audit", "check", str(tmp_path / "mixed.jsonl")]) == 1
+    assert "VIOLATION" in capsys.readouterr().out
+
+
+def test_a_directory_without_logs_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", "check", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvlife: {tmp_path} is a directory with no audit log (*.jsonl)\n"
+    )

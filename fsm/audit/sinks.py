@@ -488,6 +488,37 @@ class JsonLinesSink:
         with file.lock:
             file.flush(sync=False)
 
+    def settle(self) -> bool:
+        """Write buffered records out (no ``fsync``) and remove the ``PATH.open`` marker,
+        leaving the sink open: the writer is about to be stopped (a termination signal)
+        and the log is whole up to now. Records written after this are written as
+        before; the marker does not come back.
+
+        Safe to call from a signal handler in a sink with ``flush_interval_s``, where every
+        write holds the sink's lock: it never waits for it. Returns ``False`` (nothing
+        done) when the lock is held now (the signal interrupted a write), when the sink
+        has no flush thread (its writes do not take the lock), or when the write fails;
+        ``True`` when the log was settled (or is closed).
+        """
+        if self.write != self._buffer_record_locked:
+            return False
+        file = self._file
+        if not file.lock.acquire(blocking=False):
+            return False
+        try:
+            if file.fd is None:
+                return True
+            file.flush(sync=False)
+            if file.marker is not None:
+                with contextlib.suppress(OSError):
+                    file.marker.unlink()
+                file.marker = None
+            return True
+        except OSError:
+            return False
+        finally:
+            file.lock.release()
+
     def write_lost(self, marker: LostRecords) -> None:
         """Write a marker of records the registry had to drop (same rules as write)."""
         self.write(marker)

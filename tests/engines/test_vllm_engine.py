@@ -145,6 +145,50 @@ def test_kvlife_stores_and_loads_in_a_running_engine(
     assert cli.returncode == 0, cli.stdout + cli.stderr
 
 
+def test_a_store_copies_only_the_blocks_the_host_cache_does_not_hold(
+    model: Path, tmp_path: Path
+) -> None:
+    p = prompts(1, 3 * BLOCK, seed=6)[0]  # P: three blocks
+    pq = p + prompts(1, 2 * BLOCK, seed=7)[0]  # P+Q: two more
+    llm = make_llm(model, kv_transfer_config={**KVLIFE, "kv_connector_extra_config": {}})
+    try:
+        for prompt in (p, pq, pq):  # the output tokens never fill another block
+            _generate(llm, [prompt])
+        counts = _connector(llm).counters
+        assert counts["stored_blocks"] == 5 and counts["held_blocks"] == 3 + 5
+        assert _connector(llm).account().cached == 5
+    finally:
+        _shutdown(llm)
+
+
+def test_tensor_parallel_outputs_are_the_same_with_kvlife_and_loads_happen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per worker
+    model = make_model(tmp_path / "llama-2kv", kv_heads=2)
+    parallel = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    llm = make_llm(model, **parallel)
+    try:
+        expected = _generate(llm, A)
+    finally:
+        _shutdown(llm)
+    audit = tmp_path / "kvlife.jsonl"
+    extra = {"host_pages": 24, "audit_log": str(audit)}
+    kv = {**KVLIFE, "kv_connector_extra_config": extra}
+    llm = make_llm(model, kv_transfer_config=kv, **parallel)
+    try:
+        assert _generate(llm, A) == expected
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, A) == expected  # loaded from the host cache by both workers
+        counts = _connector(llm).counters
+        assert counts["loads"] == len(A) and counts["loaded_blocks"] == 3 * len(A)
+        assert counts["store_failures"] == counts["load_failures"] == 0
+    finally:
+        _shutdown(llm)
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 2 * len(A), report.violations
+
+
 def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:
     from vllm.config import KVTransferConfig  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: PLC0415
@@ -169,10 +213,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(model: Path, audit: Path, log: Path, *, kvlife: bool = True) -> Iterator[str]:
+def _server(
+    model: Path, audit: Path, log: Path, *, kvlife: bool = True, data_parallel: int = 1
+) -> Iterator[str]:
     """vLLM's OpenAI server on 127.0.0.1 with kvlife, ids not randomized, a KV cache of
-    64 blocks (so that requests are preempted); stopped with SIGINT to its process group,
-    as an operator stops it. Yields its base URL."""
+    64 blocks (so that requests are preempted); ``data_parallel`` engine cores, each on a
+    core of its own; stopped with SIGINT to its process group, as an operator stops it.
+    Yields its base URL."""
     port = _free_port()
     # no timed flush during the run: what is in the file is what each call wrote out
     extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 3600}
@@ -192,6 +239,9 @@ def _server(model: Path, audit: Path, log: Path, *, kvlife: bool = True) -> Iter
         *("--enforce-eager", "--num-gpu-blocks-override", "64", "--max-num-seqs", "16"),
         *("--seed", "0"),
     ]
+    if data_parallel > 1:
+        command += ["--data-parallel-size", str(data_parallel)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(data_parallel)))
     if kvlife:
         config = {**KVLIFE, "kv_connector_extra_config": extra}
         command += ["--kv-transfer-config", json.dumps(config)]
@@ -323,10 +373,53 @@ def test_an_openai_server_with_kvlife_under_load(
     rids = [r.rid for r in read_audit(audit).records if r.trigger == "register"]
     assert len(rids) == len(SERVED) + 5 + len(SHARED) == report.lifecycles
     assert sum("same-id" in (rid or "") for rid in rids) == 5
-    # vLLM killed the engine core (as at every stop): the next writer of the log says so
+    # vLLM killed the engine core moments after its SIGINT (as at every stop); kvlife
+    # settled the log on the signal, so the next writer finds a clean one
+    assert not Path(f"{audit}.open").exists()
     reopened = JsonLinesSink(audit, open_marker=True)
-    assert reopened.previous_unclean is not None
+    assert reopened.previous_unclean is None
     reopened.close()
+
+
+def test_a_data_parallel_server_writes_one_log_per_engine_core(
+    model: Path, reference: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    import openai  # noqa: PLC0415
+
+    audit, log = tmp_path / "logs" / "kvlife.jsonl", tmp_path / "server.log"
+    audit.parent.mkdir()
+    expected = reference["S"]
+
+    async def traffic(url: str) -> list[list[int] | None]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        try:
+            batch = SERVED[:12]
+            return await asyncio.gather(*(_complete(client, model, p) for p in batch))
+        finally:
+            await client.close()
+
+    with _server(model, audit, log, data_parallel=2) as url:
+        seen = asyncio.run(asyncio.wait_for(traffic(url), timeout=300))
+    assert seen == expected[:12]
+    output = log.read_text()
+    logs = sorted(audit.parent.iterdir())
+    assert [p.name for p in logs] == ["kvlife.dp0.jsonl", "kvlife.dp1.jsonl"]  # no .open
+    for path in logs:  # each engine core's start-up line names its own file
+        assert f"audit log {path}" in output
+    lifecycles = 0
+    for path in logs:  # each writer's records are a sequence of their own, clean
+        report = check_audit(AuditReader(path), expect_released=True)
+        assert report.ok, (path, report.violations)
+        lifecycles += report.lifecycles
+    assert lifecycles == 12  # every request, on one engine core or the other
+    check = ["audit", "check", "--expect-released", str(audit.parent)]
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvlife.diagrams.cli", *check],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 0 and "2 segment(s), 12 lifecycles" in cli.stdout, cli.stdout
 
 
 def test_the_engine_benchmark_measures_both_engines_side_by_side() -> None:

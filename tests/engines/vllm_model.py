@@ -18,8 +18,9 @@ VOCAB = 1024
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 
 
-def make_model(directory: Path) -> Path:
-    """Write the model and its tokenizer into ``directory``; returns it."""
+def make_model(directory: Path, *, kv_heads: int = 1) -> Path:
+    """Write the model and its tokenizer into ``directory``; returns it. ``kv_heads``: 2
+    for a model that tensor parallelism of 2 splits."""
     from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
     from transformers import (  # noqa: PLC0415
         LlamaConfig,
@@ -33,7 +34,7 @@ def make_model(directory: Path) -> Path:
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         vocab_size=VOCAB,
         max_position_embeddings=2048,
         bos_token_id=0,

@@ -3,6 +3,7 @@ and what follows from it (host pages, each engine core's audit log)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -143,17 +144,30 @@ def block_bytes(kv_cache_config: KVCacheConfig) -> int:
 def audit_path(audit_log: str, vllm_config: VllmConfig) -> str:
     """The audit log this engine core writes, from the one ``audit_log`` setting.
 
-    Every engine core is a writer of its own: with data parallelism (``data_parallel_size``
-    above 1) rank ``r`` writes ``NAME.dp<r>.jsonl`` beside ``audit_log`` (``kvlife.jsonl``
-    becomes ``kvlife.dp0.jsonl``, ``kvlife.dp1.jsonl``, ...; a name without a suffix gets
+    Every engine core is a writer of its own: under data parallelism rank ``r`` writes
+    ``NAME.dp<r>.jsonl`` beside ``audit_log`` (``kvlife.jsonl`` becomes
+    ``kvlife.dp0.jsonl``, ``kvlife.dp1.jsonl``, ...; a name without a suffix gets
     ``.dp<r>`` appended). ``kvlife audit`` takes the directory, or the files, and checks
     each writer's records as their own sequence. Without data parallelism it is
     ``audit_log`` itself.
+
+    An engine core is a data-parallel rank when its config says
+    ``data_parallel_size > 1``, or when vLLM marked its ``kv_transfer_config.engine_id``
+    with ``_dp<r>`` (vLLM does so for every rank; for a dense model it then resets the
+    rank's own parallel config to a single rank, keeping the rank in
+    ``data_parallel_index``).
     """
     parallel = vllm_config.parallel_config
-    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1:
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    marked = re.search(r"_dp(\d+)$", str(getattr(transfer, "engine_id", None) or ""))
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1 and marked is None:
         return audit_log
-    rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    if marked is not None:
+        rank = int(marked.group(1))
+    else:
+        rank = int(getattr(parallel, "data_parallel_index", None) or 0) or int(
+            getattr(parallel, "data_parallel_rank", 0) or 0
+        )
     path = Path(audit_log)
     if path.suffix:
         return str(path.with_name(f"{path.stem}.dp{rank}{path.suffix}"))

@@ -8,7 +8,11 @@ scheduler holds under it now, since vLLM's scheduler output names requests by id
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import threading
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +63,9 @@ class SchedulerSide:
                 flush_interval_s=config.audit_flush_s,
                 open_marker=True,
             )
+        self._handlers: dict[int, Any] = {}  # signal -> the handler kvlife put before vLLM's
+        if self.sink is not None:
+            self._settle_on_signals(self.sink)
         registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
         self.planner = OffloadPlanner(pages, registry=registry, reporters=workers)
         self.registry = registry
@@ -192,8 +199,40 @@ class SchedulerSide:
         self._reported = counts
         return KVLifeConnectorStats(data=delta | account_stats(self.planner.account()))
 
+    def _settle_on_signals(self, sink: JsonLinesSink) -> None:
+        """In vLLM's engine-core process, settle the log (records out, ``.open`` marker
+        gone) as soon as SIGINT or SIGTERM arrives, then run vLLM's own handler. vLLM's
+        server signals its engine core and kills it moments later (``mode=abort
+        timeout=0s``), before any shutdown call reaches the connector.
+
+        Only where vLLM handles SIGTERM itself (its engine-core process) and from the main
+        thread; elsewhere (an engine core in the caller's own process) nothing changes.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if not callable(signal.getsignal(signal.SIGTERM)):
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(signum)
+
+            def settle_first(number: int, frame: Any, previous: Any = previous) -> None:
+                sink.settle()  # never waits, never logs: safe in a signal handler
+                if callable(previous):
+                    previous(number, frame)
+                elif previous == signal.SIG_DFL:
+                    signal.signal(number, signal.SIG_DFL)
+                    os.kill(os.getpid(), number)
+
+            signal.signal(signum, settle_first)
+            self._handlers[signum] = (settle_first, previous)
+
     def shutdown(self) -> None:
         """Write every audit record and close the log (the engine is stopping)."""
+        for signum, (ours, previous) in self._handlers.items():
+            if signal.getsignal(signum) is ours and previous is not None:
+                with contextlib.suppress(ValueError):  # not the main thread now
+                    signal.signal(signum, previous)
+        self._handlers.clear()
         try:
             self.registry.flush()
         except Exception:  # another thread: the sink is flushed by its close below
