@@ -334,3 +334,31 @@ def test_a_writer_killed_outright_loses_at_most_its_last_interval_and_is_named(
         sink = JsonLinesSink(path, open_marker=True)
     assert sink.previous_unclean is not None and "stopped without closing" in caplog.text
     sink.close()
+
+
+def test_settle_writes_out_and_drops_the_marker_but_keeps_writing(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    sink = JsonLinesSink(path, flush_interval_s=3600, open_marker=True)
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 2)
+    assert sink.settle() is True  # a termination signal: the log is whole up to now
+    assert not Path(f"{path}.open").exists()
+    assert check_audit(read_audit(path).events(), expect_released=True).lifecycles == 2
+    _lifecycles(registry, 1)  # the writer goes on: its records are still written
+    sink.close()
+    assert check_audit(read_audit(path).events(), expect_released=True).lifecycles == 3
+    assert JsonLinesSink(path, open_marker=True).previous_unclean is None
+
+
+def test_settle_never_waits_and_refuses_a_sink_whose_writes_take_no_lock(
+    tmp_path: Path,
+) -> None:
+    sink = JsonLinesSink(tmp_path / "a.jsonl", flush_interval_s=3600, open_marker=True)
+    with sink._file.lock:  # the signal arrived in the middle of a write
+        assert sink.settle() is False
+    assert Path(f"{tmp_path / 'a.jsonl'}.open").exists()
+    sink.close()
+    plain = JsonLinesSink(tmp_path / "b.jsonl", open_marker=True)  # no flush thread
+    assert plain.settle() is False and Path(f"{tmp_path / 'b.jsonl'}.open").exists()
+    plain.close()
+    assert sink.settle() is True  # closed: nothing to settle

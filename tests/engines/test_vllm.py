@@ -602,3 +602,41 @@ def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
         assert result[config]["median_us"] > 0 and result[config]["p99_ratio"] > 0
     speed = copy_speed(layers=2, blocks=64, copied=8, reps=3)
     assert speed["store_gbs"] > 0 and speed["load_gbs"] > 0 and speed["mib"] == 1.0
+
+
+def test_in_an_engine_core_process_a_termination_signal_settles_the_log_first(
+    tmp_path: Any,
+) -> None:
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    seen: list[int] = []
+
+    def vllms_handler(signum: int, frame: Any) -> None:  # as vLLM's engine core has
+        seen.append(signum)
+
+    before = signal.signal(signal.SIGTERM, vllms_handler)
+    try:
+        audit = tmp_path / "kvlife.jsonl"
+        engine = Engine(audit_log=str(audit), audit_flush_s=3600)
+        engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=2))
+        engine.step()
+        assert (tmp_path / "kvlife.jsonl.open").exists()
+        os.kill(os.getpid(), signal.SIGTERM)  # the server stops: a kill follows at once
+        assert seen == [signal.SIGTERM]  # vLLM's own handler still ran, after kvlife's
+        assert not (tmp_path / "kvlife.jsonl.open").exists()
+        assert check_audit(AuditReader(audit)).ok  # every record so far, settled
+        engine.run_until_idle()
+        engine.connector.shutdown()
+        assert signal.getsignal(signal.SIGTERM) is vllms_handler  # kvlife's handler gone
+        assert check_audit(AuditReader(audit), expect_released=True).lifecycles == 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_outside_an_engine_core_process_no_signal_handler_changes(tmp_path: Any) -> None:
+    import signal  # noqa: PLC0415
+
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    Engine(audit_log=str(tmp_path / "kvlife.jsonl")).connector.shutdown()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
