@@ -276,7 +276,9 @@ class OffloadPlanner:
         the lifecycle is released when its last copy is over.
 
         Raises:
-            The errors of ``LifecycleRegistry.finish`` / ``abort``; nothing changed then.
+            KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+            InvalidTransitionError: ``lc`` already finished or was aborted (the
+                registry's refusal, counted and audited). Nothing else changed.
         """
         progress = self._progress[lc.serial]
         if aborted:
@@ -400,7 +402,8 @@ class OffloadPlanner:
         Raises:
             ValueError: ``count`` exceeds the lookup's blocks, or ``blocks`` ends before
                 them. Nothing changed.
-            The errors of ``LifecycleRegistry.start_offload``; nothing changed then.
+            InvalidTransitionError: the state refuses a copy (the registry's refusal,
+                counted and audited). Nothing else changed.
         """
         progress = self._progress[lc.serial]
         first, pages = progress.hit or (0, [])
@@ -410,11 +413,12 @@ class OffloadPlanner:
                 f"a load of {count} blocks from block {first} for {lc!r}: the lookup found "
                 f"{len(pages)}, the request has {len(blocks)} device blocks"
             )
-        progress.hit = None
         if count == 0:
+            progress.hit = None
             return None
         taken = tuple(pages[:count])
         ticket = self.registry.start_offload(lc, kind="load", blocks=count, first_block=first)
+        progress.hit = None
         self.cache.pin(taken)
         op = ticket.op
         self._orders[op] = _Order(ticket, slots, taken, (), True)

@@ -41,7 +41,7 @@ caches in whatever layout the attention backend chose (vLLM 0.32+ hands each lay
 ``[blocks, heads, tokens, content]`` view of one allocation, strided after one of its
 six ``KVCacheLayout`` permutations; a ``[2, blocks, ...]`` K/V-split tensor is taken
 too) and finds the block dimension from the shapes, strides and vLLM's resolved layout
-(see [`block_views`][kvlife.offload.engines.vllm.block_views]). A host page holds one
+(see [`block_views`][kvlife.offload.layout.block_views]). A host page holds one
 block of every layer, each in the device's own byte order; a store is one gather per
 layer over the block dimension (kvlife's ``CopyEngine``: side streams and events on
 CUDA, synchronous on CPU), a load writes the pages back into the blocks vLLM allocated,
