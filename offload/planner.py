@@ -321,14 +321,8 @@ class OffloadPlanner:
         self._changes += 1
         cache, storing = self.cache, self._storing
         keys = hashes[first:full]
-        absent, held = cache.missing(keys)
-        if storing and absent:  # another order may be copying some of them now
-            absent = [offset for offset in absent if keys[offset] not in storing]
-        if len(absent) > 1 and len({keys[offset] for offset in absent}) != len(absent):
-            unique: dict[Hashable, int] = {}  # a block that repeats is copied once
-            for offset in absent:
-                unique.setdefault(keys[offset], offset)
-            absent = list(unique.values())
+        # not cached, not being copied by another order now, each content once
+        absent, held = cache.missing(keys, storing)
         count = len(absent)
         pages = cache.take(self.allocator, count) if count else ()
         if pages is None:

@@ -16,7 +16,7 @@ eviction never scans past them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvlife.offload.pages import PageAllocator
@@ -109,18 +109,21 @@ class HostPrefixCache:
         self.stats.inserts += len(pages) - len(spare)
         return spare
 
-    def missing(self, keys: Iterable[Hashable]) -> tuple[list[int], list[Hashable]]:
-        """Which of ``keys`` the cache does not hold (their positions in ``keys``) and
-        which it holds (the keys). Counts nothing and changes nothing."""
+    def missing(
+        self, keys: Sequence[Hashable], skip: Container[Hashable] = ()
+    ) -> tuple[list[int], list[Hashable]]:
+        """Which of ``keys`` the cache does not hold, as positions in ``keys`` (each key
+        once, at its first position; keys in ``skip`` left out), and which it holds (the
+        keys). Counts nothing and changes nothing."""
         lru, pinned = self._lru, self._pinned
-        absent: list[int] = []
+        absent: dict[Hashable, int] = {}
         held: list[Hashable] = []
         for index, key in enumerate(keys):
             if key in lru or key in pinned:
                 held.append(key)
-            else:
-                absent.append(index)
-        return absent, held
+            elif key not in skip:
+                absent.setdefault(key, index)
+        return list(absent.values()), held
 
     def lookup(self, keys: Iterable[Hashable]) -> list[int]:
         """The pages of the longest cached prefix of ``keys``, in order. Counts a hit per
@@ -204,17 +207,20 @@ class HostPrefixCache:
         return pages
 
     def take(self, allocator: PageAllocator, count: int) -> tuple[int, ...] | None:
-        """``count`` pages from ``allocator``, evicting least recently used cached pages
-        into it first when it has too few free; ``None`` (nothing allocated, nothing
-        evicted) when free and evictable pages together are too few."""
-        short = count - allocator.available
-        if short > 0:
-            if short > len(self._lru):
-                return None
-            victims = self.evict(short)
-            assert victims is not None
-            allocator.free(victims)
-        return allocator.alloc(count)
+        """``count`` pages: the free pages of ``allocator`` first, then least recently
+        used cached pages taken out of the cache (they stay allocated: they pass from the
+        cache to the caller); ``None`` (nothing allocated, nothing evicted) when free and
+        evictable pages together are too few."""
+        free = allocator.available
+        if free >= count:
+            return allocator.alloc(count)
+        short = count - free
+        if short > len(self._lru):
+            return None
+        victims = self.evict(short)
+        assert victims is not None
+        head = allocator.alloc(free) if free else None
+        return (head or ()) + tuple(victims)
 
     def __repr__(self) -> str:
         return f"<HostPrefixCache {len(self)} pages, {len(self._pinned)} pinned>"

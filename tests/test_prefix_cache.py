@@ -122,3 +122,23 @@ def test_the_cache_behaves_as_a_plain_model(ops: list[tuple[str, int]]) -> None:
             cache.pinned == set(pins) and cache.evictable == len(lru) and len(cache) == len(key_of)
         )
         assert allocator.available + len(owned) + len(key_of) == 8
+
+
+def test_take_hands_free_pages_first_then_evicted_ones_still_allocated() -> None:
+    allocator = PageAllocator(4)
+    cache = HostPrefixCache()
+    taken = allocator.alloc(3)
+    assert taken == (0, 1, 2)
+    for page in taken:
+        assert cache.insert(f"h{page}", page)
+    pages = cache.take(allocator, 3)  # page 3 is free; two cached pages are evicted
+    assert pages == (3, 0, 1) and allocator.available == 0
+    assert all(allocator.is_allocated(page) for page in pages)  # now the caller's
+    assert "h0" not in cache and "h2" in cache and cache.stats.evictions == 2
+
+
+def test_missing_names_each_absent_key_once_and_leaves_out_skipped_ones() -> None:
+    cache, _ = _filled(2)
+    absent, held = cache.missing(["h0", "x", "y", "x", "h1", "z"], skip={"y"})
+    assert absent == [1, 5] and held == ["h0", "h1"]
+    assert (cache.stats.hits, cache.stats.misses) == (0, 0)  # counts nothing
