@@ -61,6 +61,19 @@ class UnknownOrderError(KeyError):
         return f"a report for copy {self.op}, which this planner never ordered"
 
 
+class CacheEvent(NamedTuple):
+    """A change of what the host cache holds, for those who route by it (KV events).
+
+    ``kind`` is ``"stored"`` (``keys`` joined the cache: the blocks ``first ..`` of the
+    request ``req``, consecutive) or ``"removed"`` (``keys`` left it: evicted or reset;
+    ``req`` is ``None`` and ``first`` 0)."""
+
+    kind: str
+    keys: tuple[Hashable, ...]
+    req: Any
+    first: int
+
+
 class StoreOrder(NamedTuple):
     """Copy device blocks into host pages: ``slots[i]`` into ``pages[i]``.
 
@@ -140,6 +153,8 @@ class _Order:
     load: bool
     reported: int = 0
     failed: int = 0
+    keep: bool = True  # a store's pages join the cache when it is done (not after a reset)
+    first: int = 0  # the index of its first block among the request's
 
 
 @dataclass(slots=True)
@@ -169,13 +184,20 @@ class OffloadPlanner:
             release hook to it.
         reporters: workers that must report each order before it is over (the tensor
             parallel world size).
+        events: keep a [`CacheEvent`][kvlife.offload.planner.CacheEvent] for every
+            change of what the host cache holds, for ``take_events`` (off: none kept).
 
     Raises:
         ValueError: ``pages`` or ``reporters`` is not a positive int.
     """
 
     def __init__(
-        self, pages: int, *, registry: LifecycleRegistry | None = None, reporters: int = 1
+        self,
+        pages: int,
+        *,
+        registry: LifecycleRegistry | None = None,
+        reporters: int = 1,
+        events: bool = False,
     ) -> None:
         if not isinstance(reporters, int) or isinstance(reporters, bool) or reporters <= 0:
             raise ValueError(f"reporters must be a positive int, got {reporters!r}")
@@ -194,6 +216,9 @@ class OffloadPlanner:
         # device block of a finished request -> the stores in flight that read it
         self._fences: dict[int, set[int]] = {}
         self.registry.on_release(self._released)
+        self._events: list[CacheEvent] | None = [] if events else None
+        if events:
+            self.cache.evicted = []
 
     # ------------------------------------------------------------------ requests
 
@@ -306,7 +331,8 @@ class OffloadPlanner:
         used instead), nor one another order stores now. Returns one order per run of
         consecutive blocks to copy; none when nothing waits, when the state refuses a
         store, or when the host pages (free and evictable) are too few: then nothing
-        changed and the blocks are tried again at the next call.
+        changed (but the held blocks' recency) and the blocks are tried again at the next
+        call.
 
         Raises:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
@@ -324,12 +350,12 @@ class OffloadPlanner:
         # not cached, not being copied by another order now, each content once
         absent, held = cache.missing(keys, storing)
         count = len(absent)
+        if held:  # needed again: the most recently used, before anything is evicted
+            cache.touch(held)
         pages = cache.take(self.allocator, count) if count else ()
         if pages is None:
             self._counts["skipped_stores"] += 1
             return []
-        if held:
-            cache.touch(held)
         self._counts["held_blocks"] += full - first - count
         progress.covered = full
         if not count:
@@ -363,7 +389,7 @@ class OffloadPlanner:
         else:  # no record is built: no detail to build and check either
             ticket = self.registry.start_offload(lc)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, pages, names, False)
+        self._orders[op] = _Order(ticket, slots, pages, names, False, first=start)
         progress.ops.add(op)
         self._storing.update(dict.fromkeys(names, op))
         self._storing_pages += count
@@ -415,7 +441,7 @@ class OffloadPlanner:
         progress.hit = None
         self.cache.pin(taken)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, taken, (), True)
+        self._orders[op] = _Order(ticket, slots, taken, (), True, first=first)
         progress.ops.add(op)
         progress.covered = max(progress.covered, first + count)  # already on the host
         return LoadOrder(op, slots, taken, first)
@@ -480,7 +506,12 @@ class OffloadPlanner:
             else:
                 counts["stores"] += 1
                 counts["stored_blocks"] += len(order.pages)
-                spare = self.cache.insert_all(order.hashes, order.pages)
+                if order.keep:
+                    spare = self.cache.insert_all(order.hashes, order.pages)
+                    if self._events is not None:
+                        self._stored(order, spare)
+                else:  # ordered before a reset: the cache does not take it
+                    spare = list(order.pages)
                 if spare:  # the same content was cached meanwhile
                     self.allocator.free(spare)
         if self.registry.audited:
@@ -499,6 +530,64 @@ class OffloadPlanner:
 
     def _released(self, lc: Lifecycle, req: Any) -> None:
         self._progress.pop(lc.serial, None)
+
+    # ------------------------------------------------------------------ events
+
+    def _stored(self, order: _Order, spare: list[int]) -> None:
+        events = self._events
+        assert events is not None
+        self._removed()  # what left the cache before these joined it comes first
+        req = order.ticket.lifecycle.req
+        if not spare:
+            events.append(CacheEvent("stored", order.hashes, req, order.first))
+            return
+        # pages not taken: their content was cached already (no change to tell); the
+        # others are told as runs of consecutive blocks
+        left = set(spare)
+        kept = [i for i, page in enumerate(order.pages) if page not in left]
+        for start, count in page_runs(kept):
+            keys = order.hashes[start : start + count]
+            events.append(CacheEvent("stored", keys, req, order.first + start))
+
+    def _removed(self) -> None:
+        evicted, events = self.cache.evicted, self._events
+        if evicted and events is not None:
+            events.append(CacheEvent("removed", tuple(evicted), None, 0))
+            evicted.clear()
+
+    def take_events(self) -> list[CacheEvent]:
+        """The changes of what the host cache holds since the last call, in order (empty
+        when the planner was made without ``events``)."""
+        if self._events is None:
+            return []
+        self._removed()
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self) -> bool:
+        """Empty the host cache of every page no copy reads: cached pages are freed, and
+        stores in flight free their pages when they are over instead of caching them
+        (their blocks may be stored again by any request meanwhile). Pages that loads
+        read stay cached until the loads are over. Returns whether the cache is empty
+        now (``False`` while loads or stores were in flight). Lifecycles, tickets and
+        progress are untouched: blocks a request already covered are not stored again
+        for it.
+        """
+        self._changes += 1
+        cache = self.cache
+        if cache.evictable:
+            victims = cache.evict(cache.evictable)
+            assert victims is not None
+            self.allocator.free(victims)
+        stores = 0
+        for order in self._orders.values():
+            if not order.load:
+                order.keep = False
+                stores += 1
+        self._storing.clear()
+        return not stores and not len(cache)
 
     # ------------------------------------------------------------------ introspection
 

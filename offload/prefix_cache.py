@@ -48,6 +48,9 @@ class HostPrefixCache:
         self._key: dict[int, Hashable] = {}  # page -> key, for every cached page
         self._pins: dict[int, int] = {}  # page -> loads reading it
         self.stats = PrefixCacheStats()
+        #: When a list, every evicted key is appended to it, in order (for an owner that
+        #: tells others what the cache holds); ``None`` (the default): nothing is kept.
+        self.evicted: list[Hashable] | None = None
 
     def __len__(self) -> int:
         return len(self._key)
@@ -199,10 +202,13 @@ class HostPrefixCache:
         if count > len(lru):
             return None
         pages = []
+        evicted = self.evicted
         for _ in range(count):
-            _, page = lru.popitem(last=False)
+            key, page = lru.popitem(last=False)
             del self._key[page]
             pages.append(page)
+            if evicted is not None:
+                evicted.append(key)
         self.stats.evictions += count
         return pages
 

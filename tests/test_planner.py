@@ -215,6 +215,48 @@ def test_a_given_registry_is_used() -> None:
     assert registry.lifecycle(lc.req) is lc
 
 
+def test_a_reset_frees_what_no_copy_reads_and_says_whether_the_cache_is_empty() -> None:
+    planner = OffloadPlanner(8)
+    a = _admitted(planner, "a", 3)
+    _done(planner, planner.store(a, 3, _hashes("p", 3)))
+    assert planner.reset() is True
+    assert planner.account() == PageAccount(capacity=8, free=8, cached=0, pinned=0, storing=0)
+    b = _admitted(planner, "b", 2, first_slot=3)
+    (store,) = planner.store(b, 2, _hashes("q", 2))
+    _done(planner, planner.store(_admitted(planner, "c", 1, first_slot=5), 1, ["r"]))
+    c = planner.admit(Req("d"), "d")
+    assert planner.lookup(c, 0, ["r"]) == 1
+    load = planner.load(c, 1, [9])
+    assert load is not None
+    assert planner.reset() is False  # a store and a load are in flight
+    assert planner.account().pinned == 1  # the page the load reads stays cached
+    _done(planner, [store])  # ordered before the reset: its pages are freed, not cached
+    assert "q0" not in planner.cache and planner.account().storing == 0
+    assert planner.report(load.op) is True
+    assert planner.account().cached == 1 and planner.reset() is True
+    assert planner.account().free == 8
+
+
+def test_cache_events_tell_what_joined_and_left_the_cache_in_order() -> None:
+    planner = OffloadPlanner(3, events=True)
+    a = _admitted(planner, "a", 3)
+    _done(planner, planner.store(a, 3, ["x", "y", "z"]))
+    b = _admitted(planner, "b", 2, first_slot=3)
+    (order,) = planner.store(b, 2, ["x", "w"])  # x is held (now the most recently used)
+    _done(planner, [order])
+    events = planner.take_events()
+    assert [(e.kind, e.keys, e.first) for e in events] == [
+        ("stored", ("x", "y", "z"), 0),
+        ("removed", ("y",), 0),  # the least recently used (x was needed again)
+        ("stored", ("w",), 1),
+    ]
+    assert events[0].req is a.req and events[2].req is b.req
+    assert planner.take_events() == []
+    planner.reset()
+    assert [(e.kind, set(e.keys)) for e in planner.take_events()] == [("removed", {"x", "z", "w"})]
+    assert OffloadPlanner(3).take_events() == []  # none kept unless asked for
+
+
 class PlannerModel(RuleBasedStateMachine):
     """Requests over a shared vocabulary of blocks (ids reused, aborts, preemptions,
     reports held back, repeated and failed, two workers): after every step each host page
@@ -272,6 +314,11 @@ class PlannerModel(RuleBasedStateMachine):
             self.planner.preempted(lc)
             self.planner.add_slots(lc, range(self.slot, self.slot + 4), fresh=True)
             self.slot += 4
+
+    @rule()
+    def reset(self) -> None:
+        empty = self.planner.reset()
+        assert empty == (not self.open and not len(self.planner.cache))
 
     @precondition(lambda self: self.ever)
     @rule(data=st.data(), ok=st.booleans())

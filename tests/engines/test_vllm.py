@@ -356,6 +356,91 @@ def test_the_page_account_sums_to_the_capacity_after_every_step() -> None:
         assert checked == 120
 
 
+def test_a_prefix_cache_reset_with_the_connector_empties_the_host_cache() -> None:
+    engine = Engine()
+    _cached_prefix(engine)  # a's three blocks in the host cache, vLLM's own emptied
+    assert engine.connector.account().cached == 3
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    account = engine.connector.account()
+    assert (account.free, account.cached) == (64, 0)
+    engine.scheduler.add_request(make_request("b", prompt=48, max_tokens=2))
+    assert engine.step().kv_connector_metadata.loads == []  # nothing left to load
+    engine.run_until_idle()
+
+
+def test_a_reset_while_a_load_reads_the_cache_says_it_could_not() -> None:
+    engine = Engine()
+    _cached_prefix(engine)
+    engine.scheduler.add_request(make_request("b", prompt=48, max_tokens=2))
+    engine.hold_all = True
+    engine.step()  # b's load pins two pages
+    assert engine.connector.reset_cache() is False
+    assert engine.connector.account().pinned == 2  # still read: still cached
+    engine.run_until_idle()
+    assert engine.connector.reset_cache() is True
+    assert engine.connector.account().free == 64
+
+
+def _tier(events: list[Any], medium: str | None, kind: str) -> list[Any]:
+    return [e for e in events if type(e).__name__ == kind and e.medium == medium]
+
+
+def _medium(event: Any) -> str | None:
+    return getattr(event, "medium", None)  # vLLM's AllBlocksCleared has none
+
+
+def test_the_host_tier_is_published_as_kv_events_a_router_can_match_to_the_device() -> None:
+    engine = Engine(kv_events=True, host_pages=4)
+    engine.scheduler.add_request(make_request("a", prompt=48, max_tokens=2))
+    engine.run_until_idle()
+    device = {h: e for e in _tier(engine.events, None, "BlockStored") for h in e.block_hashes}
+    device |= {h: e for e in _tier(engine.events, "GPU", "BlockStored") for h in e.block_hashes}
+    (stored,) = _tier(engine.events, "CPU", "BlockStored")  # one store of three blocks
+    assert len(stored.block_hashes) == 3 and stored.parent_block_hash is None
+    assert stored.block_size == 16 and len(stored.token_ids) == 48
+    for i, block_hash in enumerate(stored.block_hashes):  # the device's hash, same tokens
+        assert block_hash in device, i
+        on_device = device[block_hash]
+        start = on_device.block_hashes.index(block_hash) * on_device.block_size
+        assert on_device.token_ids[start : start + 16] == stored.token_ids[i * 16 : i * 16 + 16]
+    view: set[Any] = set()  # a router's view of the host tier, from the events alone
+
+    def router_view() -> set[Any]:
+        for event in engine.events:
+            if _medium(event) != "CPU":
+                continue
+            if type(event).__name__ == "BlockStored":
+                view.update(event.block_hashes)
+            else:  # a removal names only blocks the tier was said to hold
+                assert set(event.block_hashes) <= view
+                view.difference_update(event.block_hashes)
+        engine.events.clear()
+        return view
+
+    assert router_view() == set(stored.block_hashes)
+    engine.scheduler.reset_prefix_cache()
+    engine.scheduler.add_request(make_request("b", prompt=48, max_tokens=20, first=5000))
+    engine.run_until_idle()  # b's four blocks need the pages: a's three are evicted
+    assert _tier(engine.events, "CPU", "BlockRemoved")
+    b_stored = _tier(engine.events, "CPU", "BlockStored")
+    assert b_stored[0].parent_block_hash is None and len(b_stored) >= 2
+    assert b_stored[1].parent_block_hash == b_stored[0].block_hashes[-1]  # one chain
+    held = router_view()
+    assert len(held) == engine.connector.account().cached == 4
+    assert not held & set(stored.block_hashes)
+    assert engine.connector.reset_cache() is True
+    engine.scheduler.add_request(make_request("c", prompt=8, max_tokens=1, first=9000))
+    engine.run_until_idle()  # the reset's removals are published with the next step
+    assert router_view() == set()
+
+
+def test_without_kv_events_the_connector_publishes_none() -> None:
+    engine = Engine(host_pages=4)
+    engine.scheduler.add_request(make_request("a", prompt=48, max_tokens=2))
+    engine.run_until_idle()
+    assert list(engine.connector.take_events()) == []
+
+
 def test_a_request_the_connector_never_saw_is_refused_not_raised() -> None:
     engine = Engine()
     stranger = make_request("x")

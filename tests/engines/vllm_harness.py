@@ -24,6 +24,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -78,6 +79,7 @@ def make_scheduler(
     blocks: int = 128,
     tensor_parallel: int = 1,
     max_seqs: int = 16,
+    kv_events: bool = False,
 ) -> Scheduler:
     model_config = ModelConfig(
         model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
@@ -103,6 +105,9 @@ def make_scheduler(
         ),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if kv_events
+        else None,
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=12, head_size=64, dtype=torch.float16)
     page = spec.page_size_bytes
@@ -209,12 +214,27 @@ class Engine:
     from being reported (a copy still in flight) until ``release``."""
 
     def __init__(
-        self, *, blocks: int = 64, host_pages: int = 64, tensor_parallel: int = 1, **extra: Any
+        self,
+        *,
+        blocks: int = 64,
+        host_pages: int = 64,
+        tensor_parallel: int = 1,
+        kv_events: bool = False,
+        **extra: Any,
     ) -> None:
         config = {"host_pages": host_pages, **extra}
         self.scheduler = make_scheduler(
-            "KVLifeConnector", KVLIFE, config, blocks=blocks, tensor_parallel=tensor_parallel
+            "KVLifeConnector",
+            KVLIFE,
+            config,
+            blocks=blocks,
+            tensor_parallel=tensor_parallel,
+            kv_events=kv_events,
         )
+        self.events: list[Any] = []  # every KV event vLLM published, in order
+        publisher = self.scheduler.kv_event_publisher
+        publish = publisher.publish
+        publisher.publish = lambda batch: (self.events.extend(batch.events), publish(batch))
         self.connector = self.scheduler.connector
         self.worker = KVLifeConnector(
             self.scheduler.vllm_config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config

@@ -34,7 +34,10 @@ from kvlife.offload.layout import LayoutError
 from kvlife.offload.planner import OffloadPlanner, PageAccount
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -77,12 +80,14 @@ class KVLifeConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             audit = config.audit_log and audit_path(config.audit_log, vllm_config)
+            events = getattr(vllm_config, "kv_events_config", None)
             self._scheduler = SchedulerSide(
                 pages=pages,
                 block_size=vllm_config.cache_config.block_size,
                 workers=vllm_config.parallel_config.world_size,
                 config=config,
                 audit_log=audit,
+                kv_events=bool(getattr(events, "enable_kv_cache_events", False)),
             )
             logger.info(
                 "kvlife %s connector active (vLLM %s): host cache %d blocks, audit log %s",
@@ -155,6 +160,24 @@ class KVLifeConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return None  # the scheduler side counts everything
         return self._scheduler.stats()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The host tier's KV events since the last call (none unless vLLM's
+        ``kv_events_config`` enables KV cache events)."""
+        if self._scheduler is None:
+            return ()
+        return self._scheduler.take_events()
+
+    def reset_cache(self) -> bool | None:
+        """Empty the host cache of every page no copy reads (vLLM's
+        ``reset_prefix_cache(reset_connector=True)``); ``False`` while copies were in
+        flight (their pages leave the cache when they are over, except those loads
+        read). ``None`` on a worker-side connector (vLLM asks the scheduler's)."""
+        if self._scheduler is None:
+            return None
+        ok = self._scheduler.planner.reset()
+        self._scheduler.written()
+        return ok
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.kvlife")
 
+MEDIUM = "CPU"
+"""The ``medium`` of the host tier's KV events (vLLM's own CPU offload says the same)."""
+
 
 class SchedulerSide:
     """The planner, its audit log, and the requests vLLM holds under each id now.
@@ -42,6 +45,8 @@ class SchedulerSide:
         workers: workers that report each copy (the tensor-parallel world size).
         config: the checked extra config.
         audit_log: the file this engine core writes (see ``config.audit_path``), or none.
+        kv_events: publish the host tier's changes as vLLM KV events (vLLM's
+            ``kv_events_config.enable_kv_cache_events``).
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class SchedulerSide:
         workers: int,
         config: ConnectorConfig,
         audit_log: str | None,
+        kv_events: bool = False,
     ) -> None:
         self.sink: JsonLinesSink | None = None
         if audit_log:
@@ -67,7 +73,8 @@ class SchedulerSide:
         if self.sink is not None:
             self._settle_on_signals(self.sink)
         registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
-        self.planner = OffloadPlanner(pages, registry=registry, reporters=workers)
+        self.planner = OffloadPlanner(pages, registry=registry, reporters=workers, events=kv_events)
+        self.kv_events = kv_events
         self.registry = registry
         self.block_size = block_size
         self.stride = config.stride_blocks
@@ -171,6 +178,40 @@ class SchedulerSide:
             del self.requests[rid]
         self.planner.end(lc, aborted=aborted)
         return False  # vLLM frees the blocks and the id now; stores in flight fence them
+
+    def take_events(self) -> list[Any]:
+        """The host tier's changes since the last call as vLLM's KV events, ``medium``
+        "CPU": ``BlockStored`` for blocks that joined the host cache (with the block
+        hashes, parent hash, token ids and LoRA vLLM's device events give the same
+        blocks), ``BlockRemoved`` for blocks evicted or dropped by a reset."""
+        if not self.kv_events:
+            return []
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: PLC0415
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: PLC0415
+
+        size, out = self.block_size, []
+        for event in self.planner.take_events():
+            hashes = [maybe_convert_block_hash(key) for key in event.keys]
+            if event.kind == "removed":
+                out.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM, group_idx=0))
+                continue
+            request, first = event.req, event.first
+            lora = request.lora_request
+            parent = request.block_hashes[first - 1] if first else None
+            tokens = request.all_token_ids[first * size : (first + len(hashes)) * size]
+            out.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                    token_ids=list(tokens),
+                    block_size=size,
+                    lora_id=lora.adapter_id if lora else None,
+                    medium=MEDIUM,
+                    lora_name=lora.name if lora else None,
+                    group_idx=0,
+                )
+            )
+        return out
 
     def written(self) -> None:
         """The end of a connector call: its records go to the file now (no fsync), so
