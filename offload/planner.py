@@ -206,7 +206,6 @@ class OffloadPlanner:
         self.registry = registry if registry is not None else LifecycleRegistry()
         self.reporters = reporters
         self._counts = dict.fromkeys(COUNTERS, 0)
-        self._changes = 0  # calls that may have changed a counter
         self._progress: dict[int, Progress] = {}  # by lifecycle serial
         self._orders: dict[int, _Order] = {}  # in flight, by copy number
         # Invariant: a hash is in _storing while exactly that order writes its page.
@@ -344,7 +343,6 @@ class OffloadPlanner:
         full = min(full, len(progress.slots), len(hashes))
         if full - first < stride or not LIFECYCLE.permits(lc.state, Trigger.START_OFFLOAD):
             return []
-        self._changes += 1
         cache, storing = self.cache, self._storing
         keys = hashes[first:full]
         # not cached, not being copied by another order now, each content once
@@ -405,7 +403,6 @@ class OffloadPlanner:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
         """
         progress = self._progress[lc.serial]
-        self._changes += 1
         pages = self.cache.lookup(hashes) if hashes else []
         progress.hit = (first, pages)
         self._counts["hit_blocks"] += len(pages)
@@ -459,7 +456,6 @@ class OffloadPlanner:
             UnknownOrderError: no order ``op`` was made (or it was forgotten). Nothing
                 changed.
         """
-        self._changes += 1
         order = self._orders.get(op)
         if order is None:
             ticket = self._over.get(op)
@@ -575,7 +571,6 @@ class OffloadPlanner:
         progress are untouched: blocks a request already covered are not stored again
         for it.
         """
-        self._changes += 1
         cache = self.cache
         if cache.evictable:
             victims = cache.evict(cache.evictable)
@@ -617,12 +612,6 @@ class OffloadPlanner:
             pinned=pinned,
             storing=self._storing_pages,
         )
-
-    @property
-    def changes(self) -> int:
-        """A number that grows whenever a counter may have changed (compare two readings
-        to skip building ``counters()`` when nothing happened)."""
-        return self._changes + sum(self.registry.refusals.values())
 
     def counters(self) -> dict[str, int]:
         """Every counter since start (the keys of

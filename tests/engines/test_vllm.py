@@ -11,7 +11,7 @@ xfail: if vLLM fixes it, the test says so.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -461,6 +461,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvlife.offload import LayoutError  # noqa: E402
 from kvlife.offload.engines.vllm import (  # noqa: E402
+    STAT_KEYS,
     ConnectorConfig,
     KVLifeConnector,
     KVLifeConnectorMetadata,
@@ -662,6 +663,74 @@ def test_stats_are_handed_over_once_per_interval_and_lose_no_count(
     }
     assert growth["stores"] == 1 and growth["host_pages_cached"] == 4
     assert connector.get_kv_connector_stats() is None  # nothing new in this interval
+
+
+class _Metric:
+    """A stand-in for a prometheus_client metric class: records what it was given."""
+
+    made: ClassVar[dict[str, _Metric]] = {}
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], **_: Any) -> None:
+        assert documentation and labelnames == ["engine", "model_name"]
+        self.values: dict[tuple[Any, ...], float] = {}
+        self.made[name] = self
+        self._labels: tuple[Any, ...] = ()
+
+    def labels(self, *values: Any) -> _Metric:
+        self._labels = values
+        return self
+
+    def inc(self, value: float) -> None:
+        self.values[self._labels] = self.values.get(self._labels, 0) + value
+
+    def set(self, value: float) -> None:
+        self.values[self._labels] = value
+
+
+def test_kvlifes_stats_reach_prometheus_with_vllms_labels() -> None:
+    from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
+
+    vllm_config = make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm").vllm_config
+    labels = {0: ["0", "m"], 1: ["1", "m"]}
+    prom = KVLifeConnector.build_prom_metrics(
+        vllm_config,
+        {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},
+        ["engine", "model_name"],
+        labels,
+    )
+    prom.observe({"stores": 2, "stored_bytes": 100, "host_pages_free": 7}, engine_idx=1)
+    prom.observe({"stores": 3, "host_pages_free": 5, "lifecycles_allocated": 4}, engine_idx=1)
+    made = _Metric.made
+    assert made["vllm:kvlife_stores"].values == {("1", "m"): 5}  # counters add up
+    assert made["vllm:kvlife_stored_bytes"].values == {("1", "m"): 100}
+    assert made["vllm:kvlife_host_pages_free"].values == {("1", "m"): 5}  # gauges: latest
+    assert made["vllm:kvlife_lifecycles_allocated"].values == {("1", "m"): 4}
+    assert set(made) == {f"vllm:kvlife_{key}" for key in STAT_KEYS}
+
+
+def test_stats_carry_bytes_and_the_lifecycles_live_per_state() -> None:
+    engine = Engine(stats_interval_s=0)
+    connector = engine.connector
+    handed: list[dict[str, Any]] = []  # what vLLM's stats hook was given, step by step
+    take = connector.get_kv_connector_stats
+
+    def hook() -> Any:
+        stats = take()
+        if stats is not None:
+            handed.append(stats.reduce())
+        return stats
+
+    connector.get_kv_connector_stats = hook
+    engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=30))
+    engine.hold_all = True
+    engine.step()  # a's store is in flight: a is offloading
+    assert handed[-1]["lifecycles_offloading"] == 1 and handed[-1]["host_pages_storing"] == 2
+    engine.run_until_idle()
+    assert handed[-1]["lifecycles_allocated"] == handed[-1]["lifecycles_offloading"] == 0
+    stored = sum(h["stored_blocks"] for h in handed)
+    per_block = connector._scheduler.bytes_per_block
+    assert sum(h["stored_bytes"] for h in handed) == stored * per_block > 0
+    assert per_block == 2 * 16 * 12 * 64 * 2  # the scheduler's spec: K+V, 12 x 64, fp16
 
 
 def test_every_connector_call_leaves_its_records_in_the_file(tmp_path: Any) -> None:

@@ -334,6 +334,7 @@ async def _requests(client: Any, url: str, model: Path, audit: Path) -> dict[str
     await asyncio.sleep(1.5)  # vLLM logs the last interval's metrics (every second here)
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
         metrics = response.read().decode()
+    seen["metrics"] = metrics
     seen["preemptions"] = sum(
         float(line.split()[-1])
         for line in metrics.splitlines()
@@ -366,6 +367,16 @@ def test_an_openai_server_with_kvlife_under_load(
     metrics = [line for line in output.splitlines() if "KV Transfer metrics" in line]
     loads = sum(int(line.split("loads=")[1].split(",")[0]) for line in metrics)
     assert metrics and loads >= 1, metrics
+    # and vLLM's Prometheus /metrics, with vLLM's labels (engine, model)
+    exported = {
+        line.split("{")[0]: float(line.split()[-1])
+        for line in seen["metrics"].splitlines()
+        if line.startswith("vllm:kvlife_") and 'engine="0"' in line
+    }
+    assert exported["vllm:kvlife_stores_total"] > 0, exported
+    assert exported["vllm:kvlife_loaded_blocks_total"] >= 1
+    assert exported["vllm:kvlife_stored_bytes_total"] > 0
+    assert exported["vllm:kvlife_host_pages"] == 256
 
     # read after the operator's stop: complete, every request released
     report = check_audit(AuditReader(audit), expect_released=True)

@@ -81,10 +81,17 @@ from kvlife.offload.engines.vllm.config import (
 )
 from kvlife.offload.engines.vllm.connector import KVLifeConnector
 from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLifeWorkerMetadata
-from kvlife.offload.engines.vllm.stats import GAUGES, STAT_KEYS, KVLifeConnectorStats
+from kvlife.offload.engines.vllm.stats import (
+    COUNTERS,
+    GAUGES,
+    STAT_KEYS,
+    KVLifeConnectorStats,
+    KVLifePromMetrics,
+)
 from kvlife.offload.engines.vllm.worker import resolved_layout, vllm_block_views
 
 __all__ = [
+    "COUNTERS",
     "DEFAULT_HOST_PAGES",
     "GAUGES",
     "STAT_KEYS",
@@ -93,6 +100,7 @@ __all__ = [
     "KVLifeConnector",
     "KVLifeConnectorMetadata",
     "KVLifeConnectorStats",
+    "KVLifePromMetrics",
     "KVLifeWorkerMetadata",
     "audit_path",
     "block_bytes",

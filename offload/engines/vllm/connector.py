@@ -27,7 +27,7 @@ from kvlife.offload.engines.vllm.config import (
 )
 from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata
 from kvlife.offload.engines.vllm.scheduler import SchedulerSide
-from kvlife.offload.engines.vllm.stats import KVLifeConnectorStats
+from kvlife.offload.engines.vllm.stats import KVLifeConnectorStats, KVLifePromMetrics
 from kvlife.offload.engines.vllm.worker import WorkerSide, resolved_layout
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import LayoutError
@@ -88,6 +88,8 @@ class KVLifeConnector(KVConnectorBase_V1):
                 config=config,
                 audit_log=audit,
                 kv_events=bool(getattr(events, "enable_kv_cache_events", False)),
+                bytes_per_block=block_bytes(kv_cache_config)
+                * vllm_config.parallel_config.world_size,
             )
             logger.info(
                 "kvlife %s connector active (vLLM %s): host cache %d blocks, audit log %s",
@@ -149,6 +151,18 @@ class KVLifeConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # any layout the attention backend picks: the block views adapt
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVLifePromMetrics:
+        """kvlife's counters and gauges in vLLM's ``/metrics`` (see
+        [`KVLifePromMetrics`][kvlife.offload.engines.vllm.stats.KVLifePromMetrics])."""
+        return KVLifePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(

@@ -21,7 +21,11 @@ from vllm.v1.request import RequestStatus
 from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleRegistry, Trigger, UnknownRequestError
 from kvlife.offload.engines.vllm.config import ConnectorConfig
 from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLifeWorkerMetadata
-from kvlife.offload.engines.vllm.stats import KVLifeConnectorStats, account_stats
+from kvlife.offload.engines.vllm.stats import (
+    KVLifeConnectorStats,
+    account_stats,
+    lifecycle_stats,
+)
 from kvlife.offload.planner import COUNTERS, OffloadPlanner, Progress, UnknownOrderError
 
 if TYPE_CHECKING:
@@ -47,6 +51,8 @@ class SchedulerSide:
         audit_log: the file this engine core writes (see ``config.audit_path``), or none.
         kv_events: publish the host tier's changes as vLLM KV events (vLLM's
             ``kv_events_config.enable_kv_cache_events``).
+        bytes_per_block: bytes one block copy moves over every worker (for the bytes
+            counters).
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class SchedulerSide:
         config: ConnectorConfig,
         audit_log: str | None,
         kv_events: bool = False,
+        bytes_per_block: int = 0,
     ) -> None:
         self.sink: JsonLinesSink | None = None
         if audit_log:
@@ -75,13 +82,14 @@ class SchedulerSide:
         registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
         self.planner = OffloadPlanner(pages, registry=registry, reporters=workers, events=kv_events)
         self.kv_events = kv_events
+        self.bytes_per_block = bytes_per_block
         self.registry = registry
         self.block_size = block_size
         self.stride = config.stride_blocks
         # the lifecycle (and its progress) of the request vLLM holds under an id now
         self.requests: dict[str, tuple[Lifecycle, Progress]] = {}
         self._reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # given to vLLM so far
-        self._changes = 0  # the planner's change count when vLLM was last given them
+        self._gauges: dict[str, int] = {}  # the gauges vLLM was last given
         self._stats_at = -float("inf")  # when vLLM was last given them
         self.stats_interval_s = config.stats_interval_s
         self._pending_loads: KVLifeConnectorMetadata = KVLifeConnectorMetadata()
@@ -222,23 +230,25 @@ class SchedulerSide:
             self.sink.write_out()
 
     def stats(self) -> KVLifeConnectorStats | None:
-        """The counters' growth since they were last handed over and the page account
-        now; ``None`` when no counter grew, or within ``stats_interval_s`` of the last
-        hand-over (the growth waits for the next one: vLLM calls this at every step, and
-        logs and exports per interval of seconds)."""
+        """The counters' growth since they were last handed over, and the gauges (page
+        account, lifecycles per state) now; ``None`` within ``stats_interval_s`` of the
+        last hand-over (the growth waits for the next one: vLLM calls this at every step,
+        and logs and exports per interval of seconds), or when nothing changed."""
         now = monotonic()
         if now - self._stats_at < self.stats_interval_s:
             return None
-        changes = self.planner.changes
-        if changes == self._changes:
-            return None
-        self._changes, self._stats_at = changes, now
+        self._stats_at = now
         counts, reported = self.planner.counters(), self._reported
         delta: dict[str, Any] = {key: counts[key] - reported[key] for key in COUNTERS}
-        if not any(delta.values()):
+        gauges = account_stats(self.planner.account()) | lifecycle_stats(
+            self.registry.statistics().live
+        )
+        if not any(delta.values()) and gauges == self._gauges:
             return None
-        self._reported = counts
-        return KVLifeConnectorStats(data=delta | account_stats(self.planner.account()))
+        self._reported, self._gauges = counts, gauges
+        delta["stored_bytes"] = delta["stored_blocks"] * self.bytes_per_block
+        delta["loaded_bytes"] = delta["loaded_blocks"] * self.bytes_per_block
+        return KVLifeConnectorStats(data=delta | gauges)
 
     def _settle_on_signals(self, sink: JsonLinesSink) -> None:
         """In vLLM's engine-core process, settle the log (records out, ``.open`` marker

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
-from kvlife.offload.planner import COUNTERS, PageAccount
+from kvlife.fsm import State
+from kvlife.offload.planner import COUNTERS as PLANNER_COUNTERS
+from kvlife.offload.planner import PageAccount
+
+COUNTERS = (*PLANNER_COUNTERS, "stored_bytes", "loaded_bytes")
+"""The counters the connector reports (each interval's growth): the planner's
+([`COUNTERS`][kvlife.offload.planner.COUNTERS]) and the bytes its stores and loads
+moved, over every worker (blocks x vLLM's block bytes x workers)."""
 
 GAUGES = (
     "host_pages",
@@ -14,14 +25,50 @@ GAUGES = (
     "host_pages_cached",
     "host_pages_pinned",
     "host_pages_storing",
+    "lifecycles_allocated",
+    "lifecycles_offloading",
+    "lifecycles_finished_pending",
 )
-"""The host pages' account at the end of the interval (see
-[`PageAccount`][kvlife.offload.planner.PageAccount]): capacity, free, cached (evictable),
-pinned by loads, written by stores in flight; the last four sum to the first."""
+"""Values at the end of the interval: the host pages' account (see
+[`PageAccount`][kvlife.offload.planner.PageAccount]: capacity, free, cached (evictable),
+pinned by loads, written by stores in flight; the last four sum to the first) and the
+lifecycles live in each state."""
 
 STAT_KEYS = COUNTERS + GAUGES
-"""Every key the connector reports: the planner's counters (each interval's growth) and
-the page account (its value)."""
+"""Every key the connector reports."""
+
+_HELP = {
+    "stores": "Stores over (every worker reported them).",
+    "stored_blocks": "Blocks copied to host memory by stores over.",
+    "store_failures": "Stores that failed (their host pages were freed).",
+    "skipped_stores": "Stores skipped for want of free or evictable host pages.",
+    "held_blocks": "Full blocks not copied: the host cache held them or a store was copying them.",
+    "loads": "Loads from the host cache over.",
+    "loaded_blocks": "Blocks loaded from the host cache.",
+    "load_failures": "Loads that failed (vLLM recomputes their blocks).",
+    "hit_blocks": "Host-cache blocks offered to vLLM for requests.",
+    "evictions": "Cached host pages evicted (or dropped by a cache reset).",
+    "refusals": "Calls kvlife's lifecycle registry refused (late or repeated reports).",
+    "stored_bytes": "Bytes copied to host memory, over every worker.",
+    "loaded_bytes": "Bytes loaded from host memory, over every worker.",
+    "host_pages": "Host pages in all.",
+    "host_pages_free": "Host pages no one holds.",
+    "host_pages_cached": "Host pages in the host cache that no load reads.",
+    "host_pages_pinned": "Host pages in the host cache that loads read now.",
+    "host_pages_storing": "Host pages that stores in flight write.",
+    "lifecycles_allocated": "kvlife lifecycles live in state allocated.",
+    "lifecycles_offloading": "kvlife lifecycles live in state offloading.",
+    "lifecycles_finished_pending": "kvlife lifecycles live in state finished_pending.",
+}
+
+
+def lifecycle_stats(live: dict[State, int] | Any) -> dict[str, int]:
+    """Live lifecycles per state under their stats keys."""
+    return {
+        "lifecycles_allocated": int(live.get(State.ALLOCATED, 0)),
+        "lifecycles_offloading": int(live.get(State.OFFLOADING, 0)),
+        "lifecycles_finished_pending": int(live.get(State.FINISHED_PENDING, 0)),
+    }
 
 
 def account_stats(account: PageAccount) -> dict[str, int]:
@@ -35,11 +82,54 @@ def account_stats(account: PageAccount) -> dict[str, int]:
     }
 
 
+class KVLifePromMetrics(KVConnectorPromMetrics):
+    """kvlife's stats in vLLM's Prometheus ``/metrics``, with vLLM's labels (engine,
+    model): a counter ``vllm:kvlife_<key>`` per counter (exposed with ``_total``) and a
+    gauge ``vllm:kvlife_<key>`` per gauge of the stats."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._counter_cls(
+                name=f"vllm:kvlife_{key}", documentation=_HELP[key], labelnames=labelnames
+            )
+            for key in COUNTERS
+        }
+        self._gauges = {
+            key: self._gauge_cls(
+                name=f"vllm:kvlife_{key}",
+                documentation=_HELP[key],
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            for key in GAUGES
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add an interval's counter growth, set the gauges to its values."""
+        if not transfer_stats_data:
+            return
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, counter in self._counters.items():
+            value = transfer_stats_data.get(key)
+            if value:
+                counter.labels(*labels).inc(value)
+        for key, gauge in self._gauges.items():
+            if key in transfer_stats_data:
+                gauge.labels(*labels).set(transfer_stats_data[key])
+
+
 @dataclass
 class KVLifeConnectorStats(KVConnectorStats):
     """kvlife's counters for one interval and its host page account at its end, as vLLM's
     metrics logger takes them (``KV Transfer metrics: stores=..., host_pages_free=...``).
-    Counters ([`COUNTERS`][kvlife.offload.planner.COUNTERS]) add up when intervals are
+    Counters ([`COUNTERS`][kvlife.offload.engines.vllm.stats.COUNTERS]) add up when intervals are
     aggregated; the account ([`GAUGES`][kvlife.offload.engines.vllm.stats.GAUGES]) is the
     latest one's."""
 
