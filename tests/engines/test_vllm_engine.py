@@ -189,6 +189,37 @@ def test_tensor_parallel_outputs_are_the_same_with_kvlife_and_loads_happen(
     assert report.ok and report.lifecycles == 2 * len(A), report.violations
 
 
+def test_kvlife_as_a_multiconnector_child_beside_vllms_example_connector(
+    model: Path, reference: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    audit, shared = tmp_path / "kvlife.jsonl", tmp_path / "shared"
+    kvlife = {**KVLIFE, "kv_connector_extra_config": {"host_pages": 24, "audit_log": str(audit)}}
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(shared)},
+    }
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [kvlife, example]},
+    }
+    llm = make_llm(model, kv_transfer_config=multi)
+    try:
+        assert _generate(llm, A) == reference["A"]
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, A) == reference["A"]  # served from kvlife's host cache
+        multi_connector = _connector(llm)
+        (ours,) = [c for c in multi_connector._connectors if hasattr(c, "planner")]
+        counts = ours.counters
+        assert counts["stored_blocks"] == 12 and counts["loaded_blocks"] == 12
+    finally:
+        _shutdown(llm)
+    assert any(shared.iterdir())  # the other connector did its own work beside kvlife
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 2 * len(A), report.violations
+
+
 def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:
     from vllm.config import KVTransferConfig  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: PLC0415
