@@ -615,6 +615,22 @@ def test_bad_extra_config_stops_the_engine_with_a_line_naming_the_key(
         make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm", extra)
 
 
+def test_each_data_parallel_engine_core_writes_its_own_audit_log() -> None:
+    from kvlife.offload.engines.vllm import audit_path  # noqa: PLC0415
+
+    config = make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm").vllm_config
+    assert audit_path("/logs/kvlife.jsonl", config) == "/logs/kvlife.jsonl"  # one engine core
+    # vLLM marks a data-parallel rank's engine id, and for a dense model resets the rank's
+    # own parallel config to one rank: the mark is what tells the ranks apart
+    config.kv_transfer_config.engine_id = "3f2c_dp1"
+    assert audit_path("/logs/kvlife.jsonl", config) == "/logs/kvlife.dp1.jsonl"
+    assert audit_path("/logs/kvlife", config) == "/logs/kvlife.dp1"
+    config.kv_transfer_config.engine_id = "3f2c"
+    config.parallel_config.data_parallel_size = 2  # a rank whose config says so (MoE)
+    config.parallel_config.data_parallel_rank = 1
+    assert audit_path("/logs/kvlife.jsonl", config) == "/logs/kvlife.dp1.jsonl"
+
+
 def test_host_bytes_is_as_many_whole_blocks_as_fit() -> None:
     spec_bytes = 2 * 16 * 12 * 64 * 2  # K and V, 16 tokens, 12 heads of 64, fp16: one layer
     engine = make_scheduler(
