@@ -362,10 +362,12 @@ def test_manager_model() -> None:
     GUARDS.counts = dict.fromkeys(GUARDS.counts, 0)
     current = settings()
     # at least 400 examples (CI: 400 x 50 steps; slow: 2,000 x 200): the coverage guards
-    # need enough runs that get deep
+    # need enough runs that get deep. Derandomized: the same examples every run, so the
+    # guards below pass or fail with the code, never by the draw (random, about one run in
+    # five fell short of 30 stale refusals)
     run_state_machine_as_test(
         ManagerModel,
-        settings=settings(current, max_examples=max(400, current.max_examples)),
+        settings=settings(current, max_examples=max(400, current.max_examples), derandomize=True),
     )
     print(f"coverage guards: {GUARDS.counts}")
     for name, count in GUARDS.counts.items():

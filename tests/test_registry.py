@@ -778,10 +778,12 @@ def test_registry_model() -> None:
     for key in COVERAGE:
         COVERAGE[key] = 0
     current = settings()
-    # at least 400 examples: with CI's 200 a run without a single readmission was seen
-    # (the coverage guard below failed although the registry was right)
+    # at least 400 examples, derandomized: the same examples every run, so the coverage
+    # guard below passes or fails with the code, never by the draw (with CI's 200 random
+    # examples a run without a single readmission was seen)
     run_state_machine_as_test(
-        RegistryModel, settings=settings(current, max_examples=max(400, current.max_examples))
+        RegistryModel,
+        settings=settings(current, max_examples=max(400, current.max_examples), derandomize=True),
     )
     # coverage guards: the run must have exercised the races it exists for
     for key in (
