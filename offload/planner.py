@@ -151,10 +151,11 @@ class _Order:
     pages: tuple[int, ...]
     hashes: tuple[Hashable, ...]  # one per page (stores); empty for loads
     load: bool
+    first: int  # the index of its first block among the request's
+    progress: Progress  # its lifecycle's
     reported: int = 0
     failed: int = 0
     keep: bool = True  # a store's pages join the cache when it is done (not after a reset)
-    first: int = 0  # the index of its first block among the request's
 
 
 @dataclass(slots=True)
@@ -387,7 +388,7 @@ class OffloadPlanner:
         else:  # no record is built: no detail to build and check either
             ticket = self.registry.start_offload(lc)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, pages, names, False, first=start)
+        self._orders[op] = _Order(ticket, slots, pages, names, False, start, progress)
         progress.ops.add(op)
         self._storing.update(dict.fromkeys(names, op))
         self._storing_pages += count
@@ -438,7 +439,7 @@ class OffloadPlanner:
         progress.hit = None
         self.cache.pin(taken)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, taken, (), True, first=first)
+        self._orders[op] = _Order(ticket, slots, taken, (), True, first, progress)
         progress.ops.add(op)
         progress.covered = max(progress.covered, first + count)  # already on the host
         return LoadOrder(op, slots, taken, first)
@@ -477,9 +478,7 @@ class OffloadPlanner:
         return True
 
     def _ended(self, op: int, order: _Order) -> None:
-        progress = self._progress.get(order.ticket.serial)
-        if progress is not None:
-            progress.ops.discard(op)
+        order.progress.ops.discard(op)
         counts, failed = self._counts, order.failed > 0
         if order.load:
             self.cache.unpin(order.pages)  # no longer read

@@ -98,6 +98,13 @@ class SchedulerSide:
         lc = self.planner.admit(request, rid=request.request_id)
         self.requests[request.request_id] = (lc, self.planner.progress(lc))
 
+    def _live(self, request: Request) -> Lifecycle | None:
+        """``request``'s lifecycle, when it is the request vLLM holds under its id now."""
+        entry = self.requests.get(request.request_id)
+        if entry is not None and entry[0].req is request:
+            return entry[0]
+        return self.planner.find(request)  # shown, but no longer held under its id
+
     def build_meta(self, out: SchedulerOutput) -> KVLifeConnectorMetadata:
         meta, self._pending_loads = self._pending_loads, KVLifeConnectorMetadata()
         planner, live = self.planner, self.requests
@@ -119,9 +126,9 @@ class SchedulerSide:
                 stores += planner.store(lc, full, lc.req.block_hashes, stride=stride)
         cached = out.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
-        new_block_ids, computed = cached.new_block_ids, cached.num_computed_tokens
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = new_block_ids[i]
+        for req_id, new_ids, done in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
             entry = live.get(req_id)
             if entry is None:
                 if new_ids:
@@ -133,7 +140,7 @@ class SchedulerSide:
                 wait |= planner.add_slots(lc, new_ids[0] if new_ids else (), fresh=fresh)
             # a store is due once `stride` blocks are full past those covered (the
             # planner's own progress, read here so that most steps make no call)
-            full = (computed[i] + scheduled.get(req_id, 0)) // size
+            full = (done + scheduled[req_id]) // size
             if full - progress.covered >= stride:
                 stores += planner.store(lc, full, lc.req.block_hashes, stride=stride)
         return meta
@@ -142,7 +149,7 @@ class SchedulerSide:
         """Blocks of ``request`` past ``num_computed_tokens`` that the host cache holds,
         from the first on and at most up to the block before its last token (vLLM must
         compute one token itself)."""
-        lc = self.planner.find(request)
+        lc = self._live(request)
         if lc is None:
             return 0  # not shown to the connector: no lifecycle to load on
         first = num_computed_tokens // self.block_size
@@ -153,7 +160,7 @@ class SchedulerSide:
         """vLLM allocated blocks for a hit: load the host pages into them. ``blocks`` are
         all of the request's blocks from its first, those vLLM's own prefix cache supplied
         included; the planner writes those from the lookup's first block on."""
-        lc = self.planner.find(request)
+        lc = self._live(request)
         if lc is None:
             return
         count = num_external_tokens // self.block_size
@@ -166,10 +173,11 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVLifeWorkerMetadata):
             return
+        report = self.planner.report
         for counts, ok in ((meta.done, True), (meta.failed, False)):
             for op, n in counts.items():
                 try:
-                    self.planner.report(op, ok, n)
+                    report(op, ok, n)
                 except UnknownOrderError as exc:  # never raised into vLLM
                     logger.warning("kvlife: %s", exc)
 
