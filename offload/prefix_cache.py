@@ -79,14 +79,7 @@ class HostPrefixCache:
         Raises:
             PrefixCacheError: ``page`` is cached already (under any key).
         """
-        if page in self._key:
-            raise PrefixCacheError(f"page {page} is cached already")
-        if key in self:
-            return False
-        self._lru[key] = page
-        self._key[page] = key
-        self.stats.inserts += 1
-        return True
+        return not self.insert_all((key,), (page,))
 
     def insert_all(self, keys: Sequence[Hashable], pages: Sequence[int]) -> list[int]:
         """``insert`` each of ``pages`` under the key at the same place of ``keys``;
@@ -97,11 +90,11 @@ class HostPrefixCache:
                 was inserted.
         """
         key_of, lru, pinned = self._key, self._lru, self._pinned
-        if len(keys) != len(pages) or not key_of.keys().isdisjoint(pages):
-            raise PrefixCacheError(
-                f"cannot insert pages {list(pages)[:8]} under {len(keys)} keys: a page is "
-                "cached already or the lengths differ; nothing inserted"
-            )
+        if len(keys) != len(pages):
+            raise PrefixCacheError(f"{len(pages)} pages for {len(keys)} keys; nothing inserted")
+        if not key_of.keys().isdisjoint(pages):
+            cached = next(page for page in pages if page in key_of)
+            raise PrefixCacheError(f"page {cached} is cached already; nothing inserted")
         spare = []
         for key, page in zip(keys, pages, strict=True):
             if key in lru or key in pinned:
