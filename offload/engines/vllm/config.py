@@ -158,16 +158,10 @@ def audit_path(audit_log: str, vllm_config: VllmConfig) -> str:
     ``data_parallel_index``).
     """
     parallel = vllm_config.parallel_config
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    marked = re.search(r"_dp(\d+)$", str(getattr(transfer, "engine_id", None) or ""))
-    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1 and marked is None:
+    marked = re.search(r"_dp(\d+)$", vllm_config.kv_transfer_config.engine_id or "")
+    if parallel.data_parallel_size <= 1 and marked is None:
         return audit_log
-    if marked is not None:
-        rank = int(marked.group(1))
-    else:
-        rank = int(getattr(parallel, "data_parallel_index", None) or 0) or int(
-            getattr(parallel, "data_parallel_rank", 0) or 0
-        )
+    rank = int(marked.group(1)) if marked else int(parallel.data_parallel_rank)
     path = Path(audit_log)
     if path.suffix:
         return str(path.with_name(f"{path.stem}.dp{rank}{path.suffix}"))
