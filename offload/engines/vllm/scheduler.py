@@ -16,6 +16,8 @@ import threading
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleRegistry, Trigger, UnknownRequestError
@@ -202,9 +204,6 @@ class SchedulerSide:
         blocks), ``BlockRemoved`` for blocks evicted or dropped by a reset."""
         if not self.kv_events:
             return []
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: PLC0415
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: PLC0415
-
         size, out = self.block_size, []
         for event in self.planner.take_events():
             hashes = [maybe_convert_block_hash(key) for key in event.keys]
