@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
 
-from kvlife.fsm import AuditReader, JsonLinesSink, check_audit, read_audit
+from kvlife.fsm import AuditReader, check_audit, read_audit
 from tests.engines.vllm_model import BLOCK, make_llm, make_model, prompts
 
 MAX_TOKENS = 16
@@ -415,12 +415,11 @@ def test_an_openai_server_with_kvlife_under_load(
     rids = [r.rid for r in read_audit(audit).records if r.trigger == "register"]
     assert len(rids) == len(SERVED) + 5 + len(SHARED) == report.lifecycles
     assert sum("same-id" in (rid or "") for rid in rids) == 5
-    # vLLM killed the engine core moments after its SIGINT (as at every stop); kvlife
-    # settled the log on the signal, so the next writer finds a clean one
-    assert not Path(f"{audit}.open").exists()
-    reopened = JsonLinesSink(audit, open_marker=True)
-    assert reopened.previous_unclean is None
-    reopened.close()
+    # vLLM kills the engine core moments after its SIGINT (as at every stop). kvlife's
+    # handler removes the .open marker when it runs before the kill, which is not certain
+    # on a loaded machine (a CI run lost that race once), so the marker is not asserted
+    # here: what is certain is the complete log above. The handler itself is tested in
+    # test_vllm.py.
 
 
 def test_a_data_parallel_server_writes_one_log_per_engine_core(
@@ -444,8 +443,8 @@ def test_a_data_parallel_server_writes_one_log_per_engine_core(
         seen = asyncio.run(asyncio.wait_for(traffic(url), timeout=300))
     assert seen == expected[:12]
     output = log.read_text()
-    logs = sorted(audit.parent.iterdir())
-    assert [p.name for p in logs] == ["kvlife.dp0.jsonl", "kvlife.dp1.jsonl"]  # no .open
+    logs = sorted(p for p in audit.parent.iterdir() if p.suffix == ".jsonl")
+    assert [p.name for p in logs] == ["kvlife.dp0.jsonl", "kvlife.dp1.jsonl"]
     for path in logs:  # each engine core's start-up line names its own file
         assert f"audit log {path}" in output
     lifecycles = 0
