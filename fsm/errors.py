@@ -22,8 +22,20 @@ Reason = Literal[
     "unknown_request",
     "rid_conflict",
     "duplicate_registration",
+    "stray_report",
+    "connector_raised",
+    "event_mismatch",
 ]
-"""Why a transition was refused. The audit log's ``reason`` field uses exactly these strings."""
+"""Why a transition was refused. The audit log's ``reason`` field uses exactly these strings.
+
+The first six are the registry's own refusals. The last three are verdicts on a component
+kvlife watches (see [`ProtocolViolationError`][kvlife.fsm.errors.ProtocolViolationError]):
+``kvlife audit check`` counts them as violations."""
+
+PROTOCOL_REASONS: frozenset[Reason] = frozenset(
+    ("stray_report", "connector_raised", "event_mismatch")
+)
+"""The reasons that are verdicts on a watched component, not refusals of the registry."""
 
 REASONS: tuple[Reason, ...] = get_args(Reason)
 """The closed set of refusal reasons, in a fixed order."""
@@ -127,6 +139,23 @@ class DuplicateRegistrationError(LifecycleError):
     """
 
     reason: Reason = "duplicate_registration"
+
+
+class ProtocolViolationError(LifecycleError):
+    """A component kvlife watches (a connector it wraps) did what its protocol does not
+    allow, and kvlife wrote it down
+    ([`LifecycleRegistry.record_violation()`][kvlife.fsm.registry.LifecycleRegistry.record_violation]).
+
+    ``reason`` is one of ``"stray_report"`` (a completion report that no open ticket
+    explains), ``"connector_raised"`` (the component raised while handling the
+    lifecycle), ``"event_mismatch"`` (an event it published contradicts what the engine
+    holds). Returned, not raised, by the registry: the caller decides what to do. Nothing
+    changed but the refusal counter and the audit log.
+    """
+
+    def __init__(self, message: str, *, reason: Reason, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.reason = reason
 
 
 class TableDefinitionError(ValueError):

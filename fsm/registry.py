@@ -40,11 +40,13 @@ from kvlife.fsm.audit.guard import SinkGuard, SinkStatistics
 from kvlife.fsm.audit.records import REGISTER, AuditRecord, DetailValue, StateName, TriggerName
 from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.fsm.errors import (
+    PROTOCOL_REASONS,
     REASONS,
     DuplicateAckError,
     DuplicateRegistrationError,
     InvalidTransitionError,
     LifecycleError,
+    ProtocolViolationError,
     Reason,
     RidConflictError,
     StaleInstanceError,
@@ -972,6 +974,7 @@ class LifecycleRegistry:
         state: str | None,
         op: int | None,
         inflight: int,
+        detail: dict[str, DetailValue] | None = None,
     ) -> None:
         self._refusals[reason] += 1
         if self._write is not None:
@@ -987,13 +990,58 @@ class LifecycleRegistry:
                 reason,
                 op,
                 inflight,
-                {},
+                detail or {},
             )
             self._seq += 1
             try:
                 self._write(record)
             except Exception as exc:  # a sink never changes what the registry does
                 self._sink_failed(record, exc)
+
+    def record_violation(
+        self,
+        reason: Reason,
+        trigger: Trigger,
+        message: str,
+        *,
+        lifecycle: Lifecycle | None = None,
+        rid: str | None = None,
+        op: int | None = None,
+        **detail: DetailValue,
+    ) -> ProtocolViolationError:
+        """Write down that a component this registry watches broke its protocol: a refused
+        record with ``reason`` (one of
+        [`PROTOCOL_REASONS`][kvlife.fsm.errors.PROTOCOL_REASONS]), on ``lifecycle`` when
+        the violation concerns one (live or released: it is told in that lifecycle's
+        story), else on ``rid`` alone. ``trigger`` is the transition the reported thing
+        would have been (``ack`` for a completion report); ``detail`` says what was
+        reported. ``kvlife audit check`` counts such a record as a violation.
+
+        Returns the error (not raised: a watcher decides whether the call goes on).
+        Changes nothing but the refusal counter and the audit log.
+
+        Raises:
+            ValueError: ``reason`` is not a protocol reason. Nothing written.
+            TypeError: a ``detail`` value is not a scalar. Nothing written.
+            WrongThreadError: called from a thread other than the owner.
+        """
+        self._check_thread(trigger.value)
+        if reason not in PROTOCOL_REASONS:
+            raise ValueError(
+                f"{reason!r} is not a protocol reason ({', '.join(sorted(PROTOCOL_REASONS))}); "
+                "nothing written"
+            )
+        if detail:
+            _check_detail(detail)
+        serial = state = None
+        inflight = 0
+        if lifecycle is not None:
+            serial, state, inflight = lifecycle._serial, _NAMES[lifecycle._s], lifecycle._inflight
+            rid = lifecycle._rid if rid is None else rid
+        self._count_refusal(reason, serial, rid, trigger.value, state, op, inflight, detail)
+        return ProtocolViolationError(
+            message, reason=reason, serial=serial, rid=rid, state=state, trigger=trigger.value, op=op
+        )
 
     # ------------------------------------------------------------------ introspection
 

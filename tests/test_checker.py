@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink
+from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink, Trigger
 from kvlife.fsm.audit import (
     MAX_VIOLATIONS,
     AuditChecker,
@@ -128,3 +128,43 @@ def test_stats_fields_count_rid_reuse_and_the_busiest_moment() -> None:
     registry.complete(ticket)
     report = check_audit(sink.records())
     assert report.rid_reuses == 1 and report.max_live == 2 and len(report.live) == 1
+
+
+def _watched(witness: str) -> tuple[LifecycleRegistry, MemorySink, list[object]]:
+    """A registry of a watcher: one delayed free reported, one still open."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    reported, still_open = Req("done"), Req("open")
+    for req in (reported, still_open):
+        registry.register(req)
+    ticket = registry.start_offload(reported, kind="delayed_free")
+    registry.finish(reported)
+    registry.complete(ticket)
+    registry.start_offload(still_open, kind="delayed_free")
+    registry.finish(still_open)
+    return registry, sink, [Segment(0, make_header(witness=witness), "")]
+
+
+def test_a_protocol_verdict_in_the_log_is_a_violation_naming_the_rid() -> None:
+    registry, sink, events = _watched("OffloadingConnector")
+    released = registry.lifecycles()[0]  # "open"; "done" was released
+    registry.record_violation(
+        "stray_report", Trigger.ACK, "again", rid="done", report="finished_sending"
+    )
+    registry.record_violation(
+        "connector_raised", Trigger.FINISH, "boom", lifecycle=released, error="KeyError: 'x'"
+    )
+    report = check_audit([*events, *sink.records()])
+    found = [(v.kind, v.rid) for v in report.violations]
+    assert found == [("stray_report", "done"), ("connector_raised", "open"), ("unreported", "open")]
+    assert "report=finished_sending" in report.violations[0].message
+    assert report.refusals == {"stray_report": 1, "connector_raised": 1}
+
+
+def test_an_open_ticket_at_the_end_is_unreported_only_in_a_watchers_log() -> None:
+    _, sink, events = _watched("ExampleConnector")
+    report = check_audit([*events, *sink.records()])
+    assert [(v.kind, v.rid) for v in report.violations] == [("unreported", "open")]
+    assert "ExampleConnector" in report.violations[0].message
+    _, sink, events = _watched("")  # kvlife's own log: a copy in flight at the end is no verdict
+    assert check_audit([*events, *sink.records()]).ok

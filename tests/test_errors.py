@@ -6,11 +6,13 @@ import pytest
 
 from kvlife.fsm import errors
 from kvlife.fsm.errors import (
+    PROTOCOL_REASONS,
     REASONS,
     DuplicateAckError,
     DuplicateRegistrationError,
     InvalidTransitionError,
     LifecycleError,
+    ProtocolViolationError,
     RidConflictError,
     StaleInstanceError,
     TableDefinitionError,
@@ -37,7 +39,9 @@ def test_hierarchy() -> None:
 
 
 def test_each_reason_belongs_to_exactly_one_error_class() -> None:
-    assert sorted(cls.reason for cls in ALL) == sorted(REASONS)
+    """The registry's refusals have a class each; the verdicts on a watched component
+    share ProtocolViolationError, which carries its reason per instance."""
+    assert sorted(cls.reason for cls in ALL) == sorted(set(REASONS) - PROTOCOL_REASONS)
     assert REASONS == (
         "invalid_transition",
         "stale_instance",
@@ -45,7 +49,24 @@ def test_each_reason_belongs_to_exactly_one_error_class() -> None:
         "unknown_request",
         "rid_conflict",
         "duplicate_registration",
+        "stray_report",
+        "connector_raised",
+        "event_mismatch",
     )
+    assert PROTOCOL_REASONS == {"stray_report", "connector_raised", "event_mismatch"}
+
+
+def test_a_protocol_violation_carries_its_own_reason() -> None:
+    exc = ProtocolViolationError("late", reason="stray_report", rid="a", trigger="ack", op=4)
+    assert (exc.reason, exc.rid, exc.trigger, exc.op, str(exc)) == (
+        "stray_report",
+        "a",
+        "ack",
+        4,
+        "late",
+    )
+    assert isinstance(exc, LifecycleError)
+    assert "Nothing\n    changed" in (ProtocolViolationError.__doc__ or "")
 
 
 @pytest.mark.parametrize("cls", ALL)

@@ -1038,3 +1038,39 @@ def test_require_refuses_and_audits_what_the_call_would_refuse_and_changes_nothi
     registry.complete(ticket)
     with pytest.raises(StaleInstanceError):
         registry.require(lc, Trigger.FINISH)
+
+
+def test_a_recorded_protocol_violation_changes_nothing_but_the_log() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    ticket = registry.start_offload(registry.register(req))
+    lc = registry.lifecycle(req)
+    exc = registry.record_violation(
+        "stray_report", Trigger.ACK, "no load", lifecycle=lc, report="finished_recving"
+    )
+    assert (exc.reason, exc.rid, exc.serial, exc.state, exc.trigger) == (
+        "stray_report",
+        "a",
+        lc.serial,
+        "offloading",
+        "ack",
+    )
+    assert (lc.state, lc.inflight) == (State.OFFLOADING, 1)
+    last = sink.records()[-1]
+    assert (last.ok, last.reason, last.serial, last.src, last.inflight, last.detail) == (
+        False,
+        "stray_report",
+        lc.serial,
+        "offloading",
+        1,
+        {"report": "finished_recving"},
+    )
+    assert registry.statistics().refusals["stray_report"] == 1
+    registry.complete(ticket)  # the real ticket still completes
+    written = len(sink)
+    with pytest.raises(ValueError, match="not a protocol reason"):
+        registry.record_violation("duplicate_ack", Trigger.ACK, "x", rid="a")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        registry.record_violation("stray_report", Trigger.ACK, "x", rid="a", bad=[1])  # type: ignore[arg-type]
+    assert len(sink) == written and registry.statistics().refusals["stray_report"] == 1

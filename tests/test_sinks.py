@@ -130,6 +130,22 @@ def test_rotation_keeps_a_segment_across_files_and_drops_the_oldest(tmp_path: Pa
     assert sum(len(read_audit(f, rotated=False).records) for f in files) == len(records)
 
 
+def test_a_watchers_log_names_the_witness_in_every_header(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    sink = JsonLinesSink(
+        path, fsync="never", batch_records=8, max_bytes=2000, witness="OffloadingConnector"
+    )
+    _lifecycles(LifecycleRegistry(sinks=[sink]), 30)
+    sink.close()
+    files = audit_files(path)
+    assert len(files) > 1
+    headers = [read_audit(f, rotated=False).segments[0].header for f in files]
+    assert {h.witness for h in headers if h is not None} == {"OffloadingConnector"}
+    with pytest.raises(TypeError, match="witness"):
+        JsonLinesSink(tmp_path / "b.jsonl", witness=1)  # type: ignore[arg-type]
+    assert not (tmp_path / "b.jsonl").exists()
+
+
 def test_rotation_with_no_backups_starts_over(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
     sink = JsonLinesSink(path, fsync="never", batch_records=4, max_bytes=2000, backups=0)

@@ -6,6 +6,12 @@ at that point of the log: the unreleased lifecycles, the copies in flight, and o
 serial and per copy number seen (to tell "released" and "completed" from "never seen"). A
 log of any length is checked in memory bounded by its busiest moment.
 
+Verdicts on a watched component (a log written by a wrapper around a vLLM connector):
+a refused record whose reason is one of
+[`PROTOCOL_REASONS`][kvlife.fsm.errors.PROTOCOL_REASONS] is a violation of that name, and in a
+segment whose header names a ``witness`` every ticket still open at the segment's end is
+one (``unreported``).
+
 Rules, per segment (each segment is its own serial and ``seq`` space): ``seq`` is
 gap-free, except where a [`LostRecords`][kvlife.fsm.audit.records.LostRecords] marker says a failing
 sink lost records (reported as lost, not as tampering); every accepted transition is
@@ -24,6 +30,7 @@ from typing import Final, Literal
 
 from kvlife.fsm.audit.reader import AuditFormatError, AuditLog, AuditReader, Event, Segment
 from kvlife.fsm.audit.records import REGISTER, AuditRecord, LostRecords
+from kvlife.fsm.errors import PROTOCOL_REASONS
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 
 MAX_VIOLATIONS: Final = 1000
@@ -43,6 +50,10 @@ ViolationKind = Literal[
     "unknown_instance",
     "after_release",
     "leaked",
+    "stray_report",
+    "connector_raised",
+    "event_mismatch",
+    "unreported",
 ]
 
 
@@ -98,6 +109,10 @@ VIOLATION_MEANINGS: Final[dict[str, str]] = {
     "unknown_instance": "a transition was accepted on a lifecycle never registered",
     "after_release": "a transition was accepted on a lifecycle after its release",
     "leaked": "a lifecycle was not released by the end of the log",
+    "stray_report": "the watched component reported a completion that no open ticket explains",
+    "connector_raised": "the watched component raised while handling this lifecycle",
+    "event_mismatch": "an event the watched component published contradicts what the engine holds",
+    "unreported": "a ticket of the watched component was still open when its log ended",
 }
 
 
@@ -262,10 +277,21 @@ _DONE: Final = 2  # a released serial, a completed copy
 
 
 class _SegmentState:
-    __slots__ = ("index", "live", "lost", "op_owner", "ops", "partial", "previous_seq", "serials")
+    __slots__ = (
+        "index",
+        "live",
+        "lost",
+        "op_owner",
+        "ops",
+        "partial",
+        "previous_seq",
+        "serials",
+        "witness",
+    )
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, witness: str = "") -> None:
         self.index = index
+        self.witness = witness  # the watched component, when a wrapper wrote the segment
         self.live: dict[int, _Replay] = {}
         self.serials = _Marks()
         self.ops = _Marks()
@@ -340,7 +366,7 @@ class AuditChecker:
                 digest=digest,
             )
         self._close_segment()
-        self._segment = _SegmentState(self.report.segments)
+        self._segment = _SegmentState(self.report.segments, event.header.witness)
         self.report.segments += 1
 
     def _seg(self) -> _SegmentState:
@@ -404,6 +430,15 @@ class AuditChecker:
         if not r.ok:
             reason = r.reason or "?"
             report.refusals[reason] = report.refusals.get(reason, 0) + 1
+            if reason in PROTOCOL_REASONS:
+                said = " ".join(f"{k}={v}" for k, v in r.detail.items())
+                self._bad(
+                    reason,  # type: ignore[arg-type]  # the protocol reasons are kinds too
+                    r.seq,
+                    serial,
+                    f"{r.trigger} refused: {said}" if said else f"{r.trigger} refused",
+                    rid=r.rid,
+                )
             if serial is None:
                 return
             inst = live.get(serial)
@@ -590,6 +625,21 @@ class AuditChecker:
         seg = self._segment
         if seg is None:
             return
+        if seg.witness:
+            open_ops: dict[int, list[int]] = {}
+            for op, owner in seg.op_owner.items():
+                open_ops.setdefault(owner, []).append(op)
+            for serial, inst in seg.live.items():
+                if inst.inflight > 0 and not inst.uncertain:
+                    ops = ", ".join(map(str, sorted(open_ops.get(serial, ()))))
+                    self._bad(
+                        "unreported",
+                        None,
+                        serial,
+                        f"lifecycle {serial} ({inst.rid!r}) ended the log {inst.state} with "
+                        f"{inst.inflight} ticket(s) of {seg.witness} open (copy {ops or '?'})",
+                        rid=inst.rid,
+                    )
         for serial, inst in seg.live.items():
             summary = self._summary(seg, serial, inst)
             self.report.live.append(summary)

@@ -28,6 +28,13 @@ MAX_STEPS = 400
 """Records told per lifecycle; the rest are counted."""
 
 _OUTCOME = {"finish": "finished", "abort": "aborted"}
+_WATCHED = {  # verdicts on a watched component (a wrapped vLLM connector)
+    "stray_report": "the wrapped connector reported a completion no open ticket explains; "
+    "vLLM's scheduler asserts on such a report",
+    "connector_raised": "the wrapped connector raised while handling this request",
+    "event_mismatch": "a KV event the wrapped connector published does not match the blocks "
+    "vLLM hashed",
+}
 
 
 @dataclass
@@ -133,6 +140,9 @@ def _refusal(record: AuditRecord, lc: LifecycleHistory) -> str:
         )
     if reason == "duplicate_registration":
         return "the same request object was registered again before this lifecycle finished"
+    if reason in _WATCHED:
+        said = _detail(record).strip(" []")
+        return f"{_WATCHED[reason]}{f' ({said})' if said else ''}"
     return f"{record.trigger} is not allowed in state {record.src}: refused, nothing changed"
 
 

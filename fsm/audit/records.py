@@ -98,6 +98,11 @@ class AuditHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     table's digest: a log is replayed only against the table that wrote it. Logs written
     before rotation existed have no ``segment``/``part``; every header of theirs starts a
     new segment.
+
+    ``witness`` is empty in a log of kvlife's own lifecycles. A log that kvlife wrote while
+    watching another component (a vLLM connector it wraps) names that component there:
+    in such a segment every ticket still open at the end is a report the component never
+    made, and ``kvlife audit check`` counts it as a violation (``unreported``).
     """
 
     kvlife_audit: int
@@ -108,6 +113,7 @@ class AuditHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     t_ns_start: int
     segment: str = ""
     part: _Count = 0
+    witness: str = ""
 
     def continues(self, previous: AuditHeader | None) -> bool:
         """Whether this header continues ``previous``'s segment (a rotated file)."""
@@ -193,8 +199,10 @@ def record_from_dict(obj: Any) -> AuditRecord:
     return check_record(record)
 
 
-def make_header(segment: str | None = None, part: int = 0) -> AuditHeader:
-    """The header a segment (and each of its rotated files) starts with."""
+def make_header(segment: str | None = None, part: int = 0, witness: str = "") -> AuditHeader:
+    """The header a segment (and each of its rotated files) starts with; ``witness``
+    names the component a watching writer audits (see
+    [`AuditHeader`][kvlife.fsm.audit.records.AuditHeader])."""
     return AuditHeader(
         kvlife_audit=SCHEMA_VERSION,
         library_version=__version__,
@@ -204,6 +212,7 @@ def make_header(segment: str | None = None, part: int = 0) -> AuditHeader:
         t_ns_start=time.monotonic_ns(),
         segment=segment if segment is not None else secrets.token_hex(8),
         part=part,
+        witness=witness,
     )
 
 

@@ -161,6 +161,7 @@ class _JsonFile:
         max_bytes: int | None,
         backups: int,
         marker: Path | None = None,
+        witness: str = "",
     ) -> None:
         self.path = path
         self.marker = marker
@@ -175,7 +176,7 @@ class _JsonFile:
         self.records_written = 0
         self.in_file = 0  # records in the current file: a file with none is not rotated
         self.rotations = 0
-        self.header = make_header()
+        self.header = make_header(witness=witness)
         self.fd: int | None = None
         self.size = 0
         self.fd, self.size = self._open(self.header)
@@ -232,7 +233,7 @@ class _JsonFile:
                 older = rotated_name(self.path, index - 1)
                 if older.exists():
                     os.replace(older, rotated_name(self.path, index))
-        header = make_header(self.header.segment, self.header.part + 1)
+        header = make_header(self.header.segment, self.header.part + 1, self.header.witness)
         new_fd, size = self._open(header)
         os.close(fd)
         self.fd, self.size, self.header = new_fd, size, header
@@ -340,6 +341,10 @@ class JsonLinesSink:
     A sink that finds one on open logs a warning that the previous writer stopped without
     closing the log, and says so in ``previous_unclean``.
 
+    Watching: ``witness`` names a component whose lifecycles this log records from the
+    outside (a wrapped vLLM connector); it goes into every header (see
+    [`AuditHeader`][kvlife.fsm.audit.records.AuditHeader]).
+
     Errors: a write that fails (disk full, file size limit, I/O error) raises
     [`AuditSinkError`][kvlife.fsm.audit.sinks.AuditSinkError] or ``OSError`` and leaves the file
     ending at a complete line; the record given to that `write()` was not taken (the
@@ -358,7 +363,10 @@ class JsonLinesSink:
         backups: int = 5,
         flush_interval_s: float | None = None,
         open_marker: bool = False,
+        witness: str = "",
     ) -> None:
+        if not isinstance(witness, str):
+            raise TypeError(f"witness must be a str, got {type(witness).__name__}")
         if flush_interval_s is not None and (
             not isinstance(flush_interval_s, (int, float))
             or isinstance(flush_interval_s, bool)
@@ -394,7 +402,7 @@ class JsonLinesSink:
                 self.previous_unclean,
             )
         self.trimmed_bytes = trim_torn_tail(self.path)
-        self._file = _JsonFile(self.path, fsync, max_bytes, backups, marker)
+        self._file = _JsonFile(self.path, fsync, max_bytes, backups, marker, witness)
         if marker is not None:
             marker.write_text(f"pid {os.getpid()}, opened {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
         self._stop = threading.Event()
