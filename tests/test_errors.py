@@ -53,7 +53,7 @@ def test_each_reason_belongs_to_exactly_one_error_class() -> None:
         "connector_raised",
         "event_mismatch",
     )
-    assert PROTOCOL_REASONS == {"stray_report", "connector_raised", "event_mismatch"}
+    assert {"stray_report", "connector_raised", "event_mismatch"} == PROTOCOL_REASONS
 
 
 def test_a_protocol_violation_carries_its_own_reason() -> None:

@@ -767,7 +767,7 @@ def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
 
     result = measure(rounds=1, requests=40, concurrent=8)
     steps = {result[config]["steps"] for config in CONFIGS}
-    assert len(steps) == 1 and steps.pop() > 40  # one workload, one schedule, four configs
+    assert len(steps) == 1 and steps.pop() > 40  # one workload, one schedule, every config
     for config in CONFIGS[1:]:
         assert result[config]["median_us"] > 0 and result[config]["p99_ratio"] > 0
     speed = copy_speed(layers=2, blocks=64, copied=8, reps=3)

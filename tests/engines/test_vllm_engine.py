@@ -220,6 +220,50 @@ def test_kvlife_as_a_multiconnector_child_beside_vllms_example_connector(
     assert report.ok and report.lifecycles == 2 * len(A), report.violations
 
 
+@pytest.mark.parametrize("wrapped", ["ExampleConnector", "KVLifeConnector"])
+def test_the_audit_wrapper_around_a_connector_changes_no_output_and_logs_clean(
+    model: Path, reference: dict[str, list[list[int]]], tmp_path: Path, wrapped: str
+) -> None:
+    """``KVLifeAuditConnector`` around vLLM's ``ExampleConnector`` (KV saved to files and
+    loaded back) and around kvlife's own connector: the same tokens as without any
+    connector, the wrapped connector did its work, and the wrapper's log checks clean."""
+    audit, inner_log, shared = tmp_path / "audit.jsonl", tmp_path / "kvlife.jsonl", tmp_path / "kv"
+    if wrapped == "ExampleConnector":
+        inner: dict[str, Any] = {
+            "kv_connector": wrapped,
+            "kv_connector_extra_config": {"shared_storage_path": str(shared)},
+        }
+    else:
+        inner = {
+            **KVLIFE,
+            "kv_connector_extra_config": {"host_pages": 24, "audit_log": str(inner_log)},
+        }
+    config = {
+        "kv_connector": "KVLifeAuditConnector",
+        "kv_connector_module_path": "kvlife.offload.engines.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"audit_log": str(audit), "connector": inner},
+    }
+    llm = make_llm(model, kv_transfer_config=config)
+    try:
+        assert _generate(llm, A) == reference["A"]
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, A) == reference["A"]  # loaded back by the wrapped connector
+        work = _connector(llm).wrapped
+        if wrapped == "KVLifeConnector":
+            assert work.counters["loaded_blocks"] == 12
+    finally:
+        _shutdown(llm)
+    if wrapped == "ExampleConnector":
+        assert any(shared.iterdir())
+    else:
+        assert check_audit(AuditReader(inner_log), expect_released=True).ok
+    header = read_audit(audit).segments[0].header
+    assert header is not None and header.witness == wrapped
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 2 * len(A), report.violations
+
+
 def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:
     from vllm.config import KVTransferConfig  # noqa: PLC0415
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: PLC0415

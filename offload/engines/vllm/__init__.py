@@ -72,6 +72,7 @@ Under data parallelism every engine core writes a log of its own
 
 from __future__ import annotations
 
+from kvlife.offload.engines.vllm.audit import KVLifeAuditConnector, KVLifeAuditConnectorHMA
 from kvlife.offload.engines.vllm.config import (
     DEFAULT_HOST_PAGES,
     TESTED_VLLM,
@@ -97,6 +98,8 @@ __all__ = [
     "STAT_KEYS",
     "TESTED_VLLM",
     "ConnectorConfig",
+    "KVLifeAuditConnector",
+    "KVLifeAuditConnectorHMA",
     "KVLifeConnector",
     "KVLifeConnectorMetadata",
     "KVLifeConnectorStats",

@@ -42,6 +42,48 @@ MEDIUM = "CPU"
 """The ``medium`` of the host tier's KV events (vLLM's own CPU offload says the same)."""
 
 
+def settle_on_signals(sink: JsonLinesSink) -> dict[int, tuple[Any, Any]]:
+    """In vLLM's engine-core process, settle ``sink`` (records out, ``.open`` marker gone)
+    as soon as SIGINT or SIGTERM arrives, then run vLLM's own handler. vLLM's server
+    signals its engine core and kills it moments later (``mode=abort timeout=0s``), before
+    any shutdown call reaches the connector.
+
+    Only where vLLM handles SIGTERM itself (its engine-core process) and from the main
+    thread; elsewhere (an engine core in the caller's own process) nothing changes.
+    Returns, per signal, (kvlife's handler, the one before it) for
+    [`restore_signals()`][kvlife.offload.engines.vllm.scheduler.restore_signals].
+    """
+    handlers: dict[int, tuple[Any, Any]] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return handlers
+    if not callable(signal.getsignal(signal.SIGTERM)):
+        return handlers
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(signum)
+
+        def settle_first(number: int, frame: Any, previous: Any = previous) -> None:
+            sink.settle()  # never waits, never logs: safe in a signal handler
+            if callable(previous):
+                previous(number, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(number, signal.SIG_DFL)
+                os.kill(os.getpid(), number)
+
+        signal.signal(signum, settle_first)
+        handlers[signum] = (settle_first, previous)
+    return handlers
+
+
+def restore_signals(handlers: dict[int, tuple[Any, Any]]) -> None:
+    """Put back the handlers kvlife's settle handlers were put before (those still in
+    place), and forget them."""
+    for signum, (ours, previous) in handlers.items():
+        if signal.getsignal(signum) is ours and previous is not None:
+            with contextlib.suppress(ValueError):  # not the main thread now
+                signal.signal(signum, previous)
+    handlers.clear()
+
+
 class SchedulerSide:
     """The planner, its audit log, and the requests vLLM holds under each id now.
 
@@ -78,9 +120,8 @@ class SchedulerSide:
                 flush_interval_s=config.audit_flush_s,
                 open_marker=True,
             )
-        self._handlers: dict[int, Any] = {}  # signal -> the handler kvlife put before vLLM's
-        if self.sink is not None:
-            self._settle_on_signals(self.sink)
+        # signal -> (kvlife's handler, vLLM's before it)
+        self._handlers = settle_on_signals(self.sink) if self.sink is not None else {}
         registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
         self.planner = OffloadPlanner(pages, registry=registry, reporters=workers, events=kv_events)
         self.kv_events = kv_events
@@ -257,40 +298,9 @@ class SchedulerSide:
         delta["loaded_bytes"] = delta["loaded_blocks"] * self.bytes_per_block
         return KVLifeConnectorStats(data=delta | gauges)
 
-    def _settle_on_signals(self, sink: JsonLinesSink) -> None:
-        """In vLLM's engine-core process, settle the log (records out, ``.open`` marker
-        gone) as soon as SIGINT or SIGTERM arrives, then run vLLM's own handler. vLLM's
-        server signals its engine core and kills it moments later (``mode=abort
-        timeout=0s``), before any shutdown call reaches the connector.
-
-        Only where vLLM handles SIGTERM itself (its engine-core process) and from the main
-        thread; elsewhere (an engine core in the caller's own process) nothing changes.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if not callable(signal.getsignal(signal.SIGTERM)):
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous = signal.getsignal(signum)
-
-            def settle_first(number: int, frame: Any, previous: Any = previous) -> None:
-                sink.settle()  # never waits, never logs: safe in a signal handler
-                if callable(previous):
-                    previous(number, frame)
-                elif previous == signal.SIG_DFL:
-                    signal.signal(number, signal.SIG_DFL)
-                    os.kill(os.getpid(), number)
-
-            signal.signal(signum, settle_first)
-            self._handlers[signum] = (settle_first, previous)
-
     def shutdown(self) -> None:
         """Write every audit record and close the log (the engine is stopping)."""
-        for signum, (ours, previous) in self._handlers.items():
-            if signal.getsignal(signum) is ours and previous is not None:
-                with contextlib.suppress(ValueError):  # not the main thread now
-                    signal.signal(signum, previous)
-        self._handlers.clear()
+        restore_signals(self._handlers)
         try:
             self.registry.flush()
         except Exception:  # another thread: the sink is flushed by its close below

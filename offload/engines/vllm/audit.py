@@ -1,0 +1,837 @@
+"""``KVLifeAuditConnector``: kvlife's lifecycles, audit log and verdicts for a vLLM KV
+connector that kvlife did not write (vLLM's ``OffloadingConnector``, LMCache, NIXL, ...).
+
+Enable it by configuration alone: the wrapped connector's own config goes, unchanged,
+under ``connector``::
+
+    --kv-transfer-config '{"kv_connector": "KVLifeAuditConnectorHMA",
+        "kv_connector_module_path": "kvlife.offload.engines.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"audit_log": "audit.jsonl", "mode": "observe",
+          "connector": {"kv_connector": "OffloadingConnector",
+                        "kv_connector_extra_config": {"cpu_bytes_to_use": 4000000000}}}}'
+
+The wrapper builds the wrapped connector and relays every call of vLLM's
+``KVConnectorBase_V1`` to it, on both sides, classmethods included, and returns what it
+returns: vLLM schedules exactly as with the wrapped connector alone. Two class names,
+because vLLM decides whether to keep its hybrid KV cache manager from the class the
+config names, before any connector is built: ``KVLifeAuditConnectorHMA`` for a connector
+that is a ``SupportsHMA`` (vLLM's ``OffloadingConnector``, ``SimpleCPUOffloadConnector``,
+``MultiConnector``), ``KVLifeAuditConnector`` for one that is not (``ExampleConnector``).
+The wrong one stops the engine at start-up with a line naming the right one.
+
+On the scheduler side (the engine core), every vLLM ``Request`` *object* gets a kvlife
+lifecycle when vLLM first shows it. What the connector protocol says becomes tickets: an
+asynchronous load (the wrapped connector answered ``load_async=True`` and vLLM
+allocated) is a ticket that ``finished_recving`` completes and a failed receive fails; a
+delayed free (``request_finished`` returned ``True``) is a ticket that
+``finished_sending`` completes; ``request_finished`` finishes or aborts the lifecycle. A
+report that no open ticket explains (repeated, for an id whose free was never delayed, a
+``finished_recving`` with no load pending) is written down as a ``stray_report``, naming
+the rid and what was reported: vLLM's scheduler asserts on such a report a moment later.
+An exception of the wrapped connector is written down (``connector_raised``, with the rids
+of the call) before it goes on. With vLLM's KV events on, every event the wrapped
+connector publishes is checked against the block hashes vLLM computed for its requests
+(``event_mismatch``). The log's header names the wrapped connector, so ``kvlife audit
+check`` also counts every ticket still open when the log ended (``unreported``).
+
+``"mode": "refuse"`` removes a stray report from the worker output before the wrapped
+connector's scheduler side and vLLM's scheduler see it, so it no longer kills the engine
+core; ``"observe"`` (the default) changes nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import importlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+    supports_hma,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.request import RequestStatus
+
+from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleError, LifecycleRegistry, Ticket, Trigger
+from kvlife.offload.engines.vllm.config import ConnectorConfig, audit_path
+from kvlife.offload.engines.vllm.scheduler import restore_signals, settle_on_signals
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.kvlife")
+
+MODES = ("observe", "refuse")
+"""What the wrapper does with a report the lifecycle refuses: write it down only, or also
+remove it before vLLM acts on it."""
+AUDIT_KEYS = ("audit_log", "audit_flush_s", "audit_fsync", "audit_max_bytes", "audit_backups")
+"""The audit log's keys, checked as ``KVLifeConnector`` checks them."""
+INDEXED_BLOCKS = 1 << 18
+"""Block hashes kept to check KV events against (the newest; older ones are forgotten,
+and an event naming a forgotten hash is a mismatch only if it contradicts a kept one)."""
+_RECENT = 4096  # released lifecycles and completed tickets remembered per rid, to tell stories
+
+# the trigger a call's exception is written under: the transition the call was part of
+_CALL_TRIGGER = {
+    "request_finished": Trigger.FINISH,
+    "request_finished_all_groups": Trigger.FINISH,
+    "shutdown": Trigger.FINISH,
+    "update_connector_output": Trigger.ACK,
+    "take_events": Trigger.ACK,
+}
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """``kv_connector_extra_config`` of the wrapper, checked.
+
+    Attributes:
+        connector: the wrapped connector's config, with the keys of vLLM's own
+            ``kv_transfer_config`` (``kv_connector``, ``kv_connector_module_path``,
+            ``kv_connector_extra_config``, ...; ``kv_role`` defaults to the wrapper's).
+        mode: ``"observe"`` (default) or ``"refuse"``.
+        audit: the audit log's settings (``audit_log`` and the other ``audit_*`` keys of
+            [`ConnectorConfig`][kvlife.offload.engines.vllm.config.ConnectorConfig]).
+    """
+
+    connector: dict[str, Any]
+    mode: str
+    audit: ConnectorConfig
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> AuditConfig:
+        """Check the wrapper's extra config.
+
+        Raises:
+            ValueError: an unknown key, no ``connector`` (or one without
+                ``kv_connector``, or one that names the wrapper itself), or a bad
+                ``mode`` or ``audit_*`` value; the message names it.
+        """
+        extra = dict(extra or {})
+        known = ("connector", "mode", *AUDIT_KEYS)
+        for key in extra:
+            if key not in known:
+                raise ValueError(
+                    f"kvlife: unknown kv_connector_extra_config key {key!r} of "
+                    f"KVLifeAuditConnector (known: {', '.join(known)})"
+                )
+        wrapped = extra.get("connector")
+        if not isinstance(wrapped, dict) or not isinstance(wrapped.get("kv_connector"), str):
+            raise ValueError(
+                "kvlife: KVLifeAuditConnector needs 'connector': the wrapped connector's "
+                f"kv_transfer_config, with its 'kv_connector' name; got {wrapped!r:.200}"
+            )
+        if wrapped["kv_connector"].startswith("KVLifeAuditConnector"):
+            raise ValueError("kvlife: KVLifeAuditConnector cannot wrap itself")
+        mode = extra.get("mode", "observe")
+        if mode not in MODES:
+            raise ValueError(f"kvlife: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        audit = ConnectorConfig.parse({key: extra[key] for key in AUDIT_KEYS if key in extra})
+        return cls(dict(wrapped), mode, audit)
+
+
+def wrapped_config(vllm_config: VllmConfig) -> tuple[type[KVConnectorBase_V1], VllmConfig]:
+    """The wrapped connector's class and the ``VllmConfig`` it is built with (the
+    wrapper's, with the wrapped connector's ``kv_transfer_config``), as vLLM's
+    ``MultiConnector`` builds its children.
+
+    Raises:
+        ValueError: the wrapper's extra config is wrong (see
+            [`AuditConfig.parse`][kvlife.offload.engines.vllm.audit.AuditConfig.parse]).
+    """
+    outer = vllm_config.kv_transfer_config
+    assert outer is not None  # vLLM builds a connector only from a kv_transfer_config
+    child = AuditConfig.parse(outer.kv_connector_extra_config).connector
+    inner = copy.copy(vllm_config)
+    inner.kv_transfer_config = KVTransferConfig(
+        **{"kv_role": outer.kv_role, "engine_id": outer.engine_id, **child}
+    )
+    return KVConnectorFactory.get_connector_class(inner.kv_transfer_config), inner
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _load_class(path: str) -> Any:
+    module, _, name = path.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
+
+
+@dataclass
+class WrappedConnectorStats(KVConnectorStats):
+    """The wrapped connector's statistics, carried with its class so that vLLM's front
+    end (which knows only the wrapper's class) hands them to that class to log and
+    export. ``data`` is ``{"connector": "module:Class", "data": <its data>}``."""
+
+    def _inner(self) -> KVConnectorStats | None:
+        path = self.data.get("connector")
+        if not path:
+            return None
+        stats: KVConnectorStats | None = _load_class(path).build_kv_connector_stats(
+            data=self.data.get("data")
+        )
+        return stats
+
+    @classmethod
+    def of(cls, connector: type, stats: KVConnectorStats | None) -> WrappedConnectorStats | None:
+        if stats is None:
+            return None
+        return cls(data={"connector": _class_path(connector), "data": stats.data})
+
+    def reset(self) -> None:
+        inner = self._inner()
+        if inner is not None:
+            inner.reset()
+            self.data["data"] = inner.data
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        mine, theirs = self._inner(), WrappedConnectorStats(data=dict(other.data))._inner()
+        if mine is None or theirs is None:
+            return self if theirs is None else other
+        return WrappedConnectorStats(
+            data={"connector": self.data["connector"], "data": mine.aggregate(theirs).data}
+        )
+
+    def reduce(self) -> dict[str, int | float]:
+        inner = self._inner()
+        return {} if inner is None else inner.reduce()
+
+    def is_empty(self) -> bool:
+        inner = self._inner()
+        return inner is None or inner.is_empty()
+
+
+class _WrappedPromMetrics(KVConnectorPromMetrics):
+    """The wrapped connector's Prometheus metrics, fed its own statistics."""
+
+    def __init__(self, inner: KVConnectorPromMetrics, *args: Any) -> None:
+        super().__init__(*args)
+        self.inner = inner
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        if "connector" in transfer_stats_data:
+            transfer_stats_data = transfer_stats_data.get("data") or {}
+        self.inner.observe(transfer_stats_data, engine_idx)
+
+
+def _rids(args: Iterable[Any]) -> list[str]:
+    """The request ids a call was given (requests, a scheduler output, a worker output)."""
+    rids: list[str] = []
+    for arg in args:
+        rid = getattr(arg, "request_id", None)
+        if isinstance(rid, str):
+            rids.append(rid)
+            continue
+        for new in getattr(arg, "scheduled_new_reqs", None) or ():
+            rids.append(new.req_id)
+        cached = getattr(arg, "scheduled_cached_reqs", None)
+        if cached is not None:
+            rids.extend(cached.req_ids)
+        for name in ("finished_sending", "finished_recving", "failed_recving"):
+            rids.extend(sorted(getattr(arg, name, None) or ()))
+    return list(dict.fromkeys(rids))
+
+
+class _Watch:
+    """The scheduler side's lifecycles: one per vLLM request object, tickets for the
+    asynchronous loads and delayed frees the wrapped connector announced."""
+
+    def __init__(
+        self, config: AuditConfig, path: str | None, witness: str, events: bool, block_size: int
+    ) -> None:
+        audit = config.audit
+        self.block_size = block_size
+        self.sink: JsonLinesSink | None = None
+        if path:
+            self.sink = JsonLinesSink(
+                path,
+                fsync=audit.audit_fsync,  # type: ignore[arg-type]  # checked by parse
+                max_bytes=audit.audit_max_bytes,
+                backups=audit.audit_backups,
+                flush_interval_s=audit.audit_flush_s,
+                open_marker=True,
+                witness=witness,
+            )
+        self.handlers = settle_on_signals(self.sink) if self.sink is not None else {}
+        self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
+        self.registry.on_release(self._released)
+        self.refuse = config.mode == "refuse"
+        self.witness = witness
+        self.events = events
+        # per rid, the open tickets of each kind, oldest first
+        self.loads: dict[str, list[Ticket]] = {}
+        self.frees: dict[str, list[Ticket]] = {}
+        self.load_blocks: dict[int, set[int]] = {}  # ticket op -> device blocks it fills
+        self.failed: set[int] = set()  # ops of open loads reported failed
+        self.claims: dict[int, bool] = {}  # id(request) -> its last answer was load_async
+        self.recent: OrderedDict[str, Lifecycle] = OrderedDict()  # rid -> released lifecycle
+        self.reported: OrderedDict[tuple[str, str], None] = OrderedDict()  # (report, rid) done
+        # (report, rid) of tickets cut short when vLLM freed their request at another report
+        self.cut: dict[tuple[str, str], None] = {}
+        # KV event checks: external block hash -> (rid, parent hash, digest of its tokens)
+        self.index: OrderedDict[Any, tuple[str, Any, int]] = OrderedDict()
+        self.indexed: dict[int, int] = {}  # lifecycle serial -> its block hashes indexed
+        self.held: dict[tuple[str | None, Any], str] = {}  # (medium, hash) -> rid
+
+    # ------------------------------------------------------------------ lifecycles
+
+    def lifecycle(self, request: Request) -> Lifecycle | None:
+        """``request``'s lifecycle, registered now if vLLM shows it for the first time;
+        ``None`` when an unfinished lifecycle holds its id (refused, audited)."""
+        registry = self.registry
+        if request in registry:
+            return registry.lifecycle(request)
+        try:
+            return registry.register(request, rid=request.request_id)
+        except LifecycleError:
+            return None
+
+    def _released(self, lc: Lifecycle, request: Any) -> None:
+        self.recent[lc.rid] = lc
+        self.recent.move_to_end(lc.rid)
+        if len(self.recent) > _RECENT:
+            self.recent.popitem(last=False)
+        self.indexed.pop(lc.serial, None)
+
+    def holder(self, rid: str) -> Lifecycle | None:
+        """The lifecycle a report about ``rid`` is told in: the live one holding it, or
+        the one that released last."""
+        return self.registry.live(rid) or self.recent.get(rid)
+
+    def open_ticket(self, request: Request, kind: str, **detail: Any) -> None:
+        lc = self.lifecycle(request)
+        if lc is None:
+            return
+        try:
+            ticket = self.registry.start_offload(lc, kind=kind, **detail)
+        except LifecycleError:  # refused (a second finish, say): audited, nothing opened
+            return
+        (self.loads if kind == "load" else self.frees).setdefault(lc.rid, []).append(ticket)
+        if kind == "load":
+            self.load_blocks[ticket.op] = set()
+
+    def end(self, request: Request) -> None:
+        lc = self.lifecycle(request)
+        if lc is None:
+            return
+        self.index_blocks(lc)
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        with contextlib.suppress(LifecycleError):  # vLLM finished it twice: refused, audited
+            (self.registry.abort if aborted else self.registry.finish)(lc)
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, output: KVConnectorOutput) -> None:
+        """Complete the tickets the worker output reports; write down (and in refuse
+        mode, remove) the reports no open ticket explains."""
+        failed_ops = self.failed
+        for rid in sorted(getattr(output, "failed_recving", None) or ()):
+            tickets = self.loads.get(rid)
+            if tickets:
+                failed_ops.add(tickets[0].op)
+            else:
+                self.stray(output, "failed_recving", rid)
+        invalid = getattr(output, "invalid_block_ids", None)
+        if invalid:
+            for op, blocks in self.load_blocks.items():
+                if blocks & invalid:
+                    failed_ops.add(op)
+        for name, tickets_of in self._kinds():
+            for rid in sorted(getattr(output, name, None) or ()):
+                tickets = tickets_of.get(rid)
+                if not tickets:
+                    self.stray(output, name, rid)
+                    continue
+                ticket = tickets.pop(0)
+                if not tickets:
+                    del tickets_of[rid]
+                ok = ticket.op not in failed_ops
+                failed_ops.discard(ticket.op)
+                self.load_blocks.pop(ticket.op, None)
+                lc = ticket.lifecycle
+                finished = lc.outcome is not None
+                self.registry.complete(ticket, ok, report=name)
+                self._remember(name, rid)
+                if finished:
+                    self._freed(lc, rid, name)
+
+    def _kinds(self) -> tuple[tuple[str, dict[str, list[Ticket]]], ...]:
+        """The report that completes each kind of ticket, in the order vLLM handles them."""
+        return (("finished_recving", self.loads), ("finished_sending", self.frees))
+
+    def _remember(self, name: str, rid: str) -> None:
+        self.reported[(name, rid)] = None
+        self.reported.move_to_end((name, rid))
+        if len(self.reported) > _RECENT:
+            self.reported.popitem(last=False)
+
+    def _freed(self, lc: Lifecycle, rid: str, name: str) -> None:
+        """vLLM frees a finished request (blocks and id) at its first completion report:
+        every other ticket it has is cut short (failed), and a later report of it is
+        stray, as vLLM's scheduler will find no request under the id."""
+        for report, tickets_of in self._kinds():
+            tickets = tickets_of.get(rid)
+            if not tickets:
+                continue
+            for ticket in [t for t in tickets if t.lifecycle is lc]:
+                tickets.remove(ticket)
+                self.failed.discard(ticket.op)
+                self.load_blocks.pop(ticket.op, None)
+                self.registry.complete(ticket, False, cut_by=name)
+                self.cut[(report, rid)] = None
+            if not tickets:
+                del tickets_of[rid]
+
+    def stray(self, output: KVConnectorOutput, name: str, rid: str) -> None:
+        lc = self.holder(rid)
+        if self.cut.pop((name, rid), False) is None:
+            why = "already_freed"
+        elif (name, rid) in self.reported:
+            why = "repeated"
+        elif lc is None:
+            why = "unknown_request"
+        elif name == "finished_sending":
+            why = "free_not_delayed"
+        else:
+            why = "no_load_pending"
+        self.registry.record_violation(
+            "stray_report",
+            Trigger.FAIL if name == "failed_recving" else Trigger.ACK,
+            f"{self.witness} reported {name} for {rid!r} ({why})",
+            lifecycle=lc,
+            rid=rid,
+            report=name,
+            why=why,
+            refused=self.refuse,
+        )
+        logger.warning(
+            "kvlife: %s reported %s for request %r, which no open transfer explains (%s)%s",
+            self.witness,
+            name,
+            rid,
+            why,
+            "; removed before vLLM sees it" if self.refuse else "",
+        )
+        if self.refuse:
+            kept = set(getattr(output, name) or ())
+            kept.discard(rid)
+            setattr(output, name, kept)
+
+    def raised(self, call: str, args: tuple[Any, ...], exc: BaseException) -> None:
+        trigger = _CALL_TRIGGER.get(call, Trigger.START_OFFLOAD)
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        rids: list[str | None] = list(_rids(args)) or [None]
+        for rid in rids[:64]:
+            self.registry.record_violation(
+                "connector_raised",
+                trigger,
+                f"{self.witness}.{call} raised {error}",
+                lifecycle=self.holder(rid) if rid is not None else None,
+                rid=rid,
+                call=call,
+                error=error,
+            )
+        self.written()
+
+    # ------------------------------------------------------------------ KV events
+
+    def index_blocks(self, lc: Lifecycle) -> None:
+        """Remember the block hashes vLLM computed for ``lc``'s request (those not yet
+        remembered), with each block's parent and tokens."""
+        if not self.events:
+            return
+        request = lc.req
+        hashes = request.block_hashes
+        done = self.indexed.get(lc.serial, 0)
+        if done >= len(hashes):
+            return
+        size, tokens, index = self.block_size, request.all_token_ids, self.index
+        parent = maybe_convert_block_hash(hashes[done - 1]) if done else None
+        for j in range(done, len(hashes)):
+            key = maybe_convert_block_hash(hashes[j])
+            index[key] = (lc.rid, parent, hash(tuple(tokens[j * size : (j + 1) * size])))
+            parent = key
+        self.indexed[lc.serial] = len(hashes)
+        while len(index) > INDEXED_BLOCKS:
+            index.popitem(last=False)
+
+    def check_events(self, events: list[Any]) -> None:
+        for lc in self.registry.lifecycles():
+            self.index_blocks(lc)
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._stored(event)
+            elif isinstance(event, BlockRemoved):
+                for key in event.block_hashes:
+                    if self.held.pop((event.medium, key), None) is None:
+                        self._mismatch(None, "BlockRemoved", key, "never_stored")
+            elif isinstance(event, AllBlocksCleared):
+                self.held.clear()
+
+    def _stored(self, event: BlockStored) -> None:
+        size, parent = event.block_size, event.parent_block_hash
+        for i, key in enumerate(event.block_hashes):
+            digest = hash(tuple(event.token_ids[i * size : (i + 1) * size]))
+            known = self.index.get(key)
+            if known is None:
+                self._mismatch(None, "BlockStored", key, "unknown_hash")
+            elif known[1] != parent:
+                self._mismatch(known[0], "BlockStored", key, "parent")
+            elif known[2] != digest:
+                self._mismatch(known[0], "BlockStored", key, "tokens")
+            else:
+                self.held[(event.medium, key)] = known[0]
+            parent = key
+
+    def _mismatch(self, rid: str | None, event: str, key: Any, why: str) -> None:
+        lc = self.holder(rid) if rid is not None else None
+        self.registry.record_violation(
+            "event_mismatch",
+            Trigger.ACK,
+            f"{self.witness} published {event} for block hash {key} ({why})",
+            lifecycle=lc,
+            rid=rid,
+            event=event,
+            why=why,
+            block_hash=str(key)[:40],
+        )
+
+    # ------------------------------------------------------------------ the log
+
+    def written(self) -> None:
+        if self.sink is not None:
+            self.sink.write_out()
+
+    def close(self) -> None:
+        restore_signals(self.handlers)
+        try:
+            self.registry.flush()
+        except Exception:  # another thread: the sink is flushed by its close below
+            logger.debug("kvlife: registry flush at shutdown", exc_info=True)
+        if self.sink is not None:
+            self.sink.close()
+
+
+def _relay(name: str) -> Callable[..., Any]:
+    """A method that hands the call to the wrapped connector, unchanged; an exception is
+    written to the log (scheduler side) before it goes on."""
+
+    def relay(self: KVLifeAuditConnector, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.wrapped, name)(*args, **kwargs)
+        except Exception as exc:
+            if self.watch is not None:
+                self.watch.raised(name, args, exc)
+            raise
+
+    relay.__name__ = relay.__qualname__ = name
+    relay.__doc__ = f"``{name}`` of the wrapped connector, relayed unchanged."
+    return relay
+
+
+class KVLifeAuditConnector(KVConnectorBase_V1):
+    """A vLLM KV connector around another: the other one does the work, kvlife keeps its
+    lifecycles, its audit log and its verdicts (see the module's text).
+
+    For a wrapped connector that is not a ``SupportsHMA``; use
+    [`KVLifeAuditConnectorHMA`][kvlife.offload.engines.vllm.audit.KVLifeAuditConnectorHMA]
+    for one that is.
+
+    Raises (at start-up):
+        ValueError: the extra config is wrong, or the class name does not match the
+            wrapped connector's hybrid-KV support (the message names the right one).
+    """
+
+    HMA: ClassVar[bool] = False
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = AuditConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
+        wrapped_cls, inner = wrapped_config(vllm_config)
+        name = wrapped_cls.__name__
+        if supports_hma(wrapped_cls) != self.HMA:
+            right = f"KVLifeAuditConnector{'HMA' if supports_hma(wrapped_cls) else ''}"
+            raise ValueError(
+                f"kvlife: {name} {'is' if supports_hma(wrapped_cls) else 'is not'} a "
+                f"SupportsHMA connector: configure kv_connector {right!r} so that vLLM "
+                f"keeps (or turns off) its hybrid KV cache manager exactly as for {name} alone"
+            )
+        self.wrapped: KVConnectorBase_V1 = wrapped_cls(inner, role, kv_cache_config)
+        self.wrapped_class = wrapped_cls
+        self.mode = config.mode
+        self.watch: _Watch | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            log = config.audit.audit_log
+            path = audit_path(log, vllm_config) if log else None
+            events = vllm_config.kv_events_config
+            self.watch = _Watch(
+                config,
+                path,
+                name,
+                bool(events and events.enable_kv_cache_events),
+                vllm_config.cache_config.block_size,
+            )
+            logger.info(
+                "kvlife: auditing %s (%s mode)%s",
+                name,
+                config.mode,
+                f", audit log {path}" if path else ", no audit log",
+            )
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: Request) -> None:
+        watch = self.watch
+        if watch is not None:
+            watch.lifecycle(request)
+        try:
+            self.wrapped.on_new_request(request)
+        except Exception as exc:
+            if watch is not None:
+                watch.raised("on_new_request", (request,), exc)
+            raise
+        if watch is not None:
+            watch.written()
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        watch = self.watch
+        assert watch is not None  # vLLM calls it on the scheduler side only
+        watch.lifecycle(request)
+        try:
+            count, is_async = self.wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception as exc:
+            watch.raised("get_num_new_matched_tokens", (request,), exc)
+            raise
+        if count and is_async:
+            watch.claims[id(request)] = True
+        else:
+            watch.claims.pop(id(request), None)
+        watch.written()
+        return count, is_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        watch = self.watch
+        assert watch is not None
+        try:
+            self.wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as exc:
+            watch.raised("update_state_after_alloc", (request,), exc)
+            raise
+        if watch.claims.pop(id(request), False) and num_external_tokens > 0:
+            watch.open_ticket(request, "load", tokens=num_external_tokens)
+            tickets = watch.loads.get(request.request_id)
+            if tickets:
+                watch.load_blocks[tickets[-1].op] = {
+                    block for group in blocks.get_block_ids() for block in group
+                }
+        watch.written()
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        try:
+            return self.wrapped.build_connector_meta(scheduler_output)
+        except Exception as exc:
+            if self.watch is not None:
+                self.watch.raised("build_connector_meta", (scheduler_output,), exc)
+            raise
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        watch = self.watch
+        assert watch is not None
+        watch.report(connector_output)
+        try:
+            self.wrapped.update_connector_output(connector_output)
+        except Exception as exc:
+            watch.raised("update_connector_output", (connector_output,), exc)
+            raise
+        watch.written()
+
+    def _finished(self, call: str, request: Request, block_ids: Any) -> tuple[bool, Any]:
+        watch = self.watch
+        assert watch is not None
+        watch.lifecycle(request)
+        try:
+            delay, params = getattr(self.wrapped, call)(request, block_ids)
+        except Exception as exc:
+            watch.raised(call, (request,), exc)
+            raise
+        if delay:
+            watch.open_ticket(request, "delayed_free")
+        watch.end(request)
+        watch.written()
+        return delay, params
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        return self._finished("request_finished", request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Any]:
+        return self._finished("request_finished_all_groups", request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        try:
+            events = list(self.wrapped.take_events())
+        except Exception as exc:
+            if self.watch is not None:
+                self.watch.raised("take_events", (), exc)
+            raise
+        if self.watch is not None and self.watch.events and events:
+            self.watch.check_events(events)
+            self.watch.written()
+        return events
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return WrappedConnectorStats.of(self.wrapped_class, self.wrapped.get_kv_connector_stats())
+
+    # ------------------------------------------------------------------ both sides
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        self.wrapped.bind_connector_metadata(connector_metadata)
+        super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self.wrapped.clear_connector_metadata()
+        super().clear_connector_metadata()
+
+    def shutdown(self) -> None:
+        try:
+            self.wrapped.shutdown()
+        except Exception as exc:
+            if self.watch is not None:
+                self.watch.raised("shutdown", (), exc)
+            raise
+        finally:
+            if self.watch is not None:
+                self.watch.close()
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return bool(getattr(self.wrapped, "supports_divergent_local_hybrid_hits", False))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return bool(self.wrapped.requires_kv_delivery)
+
+    # ------------------------------------------------------------------ classmethods
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        wrapped_cls, inner = wrapped_config(vllm_config)
+        layout: str | None = wrapped_cls.get_required_kvcache_layout(inner)
+        return layout
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        child = AuditConfig.parse(extra_config).connector
+        ktc = KVTransferConfig(**{"kv_role": "kv_both", **child})
+        wrapped_cls = KVConnectorFactory.get_connector_class(ktc)
+        return bool(
+            wrapped_cls.requires_piecewise_for_cudagraph(
+                child.get("kv_connector_extra_config") or {}
+            )
+        )
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        child = AuditConfig.parse(kv_transfer_config.kv_connector_extra_config).connector
+        ktc = KVTransferConfig(
+            **{
+                "kv_role": kv_transfer_config.kv_role,
+                "engine_id": kv_transfer_config.engine_id,
+                **child,
+            }
+        )
+        check = getattr(KVConnectorFactory.get_connector_class(ktc), "supports_sleep_mode", None)
+        return True if check is None else bool(check(ktc))
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return WrappedConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        wrapped_cls, inner = wrapped_config(vllm_config)
+        prom = wrapped_cls.build_prom_metrics(
+            inner, metric_types, labelnames, per_engine_labelvalues
+        )
+        if prom is None:
+            return None
+        return _WrappedPromMetrics(
+            prom, vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+
+# Every other method of vLLM's connector API (worker side, handshakes, cache binding,
+# ...) is relayed as it is: whatever this vLLM version has.
+_OWN = set(vars(KVLifeAuditConnector))
+
+
+def _api_methods() -> Iterator[str]:
+    for klass in KVConnectorBase_V1.__mro__:
+        for name, member in vars(klass).items():
+            if name.startswith("__") or name in _OWN or name == "_get_connector_metadata":
+                continue
+            if callable(member) and not isinstance(member, (classmethod, staticmethod, type)):
+                yield name
+
+
+for _name in sorted(set(_api_methods())):
+    setattr(KVLifeAuditConnector, _name, _relay(_name))
+abc.update_abstractmethods(KVLifeAuditConnector)  # the relays implement vLLM's abstract ones
+
+
+class KVLifeAuditConnectorHMA(KVLifeAuditConnector, SupportsHMA):
+    """[`KVLifeAuditConnector`][kvlife.offload.engines.vllm.audit.KVLifeAuditConnector] for a
+    wrapped connector that is a ``SupportsHMA``: vLLM keeps its hybrid KV cache manager,
+    as it does for that connector alone."""
+
+    HMA: ClassVar[bool] = True
+
+
+__all__ = [
+    "AUDIT_KEYS",
+    "INDEXED_BLOCKS",
+    "MODES",
+    "AuditConfig",
+    "KVLifeAuditConnector",
+    "KVLifeAuditConnectorHMA",
+    "WrappedConnectorStats",
+    "wrapped_config",
+]

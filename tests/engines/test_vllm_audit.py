@@ -1,0 +1,333 @@
+"""``KVLifeAuditConnector`` on vLLM 0.33.0's real scheduler (CPU, ``make test-vllm``): the
+wrapped connectors are written here (``vllm_connectors``) or vLLM's own; the workers are
+played by the test, which reports what each connector waits for after random delays.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
+
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from kvlife.fsm import check_audit, read_audit
+from kvlife.fsm.audit import AuditReport
+from kvlife.offload.engines.vllm import KVLifeAuditConnector
+from tests.engines.vllm_harness import TOKEN, make_request, make_scheduler, step
+
+KVLIFE = "kvlife.offload.engines.vllm"
+PLAY = "tests.engines.vllm_connectors"
+POOL = ("a", "b", "c", "load0", "load1")  # few ids: they are reused often
+FAULTS = ("repeat_sending", "never_delayed", "recv_no_load", "never_reported", "raises")
+
+
+def _play_config(hma: bool = False, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "PlayConnectorHMA" if hma else "PlayConnector",
+        "kv_connector_module_path": PLAY,
+        "kv_connector_extra_config": {"delay_free": True, "async_load_tokens": 16, **extra},
+    }
+
+
+def _scheduler(
+    wrapped: dict[str, Any] | None,
+    audit: Path | None = None,
+    *,
+    mode: str = "observe",
+    hma: bool = False,
+    alone: bool = False,
+    kv_events: bool = False,
+) -> Any:
+    """vLLM's scheduler with the connector ``wrapped`` alone, or wrapped by kvlife."""
+    assert wrapped is not None
+    if alone:
+        return make_scheduler(
+            wrapped["kv_connector"],
+            wrapped.get("kv_connector_module_path"),
+            wrapped.get("kv_connector_extra_config"),
+            kv_events=kv_events,
+        )
+    extra: dict[str, Any] = {"connector": wrapped, "mode": mode}
+    if audit is not None:
+        extra["audit_log"] = str(audit)
+    name = "KVLifeAuditConnectorHMA" if hma else "KVLifeAuditConnector"
+    return make_scheduler(name, KVLIFE, extra, kv_events=kv_events)
+
+
+def _output(out: Any, sending: set[str], recving: set[str]) -> ModelRunnerOutput:
+    req_ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[[TOKEN] for _ in req_ids],
+        kv_connector_output=KVConnectorOutput(
+            finished_sending=sending or None, finished_recving=recving or None
+        ),
+    )
+
+
+def _summary(out: Any) -> tuple[Any, ...]:
+    cached = out.scheduled_cached_reqs
+    return (
+        tuple(sorted(out.num_scheduled_tokens.items())),
+        tuple((new.req_id, tuple(map(tuple, new.block_ids))) for new in out.scheduled_new_reqs),
+        tuple(cached.req_ids),
+        tuple(tuple(map(tuple, ids)) if ids else () for ids in cached.new_block_ids),
+        tuple(sorted(out.finished_req_ids)),
+        tuple(sorted(out.preempted_req_ids or ())),
+    )
+
+
+class Play:
+    """A seeded workload with id reuse and aborts, and workers that report each delayed
+    free and asynchronous load after 0-3 steps; ``fault`` injects one wrong report (or
+    none, or a never-reported free). ``faulty`` is the rid it concerned."""
+
+    def __init__(self, scheduler: Any, seed: int, fault: str | None = None) -> None:
+        self.scheduler = scheduler
+        self.connector = getattr(scheduler.connector, "wrapped", scheduler.connector)
+        self.rng = random.Random(seed)
+        self.fault = fault
+        self.faulty: str | None = None
+        self.pending: list[tuple[int, str, str]] = []  # (due step, report, rid)
+        self.reported: list[str] = []  # finished_sending rids reported, in order
+        self.trace: list[tuple[Any, ...]] = []
+        self.n = 0
+
+    def run(self, steps: int, arrivals: bool = True) -> None:
+        for _ in range(steps):
+            self.step(arrivals)
+
+    def drain(self, steps: int = 60) -> None:
+        for _ in range(steps):
+            if not self.scheduler.requests and not self.pending:
+                return
+            self.step(arrivals=False)
+
+    def step(self, arrivals: bool = True) -> None:
+        scheduler, rng, n = self.scheduler, self.rng, self.n
+        if arrivals and rng.random() < 0.6:
+            rid = rng.choice(POOL)
+            if rid not in scheduler.requests:
+                scheduler.add_request(
+                    make_request(
+                        rid,
+                        prompt=rng.randint(20, 70),
+                        max_tokens=rng.randint(1, 6),
+                        first=rng.randrange(1, 10_000),
+                    )
+                )
+        if arrivals and scheduler.requests and rng.random() < 0.1:
+            scheduler.finish_requests(
+                rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED
+            )
+        out = scheduler.schedule()
+        connector = self.connector
+        for report, waiting in (
+            ("finished_sending", connector.sending),
+            ("finished_recving", connector.loading),
+        ):
+            for rid in waiting:
+                self.pending.append((n + rng.randint(0, 3), report, rid))
+            waiting.clear()
+        due = [p for p in self.pending if p[0] <= n]
+        self.pending = [p for p in self.pending if p[0] > n]
+        sending = {rid for _, report, rid in due if report == "finished_sending"}
+        recving = {rid for _, report, rid in due if report == "finished_recving"}
+        self._inject(sending, recving)
+        self.reported.extend(sorted(sending))
+        scheduler.update_from_output(out, _output(out, sending, recving))
+        self.trace.append(_summary(out))
+        self.n += 1
+
+    def _inject(self, sending: set[str], recving: set[str]) -> None:
+        if self.fault is None or self.faulty is not None:
+            return
+        running = sorted(r.request_id for r in self.scheduler.running)
+        if self.fault == "repeat_sending" and self.reported and not sending:
+            self.faulty = self.reported[-1]
+            sending.add(self.faulty)
+        elif self.fault == "never_delayed" and running and self.n > 3:
+            self.faulty = running[0]
+            sending.add(self.faulty)
+        elif self.fault == "recv_no_load" and running and self.n > 3:
+            self.faulty = running[0]
+            recving.add(self.faulty)
+        elif self.fault == "never_reported" and sending:
+            self.faulty = min(sending)
+            sending.discard(self.faulty)
+
+
+def _check(path: Path) -> AuditReport:
+    return check_audit(read_audit(path))
+
+
+@pytest.mark.parametrize("hma", [False, True], ids=["plain", "hma"])
+@pytest.mark.parametrize("seed", range(4))
+def test_with_the_wrapper_vllm_schedules_exactly_as_with_the_connector_alone(
+    tmp_path: Path, seed: int, hma: bool
+) -> None:
+    alone = Play(_scheduler(_play_config(hma), alone=True), seed)
+    wrapped = Play(_scheduler(_play_config(hma), tmp_path / "a.jsonl", hma=hma), seed)
+    for play in (alone, wrapped):
+        play.run(80)
+        play.drain()
+        assert not play.scheduler.requests and not play.pending
+    assert wrapped.trace == alone.trace
+    wrapped.scheduler.shutdown()
+    report = _check(tmp_path / "a.jsonl")
+    assert report.ok, report.violations[:3]
+    assert report.transitions["start_offload"] > 10  # delayed frees and loads were tickets
+    assert report.lifecycles == report.released and report.reused_while_unreleased >= 0
+
+
+@pytest.mark.parametrize("fault", ["repeat_sending", "never_delayed", "recv_no_load"])
+def test_a_stray_report_kills_vllm_and_the_log_names_the_rid(tmp_path: Path, fault: str) -> None:
+    for alone in (True, False):  # the same fault kills vLLM's scheduler with or without kvlife
+        path = tmp_path / f"{alone}.jsonl"
+        play = Play(_scheduler(_play_config(), path, alone=alone), seed=1, fault=fault)
+        with pytest.raises(AssertionError):
+            play.run(80)
+        assert play.faulty is not None
+    report = _check(path)
+    kinds = [(v.kind, v.rid) for v in report.violations]
+    assert ("stray_report", play.faulty) in kinds, kinds
+    said = [r for r in read_audit(path).records if r.reason == "stray_report"]
+    assert said[0].detail["report"] == (
+        "finished_recving" if fault == "recv_no_load" else "finished_sending"
+    )
+
+
+@pytest.mark.parametrize("fault", ["repeat_sending", "never_delayed", "recv_no_load"])
+def test_in_refuse_mode_a_stray_report_never_reaches_vllm(tmp_path: Path, fault: str) -> None:
+    path = tmp_path / "a.jsonl"
+    play = Play(_scheduler(_play_config(), path, mode="refuse"), seed=1, fault=fault)
+    play.run(80)
+    play.drain()
+    assert play.faulty is not None
+    assert not play.scheduler.requests  # every request finished, vLLM kept running
+    play.scheduler.shutdown()
+    report = _check(path)
+    assert [(v.kind, v.rid) for v in report.violations] == [("stray_report", play.faulty)]
+    (said,) = [r for r in read_audit(path).records if not r.ok]
+    assert said.detail["refused"] is True
+
+
+def test_a_delayed_free_never_reported_is_unreported_at_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    play = Play(_scheduler(_play_config(), path), seed=2, fault="never_reported")
+    play.run(40)
+    play.drain()
+    assert play.faulty in play.scheduler.requests  # vLLM holds its blocks for ever
+    play.scheduler.shutdown()
+    report = _check(path)
+    assert [(v.kind, v.rid) for v in report.violations] == [("unreported", play.faulty)]
+
+
+def test_a_wrapped_connector_that_raises_has_it_written_before_it_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    scheduler = _scheduler(_play_config(raise_on="b", delay_free=False), path)
+    scheduler.add_request(make_request("b", max_tokens=1))
+    with pytest.raises(KeyError):
+        for _ in range(4):
+            step(scheduler)
+    report = _check(path)
+    (violation,) = report.violations
+    assert (violation.kind, violation.rid) == ("connector_raised", "b")
+    assert "request_finished" in violation.message and "KeyError" in violation.message
+
+
+def test_vllms_offloading_connector_wrapped_the_log_holds_the_story_up_to_the_raise(
+    tmp_path: Path,
+) -> None:
+    """vLLM's own connector keys its state by request id: a late store of an old request
+    "0" after the id was reused raises KeyError in vLLM's scheduler. Wrapped, it still
+    raises (observe mode changes nothing), and the log tells both lifecycles of "0" and
+    the raise."""
+    path = tmp_path / "a.jsonl"
+    inner = {
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20},
+    }
+    scheduler = _scheduler(inner, path, hma=True)
+    scheduler.add_request(make_request("0", max_tokens=2))
+    jobs = list(step(scheduler).kv_connector_metadata.store_jobs)
+    step(scheduler)
+    scheduler.add_request(make_request("0", first=5000))
+    step(scheduler)
+    with pytest.raises(KeyError):
+        step(scheduler, completed=jobs)
+    records = read_audit(path).records
+    assert [(r.rid, r.serial, r.trigger) for r in records if r.ok] == [
+        ("0", 0, "register"),
+        ("0", 0, "finish"),
+        ("0", 1, "register"),
+    ]
+    raised = [r for r in records if r.reason == "connector_raised"]
+    assert raised and raised[0].detail["call"] == "update_connector_output"
+    assert "KeyError" in str(raised[0].detail["error"])
+    assert not _check(path).ok
+
+
+def test_the_wrong_class_name_for_the_wrapped_connectors_hma_support_is_refused() -> None:
+    inner = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}
+    with pytest.raises(ValueError, match="KVLifeAuditConnectorHMA"):
+        _scheduler(inner, hma=False)
+    with pytest.raises(ValueError, match="'KVLifeAuditConnector'"):
+        _scheduler(_play_config(hma=False), hma=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({}, "needs 'connector'"),
+        ({"connector": {"kv_connector": "PlayConnector"}, "mode": "fix"}, "mode must be"),
+        ({"connector": {"kv_connector": "PlayConnector"}, "colour": 1}, "unknown"),
+        ({"connector": {"kv_connector": "KVLifeAuditConnector"}}, "cannot wrap itself"),
+        ({"connector": {"kv_connector": "PlayConnector"}, "audit_fsync": "x"}, "audit_fsync"),
+    ],
+)
+def test_bad_extra_config_stops_the_engine_with_a_line_naming_it(
+    extra: dict[str, Any], match: str
+) -> None:
+    if "connector" in extra:
+        extra["connector"] = {**extra["connector"], "kv_connector_module_path": PLAY}
+    with pytest.raises(ValueError, match=match):
+        make_scheduler("KVLifeAuditConnector", KVLIFE, extra)
+
+
+def test_kv_events_are_checked_against_vllms_block_hashes(tmp_path: Path) -> None:
+    for kind, expect in (("right", []), ("wrong", [("event_mismatch", "b")])):
+        path = tmp_path / f"{kind}.jsonl"
+        config = _play_config(stored_events=kind, delay_free=False, async_load_tokens=0)
+        scheduler = _scheduler(config, path, kv_events=True)
+        for rid in ("a", "b"):
+            scheduler.add_request(
+                make_request(rid, max_tokens=1, first=100 if rid == "a" else 3000)
+            )
+            for _ in range(3):
+                step(scheduler)
+        scheduler.shutdown()
+        report = _check(path)
+        assert [(v.kind, v.rid) for v in report.violations] == expect, kind
+    (said,) = [r for r in read_audit(path).records if r.reason == "event_mismatch"]
+    assert said.detail["why"] == "tokens" and said.detail["event"] == "BlockStored"
+
+
+def test_the_wrapper_relays_every_method_of_the_connector_api() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: PLC0415
+
+    api = {
+        name
+        for klass in KVConnectorBase_V1.__mro__
+        for name, member in vars(klass).items()
+        if not name.startswith("__") and name != "_get_connector_metadata"
+    }
+    missing = {name for name in api if vars(KVLifeAuditConnector).get(name) is None}
+    assert not missing - {"_cache_hit_source", "role"}, missing  # the same for both

@@ -1,0 +1,121 @@
+"""KV connectors written for the tests, scheduler side only: the workers are played by
+the test, which reads what each connector is waiting for (``sending``, ``loading``).
+
+``PlayConnector`` (extra config, every key optional):
+
+- ``delay_free``: ``request_finished`` delays the free of every request that has blocks
+  (``True``), as a connector that copies a finished request's KV out does;
+- ``async_load_tokens``: for a request whose id starts with ``load``, claim that many
+  tokens as an asynchronous load, once;
+- ``raise_on``: ``request_finished`` raises ``KeyError`` for this request id;
+- ``stored_events``: publish a ``BlockStored`` for each finished request's first block;
+  ``"wrong"`` pairs it with the tokens of the request finished before it.
+
+``PlayConnectorHMA`` is the same connector as a ``SupportsHMA``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    SupportsHMA,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+
+class PlayConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.delay_free = bool(extra.get("delay_free", False))
+        self.async_load_tokens = int(extra.get("async_load_tokens", 0))
+        self.raise_on = extra.get("raise_on")
+        self.stored_events = extra.get("stored_events")
+        self.block_size = vllm_config.cache_config.block_size
+        self.sending: list[str] = []  # delayed frees the workers have to report
+        self.loading: list[str] = []  # asynchronous loads the workers have to report
+        self.receiving: set[str] = set()  # loads not reported yet: vLLM frees those itself
+        self.events: list[Any] = []
+        self._previous: Any = None  # the request finished before, for "wrong" events
+
+    # worker side: the tests play it
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        wanted = self.async_load_tokens
+        if (
+            wanted
+            and request.request_id.startswith("load")
+            and not getattr(request, "play_loaded", False)
+            and num_computed_tokens + wanted < request.num_tokens
+        ):
+            return wanted, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            request.play_loaded = True  # once per request object
+            self.loading.append(request.request_id)
+            self.receiving.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.receiving -= connector_output.finished_recving or set()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        if request.request_id == self.raise_on:
+            raise KeyError(request.request_id)
+        if self.stored_events and request.block_hashes:
+            self._publish(request)
+        groups = block_ids if isinstance(block_ids, tuple) else (block_ids,)
+        delay = (
+            self.delay_free
+            and any(len(group) for group in groups)
+            and request.request_id not in self.receiving  # vLLM holds those until received
+        )
+        if delay:
+            self.sending.append(request.request_id)
+        return delay, None
+
+    def _publish(self, request: Any) -> None:
+        size, source = self.block_size, request
+        if self.stored_events == "wrong" and self._previous is not None:
+            source = self._previous  # the new request's hash, the old request's tokens
+        self._previous = request
+        self.events.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(request.block_hashes[0])],
+                parent_block_hash=None,
+                token_ids=list(source.all_token_ids[:size]),
+                block_size=size,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            )
+        )
+
+    def take_events(self) -> list[Any]:
+        events, self.events = self.events, []
+        return events
+
+
+class PlayConnectorHMA(PlayConnector, SupportsHMA):
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        return self.request_finished(request, block_ids)
