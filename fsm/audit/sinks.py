@@ -441,6 +441,13 @@ class JsonLinesSink:
         return self._file.fd is None
 
     @property
+    def waiting(self) -> bool:
+        """Whether anything waits in the buffer for the file: a check cheap enough for
+        every call of a hot path (no lock, no count), before a
+        [`write_out()`][kvlife.fsm.audit.sinks.JsonLinesSink.write_out]."""
+        return bool(self._file.buffer)
+
+    @property
     def buffered(self) -> int:
         """Records taken and not written to the file yet (lost markers not counted)."""
         file = self._file

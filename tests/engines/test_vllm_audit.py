@@ -303,7 +303,12 @@ def test_bad_extra_config_stops_the_engine_with_a_line_naming_it(
 
 
 def test_kv_events_are_checked_against_vllms_block_hashes(tmp_path: Path) -> None:
-    for kind, expect in (("right", []), ("wrong", [("event_mismatch", "b")])):
+    cases = (
+        ("right", []),
+        ("removed", [("event_mismatch", "a"), ("event_mismatch", "b")]),
+        ("wrong", [("event_mismatch", "b")]),
+    )
+    for kind, expect in cases:
         path = tmp_path / f"{kind}.jsonl"
         config = _play_config(stored_events=kind, delay_free=False, async_load_tokens=0)
         scheduler = _scheduler(config, path, kv_events=True)
@@ -331,3 +336,30 @@ def test_the_wrapper_relays_every_method_of_the_connector_api() -> None:
     }
     missing = {name for name in api if vars(KVLifeAuditConnector).get(name) is None}
     assert not missing - {"_cache_hit_source", "role"}, missing  # the same for both
+
+
+def test_a_send_after_vllm_freed_the_request_at_its_receive_is_stray(tmp_path: Path) -> None:
+    """An aborted request whose load is in flight: vLLM holds its blocks until
+    ``finished_recving`` and frees it then. A connector that also delayed its free and
+    reports ``finished_sending`` afterwards kills vLLM's scheduler (vLLM #46240's shape);
+    the log says the send came after vLLM freed the request."""
+    path = tmp_path / "a.jsonl"
+    scheduler = _scheduler(_play_config(delay_while_loading=True), path)
+    connector = scheduler.connector.wrapped
+    scheduler.add_request(make_request("load0"))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, _output(out, set(), set()))
+    assert connector.loading == ["load0"]
+    scheduler.finish_requests("load0", RequestStatus.FINISHED_ABORTED)
+    assert connector.sending == ["load0"]  # the connector delayed the free too
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, _output(out, set(), {"load0"}))  # vLLM frees it here
+    assert "load0" not in scheduler.requests
+    out = scheduler.schedule()
+    with pytest.raises(AssertionError):
+        scheduler.update_from_output(out, _output(out, {"load0"}, set()))
+    records = read_audit(path).records
+    cut = [r for r in records if r.detail.get("cut_by") == "finished_recving"]
+    assert len(cut) == 1 and cut[0].trigger == "fail"
+    (said,) = [r for r in records if r.reason == "stray_report"]
+    assert (said.rid, said.detail["why"]) == ("load0", "already_freed")

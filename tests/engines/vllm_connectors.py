@@ -9,7 +9,10 @@ the test, which reads what each connector is waiting for (``sending``, ``loading
   tokens as an asynchronous load, once;
 - ``raise_on``: ``request_finished`` raises ``KeyError`` for this request id;
 - ``stored_events``: publish a ``BlockStored`` for each finished request's first block;
-  ``"wrong"`` pairs it with the tokens of the request finished before it.
+  ``"wrong"`` pairs it with the tokens of the request finished before it, ``"removed"``
+  also publishes a ``BlockRemoved`` for its second block, which was never stored;
+- ``delay_while_loading``: delay the free of a request whose load is still in flight too
+  (vLLM holds such a request's blocks itself and frees them at ``finished_recving``).
 
 ``PlayConnectorHMA`` is the same connector as a ``SupportsHMA``.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -35,6 +38,7 @@ class PlayConnector(KVConnectorBase_V1):
         self.async_load_tokens = int(extra.get("async_load_tokens", 0))
         self.raise_on = extra.get("raise_on")
         self.stored_events = extra.get("stored_events")
+        self.delay_while_loading = bool(extra.get("delay_while_loading", False))
         self.block_size = vllm_config.cache_config.block_size
         self.sending: list[str] = []  # delayed frees the workers have to report
         self.loading: list[str] = []  # asynchronous loads the workers have to report
@@ -88,7 +92,7 @@ class PlayConnector(KVConnectorBase_V1):
         delay = (
             self.delay_free
             and any(len(group) for group in groups)
-            and request.request_id not in self.receiving  # vLLM holds those until received
+            and (self.delay_while_loading or request.request_id not in self.receiving)
         )
         if delay:
             self.sending.append(request.request_id)
@@ -110,6 +114,13 @@ class PlayConnector(KVConnectorBase_V1):
                 lora_name=None,
             )
         )
+
+        if self.stored_events == "removed" and len(request.block_hashes) > 1:
+            self.events.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(request.block_hashes[1])], medium="CPU"
+                )
+            )
 
     def take_events(self) -> list[Any]:
         events, self.events = self.events, []

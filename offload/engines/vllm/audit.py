@@ -44,6 +44,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import functools
 import importlib
 import logging
 from collections import OrderedDict
@@ -172,6 +173,7 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+@functools.lru_cache(maxsize=64)
 def _load_class(path: str) -> Any:
     module, _, name = path.partition(":")
     target: Any = importlib.import_module(module)
@@ -187,19 +189,23 @@ class WrappedConnectorStats(KVConnectorStats):
     export. ``data`` is ``{"connector": "module:Class", "data": <its data>}``."""
 
     def _inner(self) -> KVConnectorStats | None:
+        inner: KVConnectorStats | None = self.__dict__.get("_inner_stats")
+        if inner is not None:  # made in this process: the wrapped connector's own object
+            return inner
         path = self.data.get("connector")
         if not path:
             return None
-        stats: KVConnectorStats | None = _load_class(path).build_kv_connector_stats(
-            data=self.data.get("data")
-        )
-        return stats
+        inner = _load_class(path).build_kv_connector_stats(data=self.data.get("data"))
+        self.__dict__["_inner_stats"] = inner
+        return inner
 
     @classmethod
     def of(cls, connector: type, stats: KVConnectorStats | None) -> WrappedConnectorStats | None:
         if stats is None:
             return None
-        return cls(data={"connector": _class_path(connector), "data": stats.data})
+        wrapped = cls(data={"connector": _class_path(connector), "data": stats.data})
+        wrapped.__dict__["_inner_stats"] = stats
+        return wrapped
 
     def reset(self) -> None:
         inner = self._inner()
@@ -487,7 +493,9 @@ class _Watch:
             elif isinstance(event, BlockRemoved):
                 for key in event.block_hashes:
                     if self.held.pop((event.medium, key), None) is None:
-                        self._mismatch(None, "BlockRemoved", key, "never_stored")
+                        known = self.index.get(key)  # whose block it is, if any
+                        rid = known[0] if known is not None else None
+                        self._mismatch(rid, "BlockRemoved", key, "never_stored")
             elif isinstance(event, AllBlocksCleared):
                 self.held.clear()
 
@@ -522,8 +530,10 @@ class _Watch:
     # ------------------------------------------------------------------ the log
 
     def written(self) -> None:
-        if self.sink is not None:
-            self.sink.write_out()
+        """The end of a connector call: its records go to the file now (no fsync)."""
+        sink = self.sink
+        if sink is not None and sink.waiting:
+            sink.write_out()
 
     def close(self) -> None:
         restore_signals(self.handlers)

@@ -274,8 +274,9 @@ class SchedulerSide:
         an engine core that is killed between calls loses none. vLLM kills its engine
         core at every stop of a server, before any shutdown call reaches the
         connector."""
-        if self.sink is not None:
-            self.sink.write_out()
+        sink = self.sink
+        if sink is not None and sink.waiting:
+            sink.write_out()
 
     def stats(self) -> KVLifeConnectorStats | None:
         """The counters' growth since they were last handed over, and the gauges (page
