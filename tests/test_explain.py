@@ -69,3 +69,23 @@ def test_a_hot_rid_is_told_in_part() -> None:
     text = explain(sink.records(), "hot")
     assert text.count("lifecycle #") == MAX_STORIES and "... 5 more lifecycles" in text
     assert "not released" not in text
+
+
+def test_a_verdict_on_a_watched_connector_is_told_in_its_lifecycles_story() -> None:
+    from kvlife.fsm import Trigger  # noqa: PLC0415
+    from kvlife.fsm.audit import AuditChecker  # noqa: PLC0415
+
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("b")
+    registry.register(req)
+    registry.finish(req)
+    released = registry.live("b")
+    assert released is None
+    registry.record_violation(
+        "stray_report", Trigger.ACK, "again", rid="b", report="finished_sending", why="repeated"
+    )
+    story = explain(sink.records(), "b", checker=AuditChecker())
+    assert "reported a completion no open ticket explains" in story
+    assert "report=finished_sending why=repeated" in story
+    assert "VIOLATION stray_report" in story or "FAILED" in story, story

@@ -378,3 +378,14 @@ def test_settle_never_waits_and_refuses_a_sink_whose_writes_take_no_lock(
     assert plain.settle() is False and Path(f"{tmp_path / 'b.jsonl'}.open").exists()
     plain.close()
     assert sink.settle() is True  # closed: nothing to settle
+
+
+def test_waiting_says_whether_a_write_out_has_anything_to_write(tmp_path: Path) -> None:
+    sink = JsonLinesSink(tmp_path / "a.jsonl", fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    assert not sink.waiting
+    registry.register(Req("a"))
+    assert sink.waiting
+    sink.write_out()
+    assert not sink.waiting
+    sink.close()

@@ -292,12 +292,16 @@ def explain(
     if len(stories) > MAX_STORIES:
         lines += ["", f"... {len(stories) - MAX_STORIES} more lifecycles of this rid"]
     if history.unknown and serial is None:
-        lines += ["", "calls for this rid that found no lifecycle (unknown_request):"]
+        lines += ["", "calls and reports for this rid that found no lifecycle:"]
         for seg, record in history.unknown[:MAX_STEPS]:
-            lines.append(
-                f"  {_ms(record.t_ns, history.t0)}  REFUSED {record.trigger}: the request "
-                "object was not registered (or already released, or another object)"
-            )
+            if record.reason in _WATCHED:
+                said = _detail(record).strip(" []")
+                why = f"{record.reason}: {_WATCHED[record.reason]}{f' ({said})' if said else ''}"
+            else:
+                why = (
+                    "the request object was not registered (or already released, or another object)"
+                )
+            lines.append(f"  {_ms(record.t_ns, history.t0)}  REFUSED {record.trigger}: {why}")
             _marked(lines, marks.get((seg, record.seq), []))
     if checker is not None:
         problems = int(getattr(source, "problem_count", 0))
