@@ -16,6 +16,14 @@ runs beside the scheduler and imports no torch. It holds:
   worker reported it, as tensor parallelism needs);
 - the fences: device blocks of finished requests that a store still reads.
 
+A *slot* is the device block of one block of a request: an ``int``, or, for an engine that
+keeps several KV cache groups (a hybrid model: full-attention and sliding-window layers),
+a *row*, a tuple of each group's block (``None`` where a group holds none for that block,
+as a sliding window's blocks behind the window). The planner does not look inside a slot
+except to fence its blocks: a row's blocks are fenced while a store reads them, whether
+its request finished or not (a sliding-window group gives blocks back while the request
+runs).
+
 It plans copies as orders ([`StoreOrder`][kvlife.offload.planner.StoreOrder],
 [`LoadOrder`][kvlife.offload.planner.LoadOrder]) that name the lifecycle's copy number (its
 ticket's ``op``), device blocks and host pages; the worker half copies them and reports
@@ -34,7 +42,7 @@ pinned by loads, or written by stores in flight), so
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -42,6 +50,22 @@ from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 from kvlife.offload.pages import PageAllocator, page_runs
 from kvlife.offload.prefix_cache import HostPrefixCache
+
+Slot = int | tuple[int | None, ...]
+"""One block of a request on the device: a block number, or a row of each KV cache group's
+block number (``None``: the group holds none)."""
+
+
+def block_ids(slots: Iterable[Slot]) -> Iterator[int]:
+    """The device block numbers in ``slots`` (a row's, ``None`` left out)."""
+    for slot in slots:
+        if type(slot) is tuple:
+            for block in slot:
+                if block is not None:
+                    yield block
+        else:
+            yield slot  # type: ignore[misc]  # an int
+
 
 MAX_REMEMBERED_ORDERS = 65536
 """Orders over whose tickets are kept, so that a late or repeated report of one is
@@ -84,7 +108,7 @@ class StoreOrder(NamedTuple):
     """
 
     op: int
-    slots: tuple[int, ...]
+    slots: tuple[Slot, ...]
     pages: tuple[int, ...]
     first: int
 
@@ -94,7 +118,7 @@ class LoadOrder(NamedTuple):
     ``first`` as for [`StoreOrder`][kvlife.offload.planner.StoreOrder]."""
 
     op: int
-    slots: tuple[int, ...]
+    slots: tuple[Slot, ...]
     pages: tuple[int, ...]
     first: int
 
@@ -147,7 +171,7 @@ refused (late or repeated reports, stale instances)."""
 @dataclass(slots=True)
 class _Order:
     ticket: Ticket
-    slots: tuple[int, ...]
+    slots: tuple[Slot, ...]
     pages: tuple[int, ...]
     hashes: tuple[Hashable, ...]  # one per page (stores); empty for loads
     load: bool
@@ -166,8 +190,8 @@ class Progress:
 
     #: The request object.
     req: Any
-    #: The device blocks the request holds, as the engine told.
-    slots: list[int] = field(default_factory=list)
+    #: The device blocks the request holds, as the engine told (slots: blocks or rows).
+    slots: list[Slot] = field(default_factory=list)
     #: Its first blocks that are on the host, or being copied there, or passed over.
     covered: int = 0
     #: The copy numbers of its orders in flight.
@@ -245,15 +269,15 @@ class OffloadPlanner:
             return None
         return self.registry.lifecycle(req)
 
-    def slots(self, lc: Lifecycle) -> list[int]:
-        """The device blocks ``lc``'s request holds, as the engine told (a copy).
+    def slots(self, lc: Lifecycle) -> list[Slot]:
+        """The device blocks (or rows) ``lc``'s request holds, as the engine told (a copy).
 
         Raises:
             KeyError: ``lc`` is not a live lifecycle of this planner.
         """
         return list(self._progress[lc.serial].slots)
 
-    def add_slots(self, lc: Lifecycle, slots: Iterable[int], *, fresh: bool = False) -> set[int]:
+    def add_slots(self, lc: Lifecycle, slots: Iterable[Slot], *, fresh: bool = False) -> set[int]:
         """The engine gave ``lc``'s request the device blocks ``slots`` (after those it
         holds; ``fresh``: instead of them, as after a preemption). Returns the stores in
         flight that still read any of those blocks for a finished request: the workers
@@ -270,14 +294,15 @@ class OffloadPlanner:
             progress.slots += slots
         return self.reused(slots)
 
-    def reused(self, slots: Iterable[int]) -> set[int]:
+    def reused(self, slots: Iterable[Slot]) -> set[int]:
         """The engine hands ``slots`` to a request: the stores in flight that read any of
-        them for a finished request (the workers finish them first); their fences go."""
+        their blocks for a finished request, or a row's blocks for any request (the
+        workers finish them first); their fences go."""
         fences = self._fences
         if not fences:
             return set()
         wait: set[int] = set()
-        for slot in slots:
+        for slot in block_ids(slots):
             ops = fences.pop(slot, None)
             if ops:
                 wait |= ops
@@ -315,14 +340,20 @@ class OffloadPlanner:
             for op in progress.ops:
                 order = self._orders[op]
                 if not order.load:
-                    for slot in order.slots:
+                    for slot in block_ids(order.slots):
                         self._fences.setdefault(slot, set()).add(op)
         return lc
 
     # ------------------------------------------------------------------ stores
 
     def store(
-        self, lc: Lifecycle, full: int, hashes: Sequence[Hashable], *, stride: int = 1
+        self,
+        lc: Lifecycle,
+        full: int,
+        hashes: Sequence[Hashable],
+        *,
+        stride: int = 1,
+        retry: bool = True,
     ) -> list[StoreOrder]:
         """Plan the stores of ``lc``'s first ``full`` blocks (those whose KV is final once
         the step ran) that are not on the host or being copied there, once ``stride`` of
@@ -332,7 +363,8 @@ class OffloadPlanner:
         consecutive blocks to copy; none when nothing waits, when the state refuses a
         store, or when the host pages (free and evictable) are too few: then nothing
         changed (but the held blocks' recency) and the blocks are tried again at the next
-        call.
+        call, or, with ``retry=False``, passed over (for slots that may not hold the
+        block's KV later: a sliding window's).
 
         Raises:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
@@ -354,6 +386,8 @@ class OffloadPlanner:
         pages = cache.take(self.allocator, count) if count else ()
         if pages is None:
             self._counts["skipped_stores"] += 1
+            if not retry:
+                progress.covered = full
             return []
         self._counts["held_blocks"] += full - first - count
         progress.covered = full
@@ -390,6 +424,10 @@ class OffloadPlanner:
         op = ticket.op
         self._orders[op] = _Order(ticket, slots, pages, names, False, start, progress)
         progress.ops.add(op)
+        if slots and type(slots[0]) is tuple:  # rows: fenced while read, request running or not
+            fences = self._fences
+            for block in block_ids(slots):
+                fences.setdefault(block, set()).add(op)
         self._storing.update(dict.fromkeys(names, op))
         self._storing_pages += count
         return StoreOrder(op, slots, pages, start)
@@ -409,7 +447,7 @@ class OffloadPlanner:
         self._counts["hit_blocks"] += len(pages)
         return len(pages)
 
-    def load(self, lc: Lifecycle, count: int, blocks: Sequence[int]) -> LoadOrder | None:
+    def load(self, lc: Lifecycle, count: int, blocks: Sequence[Slot]) -> LoadOrder | None:
         """The engine took the first ``count`` blocks of the last ``lookup`` and allocated
         device blocks for them: plan the load of their host pages into them (the pages
         are pinned until it is over). ``blocks`` are all of the request's device blocks
@@ -489,7 +527,7 @@ class OffloadPlanner:
                 counts["loaded_blocks"] += len(order.pages)
         else:
             if self._fences:
-                self._lift_fences(op, order.slots)
+                self._lift_fences(op, block_ids(order.slots))
             self._storing_pages -= len(order.pages)
             storing = self._storing
             for key in order.hashes:

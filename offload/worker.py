@@ -17,16 +17,29 @@ enqueued on the stream: "only future operations are affected", the host does not
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import KVLayout
-from kvlife.offload.planner import LoadOrder, StoreOrder
+from kvlife.offload.planner import LoadOrder, StoreOrder, block_ids
 
 logger = logging.getLogger(__name__)
+
+
+def _blocks(slots: Sequence[object]) -> list[int]:
+    """An order's device blocks, which for one worker are block numbers (an engine with
+    several KV cache groups splits rows into one order per group first).
+
+    Raises:
+        TypeError: a slot is not a block number (a row reached a single worker).
+    """
+    if not all(type(slot) is int for slot in slots):
+        raise TypeError(f"a worker copies block numbers, got {slots[:4]!r}")
+    return cast("list[int]", list(slots))
 
 
 class OffloadWorker:
@@ -64,7 +77,9 @@ class OffloadWorker:
         copier, host = self.copier, self.host
         for order in orders:
             try:
-                self._stores[order.op] = copier.launch(order.slots, host.pages(order.pages))
+                self._stores[order.op] = copier.launch(
+                    _blocks(order.slots), host.pages(order.pages)
+                )
             except Exception:  # reported as failed; the planner frees the pages
                 logger.exception("kvlife: store %d could not be launched", order.op)
                 self._failed.add(order.op)
@@ -76,14 +91,14 @@ class OffloadWorker:
         copier, host = self.copier, self.host
         for order in orders:
             try:
-                job = copier.load(host.pages(order.pages), order.slots)
+                job = copier.load(host.pages(order.pages), _blocks(order.slots))
                 error = job.error  # a copy that failed while running
             except Exception as exc:  # refused before copying
                 error = exc
             if error is not None:
                 logger.error("kvlife: load %d failed: %s", order.op, error)
                 self._failed.add(order.op)
-                self._load_errors.update(order.slots)
+                self._load_errors.update(block_ids(order.slots))
                 continue
             if job.event is not None:  # the forward pass reads the blocks after the copy
                 torch.cuda.current_stream(job.event.device).wait_event(job.event)

@@ -577,12 +577,96 @@ def test_unsupported_caches_are_refused_at_registration_naming_them() -> None:
         _ = worker.host_pages  # nothing was built by the refused calls
 
 
-def test_a_model_with_several_kv_cache_groups_is_refused_at_start() -> None:
+def test_a_kv_cache_group_kvlife_cannot_copy_is_refused_at_start_naming_it() -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec  # noqa: PLC0415
+
     config, _, _ = _vllm_caches(KVCacheLayout.LBHNC)
     group = config.kv_cache_groups[0]
-    config.kv_cache_groups = [group, KVCacheGroupSpec(["other"], group.kv_cache_spec)]
-    with pytest.raises(LayoutError, match="2 \\(a hybrid model\\)"):
+    ssm = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    config.kv_cache_groups = [group, KVCacheGroupSpec(["ssm.0"], ssm)]
+    with pytest.raises(LayoutError, match=r"group 1 of this model is a MambaSpec \(layers ssm.0\)"):
         _worker(config, "LBHNC")
+
+
+def test_a_hybrid_models_groups_are_stored_and_loaded_byte_for_byte() -> None:
+    """Two KV cache groups (a sliding window of 4 blocks and full attention), vLLM's
+    hybrid KV cache manager on: each store copies every group's block into one host page;
+    after vLLM's own prefix cache is emptied, the same prompt loads every full-attention
+    block and the sliding window's blocks inside its window, byte for byte."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # noqa: PLC0415
+
+    from tests.engines.vllm_harness import BLOCK, HEAD_DIM, HEADS, model_output  # noqa: PLC0415
+
+    blocks, names = 128, ("swa", "full")
+    scheduler = make_scheduler(
+        "KVLifeConnector",
+        "kvlife.offload.engines.vllm",
+        {"host_pages": 64},
+        blocks=blocks,
+        window=64,
+    )
+    assert isinstance(scheduler.connector, SupportsHMA)
+    assert not scheduler.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    worker = KVLifeConnector(
+        scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config
+    )
+    kv = {
+        name: torch.zeros((2, blocks, BLOCK, HEADS, HEAD_DIM), dtype=torch.float16)
+        for name in names
+    }
+    worker.register_kv_caches(kv)
+    hosts = worker._worker_side().ready().hosts  # type: ignore[union-attr]
+
+    def step() -> Any:
+        out = scheduler.schedule()
+        meta = out.kv_connector_metadata
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        for req_id, count in out.num_scheduled_tokens.items():  # the forward pass
+            ids = scheduler.kv_cache_manager.get_block_ids(req_id)
+            start = scheduler.requests[req_id].num_computed_tokens - count  # advanced already
+            for position in range(start, start + count):
+                for group, name in enumerate(names):
+                    block = ids[group][position // BLOCK]
+                    if block:
+                        kv[name][:, block, position % BLOCK] = position + 1000 * group + 1
+        worker.handle_preemptions(meta)
+        worker.wait_for_save()
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        scheduler.update_from_output(out, model_output(out, worker_meta))
+        return meta
+
+    stored: dict[int, list[torch.Tensor]] = {}  # block index -> each group's host bytes
+    scheduler.add_request(make_request("a", prompt=200, max_tokens=1))
+    for _ in range(3):
+        for store in step().stores:
+            for i, (row, page) in enumerate(zip(store.slots, store.pages, strict=True)):
+                assert all(block is not None for block in row)  # every group holds it
+                parts = [hosts[g].page_view(page, 1)[0].clone() for g in range(2)]
+                for group, name in enumerate(names):  # the host page is the device block
+                    device = kv[name][:, row[group]].reshape(-1).view(torch.uint8)
+                    assert torch.equal(parts[group].reshape(-1).view(torch.uint8), device)
+                stored[store.first + i] = parts
+    assert sorted(stored) == list(range(12))  # 200 tokens: 12 full blocks
+
+    assert scheduler.reset_prefix_cache()  # vLLM's own cache only: kvlife's host cache stays
+    for tensor in kv.values():
+        tensor.zero_()
+    scheduler.add_request(make_request("b", prompt=200, max_tokens=1))
+    meta = step()
+    (load,) = meta.loads
+    assert load.first == 0 and len(load.slots) == 12
+    loaded_windows = 0
+    for j, row in enumerate(load.slots):
+        assert row[1] is not None  # full attention: every block
+        for group, name in enumerate(names):
+            if row[group] is None:
+                continue
+            loaded_windows += group == 0
+            device = kv[name][:, row[group]].reshape(-1).view(torch.uint8)
+            assert torch.equal(stored[j][group].reshape(-1).view(torch.uint8), device), (j, group)
+    assert 0 < loaded_windows < 12  # the window's blocks, not those behind it
 
 
 def test_the_connector_asks_vllm_for_no_layout() -> None:

@@ -238,8 +238,8 @@ def test_the_audit_wrapper_around_a_connector_changes_no_output_and_logs_clean(
             **KVLIFE,
             "kv_connector_extra_config": {"host_pages": 24, "audit_log": str(inner_log)},
         }
-    config = {
-        "kv_connector": "KVLifeAuditConnector",
+    config = {  # kvlife's own connector is a SupportsHMA, vLLM's ExampleConnector is not
+        "kv_connector": "KVLifeAuditConnector" + ("HMA" if wrapped == "KVLifeConnector" else ""),
         "kv_connector_module_path": "kvlife.offload.engines.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"audit_log": str(audit), "connector": inner},
@@ -262,6 +262,57 @@ def test_the_audit_wrapper_around_a_connector_changes_no_output_and_logs_clean(
     assert header is not None and header.witness == wrapped
     report = check_audit(AuditReader(audit), expect_released=True)
     assert report.ok and report.lifecycles == 2 * len(A), report.violations
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("gemma2"), hybrid=True)
+
+
+def _capacity(llm: Any) -> tuple[float, int, bool]:
+    """vLLM's "maximum concurrency" for a full-length request, its KV cache groups, and
+    whether it turned its hybrid KV cache manager off."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    config = scheduler.vllm_config
+    return (
+        float(config.cache_config.kv_cache_max_concurrency),
+        len(scheduler.kv_cache_config.kv_cache_groups),
+        bool(config.scheduler_config.disable_hybrid_kv_cache_manager),
+    )
+
+
+def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_every_group(
+    hybrid: Path, tmp_path: Path
+) -> None:
+    """A Gemma2-style model (sliding-window and full-attention layers) at 16k context: with
+    kvlife vLLM keeps its hybrid KV cache manager (the same maximum concurrency as without
+    a connector), greedy outputs are equal, and after vLLM's prefix cache is emptied the
+    prompts load every group from kvlife's host cache."""
+    long = prompts(3, 600, seed=7)  # past the 256-token window: the window drops blocks
+    llm = make_llm(hybrid, max_model_len=16384)
+    try:
+        expected, plain = _generate(llm, long), _capacity(llm)
+    finally:
+        _shutdown(llm)
+    assert plain[1:] == (2, False)
+    audit = tmp_path / "kvlife.jsonl"
+    extra = {"host_pages": 96, "audit_log": str(audit)}
+    llm = make_llm(
+        hybrid,
+        max_model_len=16384,
+        kv_transfer_config={**KVLIFE, "kv_connector_extra_config": extra},
+    )
+    try:
+        assert _capacity(llm) == plain
+        assert _generate(llm, long) == expected
+        assert llm.reset_prefix_cache()
+        assert _generate(llm, long) == expected
+        counts = _connector(llm).counters
+        assert counts["loads"] == 3 and counts["loaded_blocks"] == 3 * (599 // BLOCK), counts
+    finally:
+        _shutdown(llm)
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 6, report.violations
 
 
 def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:

@@ -43,6 +43,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -80,7 +81,10 @@ def make_scheduler(
     tensor_parallel: int = 1,
     max_seqs: int = 16,
     kv_events: bool = False,
+    window: int | None = None,
 ) -> Scheduler:
+    """``window``: a hybrid model instead, of two KV cache groups: a sliding window of
+    ``window`` tokens (layer ``swa``) and full attention (layer ``full``), one block pool."""
     model_config = ModelConfig(
         model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
     )
@@ -120,6 +124,28 @@ def make_scheduler(
         ],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
+    if window is not None:
+        swa = SlidingWindowSpec(
+            block_size=BLOCK,
+            num_kv_heads=HEADS,
+            head_size=HEAD_DIM,
+            dtype=torch.float16,
+            sliding_window=window,
+        )
+        full = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
+        )
+        page = full.page_size_bytes
+        kv_cache_config = KVCacheConfig(
+            num_blocks=blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=page * blocks, layers=[name], layer_stride=page * blocks, block_stride=page
+                )
+                for name in ("swa", "full")
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)],
+        )
     vllm_config.cache_config.num_gpu_blocks = blocks
     return Scheduler(
         vllm_config=vllm_config,

@@ -18,29 +18,50 @@ VOCAB = 1024
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 
 
-def make_model(directory: Path, *, kv_heads: int = 1) -> Path:
+def make_model(directory: Path, *, kv_heads: int = 1, hybrid: bool = False) -> Path:
     """Write the model and its tokenizer into ``directory``; returns it. ``kv_heads``: 2
-    for a model that tensor parallelism of 2 splits."""
+    for a model that tensor parallelism of 2 splits. ``hybrid``: a Gemma2-style model
+    instead (4 layers alternating sliding-window and full attention, window 256): vLLM
+    gives it two KV cache groups."""
     from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
     from transformers import (  # noqa: PLC0415
+        Gemma2Config,
+        Gemma2ForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         PreTrainedTokenizerFast,
     )
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=kv_heads,
-        vocab_size=VOCAB,
-        max_position_embeddings=2048,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
+    if hybrid:
+        gemma = Gemma2Config(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=kv_heads,
+            head_dim=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=16384,
+            sliding_window=256,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+        )
+        Gemma2ForCausalLM(gemma).to(torch.float32).save_pretrained(directory)
+    else:
+        config = LlamaConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=kv_heads,
+            vocab_size=VOCAB,
+            max_position_embeddings=2048,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+        LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
     words = {f"w{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="w2"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -49,12 +50,56 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvlife")
 
 
-class KVLifeConnector(KVConnectorBase_V1):
+def check_groups(kv_cache_config: KVCacheConfig, block_size: int) -> bool:
+    """Check that kvlife can copy every KV cache group of the model; returns whether one
+    is a sliding window. One group of any attention spec is taken; several (a hybrid
+    model) must each be full attention or a sliding window, of ``block_size`` tokens.
+
+    Raises:
+        LayoutError: a group kvlife cannot copy (an SSM state, chunked local attention,
+            another block size), naming it and its layers.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return False
+    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    sliding = False
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        ok = isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) and not isinstance(
+            spec, ChunkedLocalAttentionSpec
+        )
+        if not ok or spec.block_size != block_size:
+            why = f"a {kind}" if not ok else f"blocks of {spec.block_size} tokens"
+            raise LayoutError(
+                f"kvlife's vLLM connector copies full-attention and sliding-window KV cache "
+                f"groups of {block_size}-token blocks; group {index} of this model is {why} "
+                f"(layers {', '.join(group.layer_names[:3])}"
+                f"{', ...' if len(group.layer_names) > 3 else ''}): not supported"
+            )
+        sliding |= isinstance(spec, SlidingWindowSpec)
+    return sliding
+
+
+class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
     """The vLLM KV connector; ``kv_connector_extra_config`` is a
     [`ConnectorConfig`][kvlife.offload.engines.vllm.ConnectorConfig].
 
+    A ``SupportsHMA``: vLLM keeps its hybrid KV cache manager with it. A hybrid model's
+    full-attention and sliding-window groups are stored and loaded block by block, every
+    group's part of a block in one host page (see
+    [`check_groups()`][kvlife.offload.engines.vllm.connector.check_groups] for what is
+    refused).
+
     Raises (at construction, so the engine does not start): ``ValueError`` for an
-    unknown extra-config key or a bad value, naming it.
+    unknown extra-config key or a bad value, naming it; ``LayoutError`` for a KV cache
+    group kvlife cannot copy, naming it.
     """
 
     def __init__(
@@ -69,11 +114,8 @@ class KVLifeConnector(KVConnectorBase_V1):
                 version,
                 ", ".join(f"{v}x" for v in TESTED_VLLM),
             )
-        if len(kv_cache_config.kv_cache_groups) > 1:
-            raise LayoutError(
-                f"kvlife's vLLM connector copies one KV cache group; this model has "
-                f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model): not supported"
-            )
+        sliding = check_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        groups = kv_cache_config.kv_cache_groups
         pages = config.pages(block_bytes(kv_cache_config))
         self.config = config
         self._scheduler: SchedulerSide | None = None
@@ -90,6 +132,8 @@ class KVLifeConnector(KVConnectorBase_V1):
                 kv_events=bool(getattr(events, "enable_kv_cache_events", False)),
                 bytes_per_block=block_bytes(kv_cache_config)
                 * vllm_config.parallel_config.world_size,
+                groups=len(groups),
+                sliding=sliding,
             )
             logger.info(
                 "kvlife %s connector active (vLLM %s): host cache %d blocks, audit log %s",
@@ -103,6 +147,7 @@ class KVLifeConnector(KVConnectorBase_V1):
                 pages=pages,
                 num_blocks=kv_cache_config.num_blocks,
                 layout=resolved_layout(vllm_config),
+                groups=[list(group.layer_names) for group in groups],
             )
 
     @property
@@ -236,6 +281,13 @@ class KVLifeConnector(KVConnectorBase_V1):
         delay = side.request_finished(request)
         side.written()
         return delay, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call for a connector that is a ``SupportsHMA``: as ``request_finished``
+        (the free is never delayed; stores in flight fence their blocks, every group's)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ scheduler holds under it now, since vLLM's scheduler output names requests by id
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -28,7 +29,13 @@ from kvlife.offload.engines.vllm.stats import (
     account_stats,
     lifecycle_stats,
 )
-from kvlife.offload.planner import COUNTERS, OffloadPlanner, Progress, UnknownOrderError
+from kvlife.offload.planner import (
+    COUNTERS,
+    OffloadPlanner,
+    Progress,
+    StoreOrder,
+    UnknownOrderError,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -97,6 +104,13 @@ class SchedulerSide:
             ``kv_events_config.enable_kv_cache_events``).
         bytes_per_block: bytes one block copy moves over every worker (for the bytes
             counters).
+        groups: vLLM's KV cache groups. With more than one (a hybrid model) each block of
+            a request is a row of every group's device block (``None`` where a group holds
+            none: a sliding window's blocks behind it); a block is stored only while every
+            group holds it.
+        sliding: a group is a sliding window: its blocks behind the window go back to
+            vLLM while the request runs, so a store is planned in the step its blocks
+            became full or never (``stride_blocks`` is 1 then).
     """
 
     def __init__(
@@ -109,6 +123,8 @@ class SchedulerSide:
         audit_log: str | None,
         kv_events: bool = False,
         bytes_per_block: int = 0,
+        groups: int = 1,
+        sliding: bool = False,
     ) -> None:
         self.sink: JsonLinesSink | None = None
         if audit_log:
@@ -128,7 +144,9 @@ class SchedulerSide:
         self.bytes_per_block = bytes_per_block
         self.registry = registry
         self.block_size = block_size
-        self.stride = config.stride_blocks
+        self.groups = groups
+        self.retry = not sliding
+        self.stride = 1 if sliding else config.stride_blocks
         # the lifecycle (and its progress) of the request vLLM holds under an id now
         self.requests: dict[str, tuple[Lifecycle, Progress]] = {}
         self._reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # given to vLLM so far
@@ -157,16 +175,17 @@ class SchedulerSide:
             entry = live.get(req_id)
             if entry is not None:
                 wait |= planner.preempted(entry[0])
+        slots_of = self._slots
         for new in out.scheduled_new_reqs:
             entry = live.get(new.req_id)
             if entry is None:
-                wait |= planner.reused(new.block_ids[0])
+                wait |= planner.reused(slots_of(new.block_ids))
                 continue
             lc, progress = entry
-            wait |= planner.add_slots(lc, new.block_ids[0], fresh=True)
+            wait |= planner.add_slots(lc, slots_of(new.block_ids), fresh=True)
             full = (new.num_computed_tokens + scheduled[new.req_id]) // size
             if full - progress.covered >= stride:
-                stores += planner.store(lc, full, lc.req.block_hashes, stride=stride)
+                stores += self._store(lc, progress, full)
         cached = out.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for req_id, new_ids, done in zip(
@@ -175,18 +194,42 @@ class SchedulerSide:
             entry = live.get(req_id)
             if entry is None:
                 if new_ids:
-                    wait |= planner.reused(new_ids[0])
+                    wait |= planner.reused(slots_of(new_ids))
                 continue
             lc, progress = entry
             if new_ids or req_id in resumed:
                 fresh = req_id in resumed
-                wait |= planner.add_slots(lc, new_ids[0] if new_ids else (), fresh=fresh)
+                wait |= planner.add_slots(lc, slots_of(new_ids) if new_ids else (), fresh=fresh)
             # a store is due once `stride` blocks are full past those covered (the
             # planner's own progress, read here so that most steps make no call)
             full = (done + scheduled[req_id]) // size
             if full - progress.covered >= stride:
-                stores += planner.store(lc, full, lc.req.block_hashes, stride=stride)
+                stores += self._store(lc, progress, full)
         return meta
+
+    def _slots(self, block_ids: Any) -> Any:
+        """A request's blocks as the planner's slots: group 0's block numbers, or, with
+        several KV cache groups, a row per block of every group's (``None`` for vLLM's
+        null block, number 0, which a sliding window holds behind it)."""
+        if self.groups == 1:
+            return block_ids[0]
+        return [
+            tuple(block or None for block in row)
+            for row in itertools.zip_longest(*block_ids, fillvalue=0)
+        ]
+
+    def _store(self, lc: Lifecycle, progress: Progress, full: int) -> list[StoreOrder]:
+        """Plan ``lc``'s stores up to block ``full``; with several groups, only of blocks
+        every group holds (a row with ``None`` ends them)."""
+        if self.groups > 1:
+            rows = progress.slots
+            for j in range(progress.covered, min(full, len(rows))):
+                if None in rows[j]:  # type: ignore[operator]  # rows with several groups
+                    full = j
+                    break
+        return self.planner.store(
+            lc, full, lc.req.block_hashes, stride=self.stride, retry=self.retry
+        )
 
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
         """Blocks of ``request`` past ``num_computed_tokens`` that the host cache holds,
@@ -207,7 +250,9 @@ class SchedulerSide:
         if lc is None:
             return
         count = num_external_tokens // self.block_size
-        device_blocks = [block.block_id for block in blocks.blocks[0]]
+        device_blocks = self._slots(
+            [[block.block_id for block in group] for group in blocks.blocks]
+        )
         order = self.planner.load(lc, count, device_blocks)
         if order is not None:
             self._pending_loads.loads.append(order)
