@@ -541,6 +541,62 @@ def test_every_vllm_layout_stores_and_loads_blocks_byte_for_byte(layout: KVCache
         assert torch.equal(_bits(view[untouched]), _bits(before[name][untouched]))
 
 
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+def test_every_vllm_layout_copies_a_hybrid_models_groups_byte_for_byte(
+    layout: KVCacheLayout,
+) -> None:
+    """Two KV cache groups (a sliding window and full attention, two layers each) made by
+    vLLM's own allocator in ``layout``: each group's column of a row is stored into the
+    same host page and loaded back into the rows' blocks; a group with no block in a row
+    (``None``, behind a sliding window) is neither read nor written."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: PLC0415
+
+    kwargs = {"block_size": 16, "num_kv_heads": 2, "head_size": 8, "dtype": torch.float16}
+    specs = (SlidingWindowSpec(sliding_window=32, **kwargs), FullAttentionSpec(**kwargs))
+    configs, caches = [], {}
+    for spec, prefix in zip(specs, ("swa", "full"), strict=True):
+        config, group = vllm_caches(layout, spec, layers=2, blocks=LAYOUT_BLOCKS, prefix=prefix)
+        configs.append(config)
+        for view in group.values():  # random bytes in every block
+            raw = torch.empty(0, dtype=torch.uint8).set_(view.untyped_storage())
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+        caches.update(group)
+    config = KVCacheConfig(
+        num_blocks=LAYOUT_BLOCKS,
+        kv_cache_tensors=[t for c in configs for t in c.kv_cache_tensors],
+        kv_cache_groups=[c.kv_cache_groups[0] for c in configs],
+    )
+    config.kv_cache_groups[0] = KVCacheGroupSpec(config.kv_cache_groups[0].layer_names, specs[0])
+    worker = _worker(config, layout.name)
+    worker.register_kv_caches(caches)
+    groups = [list(g.layer_names) for g in config.kv_cache_groups]
+    before = {name: view.clone() for name, view in caches.items()}
+    rows, pages = ((3, 5), (7, 2), (1, 8)), (0, 1, 2)
+    stores = [StoreOrder(5, rows, pages, 0)]
+    assert _run_jobs(worker, KVLifeConnectorMetadata(stores=stores)) == {5: 1}
+    hosts = worker._worker_side().ready().hosts  # type: ignore[union-attr]
+    for page, row in zip(pages, rows, strict=True):
+        for group, names in enumerate(groups):
+            for layer, name in enumerate(names):
+                held = _bits(hosts[group].tensor[page, layer].reshape(-1)).sort().values
+                device = _bits(caches[name][row[group]]).reshape(-1).sort().values
+                assert torch.equal(held, device), (page, group, name)
+    targets: tuple[tuple[int | None, int], ...] = ((9, 4), (None, 10), (11, 0))
+    loads = [LoadOrder(6, targets, pages, 0)]
+    assert _run_jobs(worker, KVLifeConnectorMetadata(loads=loads)) == {6: 1}
+    for group, names in enumerate(groups):
+        written = [row[group] for row in targets if row[group] is not None]
+        for name in names:
+            view = caches[name]
+            for source, target in zip(rows, targets, strict=True):
+                if target[group] is not None:
+                    assert torch.equal(
+                        _bits(view[target[group]]), _bits(before[name][source[group]])
+                    )
+            untouched = [b for b in range(LAYOUT_BLOCKS) if b not in written]
+            assert torch.equal(_bits(view[untouched]), _bits(before[name][untouched]))
+
+
 def test_kernel_blocks_that_split_a_vllm_block_are_copied_as_one_block() -> None:
     config, caches, _ = _vllm_caches(KVCacheLayout.LBHNC, kernel_block=8)
     view = next(iter(caches.values()))

@@ -194,6 +194,7 @@ def vllm_caches(
     layers: int,
     blocks: int,
     kernel_block: int | None = None,
+    prefix: str = "model.layers",
 ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
     """KV caches of ``layers`` layers made by vLLM's own allocator in ``layout`` (a
     ``KVCacheLayout``), placed as vLLM's planner places them (block-outermost layouts pack
@@ -206,7 +207,7 @@ def vllm_caches(
     layer_stride, block_stride, *_ = compute_layout_strides(
         spec, blocks, layers, layout, fixed_strides=(None, packed, None, None, None)
     )
-    names = [f"model.layers.{i}.attn" for i in range(layers)]
+    names = [f"{prefix}.{i}.attn" for i in range(layers)]
     config = KVCacheConfig(
         num_blocks=blocks,
         kv_cache_tensors=[
