@@ -287,7 +287,8 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_every_group(
     """A Gemma2-style model (sliding-window and full-attention layers) at 16k context: with
     kvlife vLLM keeps its hybrid KV cache manager (the same maximum concurrency as without
     a connector), greedy outputs are equal, and after vLLM's prefix cache is emptied the
-    prompts load every group from kvlife's host cache."""
+    prompts load every group from kvlife's host cache; a reset with the connector's
+    (``reset_connector=True``) empties kvlife's host cache: a later pass loads nothing."""
     long = prompts(3, 600, seed=7)  # past the 256-token window: the window drops blocks
     llm = make_llm(hybrid, max_model_len=16384)
     try:
@@ -309,10 +310,15 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_every_group(
         assert _generate(llm, long) == expected
         counts = _connector(llm).counters
         assert counts["loads"] == 3 and counts["loaded_blocks"] == 3 * (599 // BLOCK), counts
+        # vLLM's reset with the connector's: kvlife's host cache is emptied too
+        assert llm.reset_prefix_cache(reset_connector=True)
+        assert _connector(llm).account().cached == 0
+        assert _generate(llm, long) == expected
+        assert _connector(llm).counters["loads"] == 3  # nothing left to load
     finally:
         _shutdown(llm)
     report = check_audit(AuditReader(audit), expect_released=True)
-    assert report.ok and report.lifecycles == 6, report.violations
+    assert report.ok and report.lifecycles == 9, report.violations
 
 
 def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:
