@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.diagrams.cli_args import BenchParser, positive_ints
 from kvlife.fsm.audit.sinks import JsonLinesSink
+from kvlife.fsm.cli_args import BenchParser, positive_ints
 from kvlife.fsm.registry import LifecycleRegistry
 
 RECORDS_PER_LIFECYCLE = 6

@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from kvlife.diagrams.cli_args import int_in
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.lifecycle import lifecycle_dot, lifecycle_mermaid
 from kvlife.diagrams.log_graph import log_graph
@@ -48,6 +47,7 @@ from kvlife.fsm.audit import (
     audit_files,
 )
 from kvlife.fsm.audit.explain import explain, find_rid
+from kvlife.fsm.cli_args import int_in
 
 
 class UsageError(Exception):
@@ -588,7 +588,6 @@ def _audit(args: argparse.Namespace) -> int:
         "torn_tail_bytes": reader.torn_tail,
     }
     if args.json:
-        rows["rid_reuses"] = report.reused_while_unreleased  # the former name, one release
         print(json.dumps(rows, indent=2))
     else:
         for key, value in rows.items():

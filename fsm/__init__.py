@@ -20,22 +20,13 @@ Typical use in a scheduler::
 
 from __future__ import annotations
 
-from kvlife.fsm import _moved
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvlife.fsm._version import __version__
-from kvlife.fsm.audit import (
-    AuditChecker,
-    AuditLog,
-    AuditReader,
-    AuditRecord,
-    AuditReport,
-    JsonLinesSink,
-    LoggingSink,
-    LostRecords,
-    MemorySink,
-    SinkStatistics,
-    check_audit,
-    read_audit,
-)
+from kvlife.fsm.audit.guard import SinkStatistics
+from kvlife.fsm.audit.records import AuditRecord, LostRecords
+from kvlife.fsm.audit.sinks import JsonLinesSink, LoggingSink, MemorySink
 from kvlife.fsm.errors import (
     DuplicateAckError,
     DuplicateRegistrationError,
@@ -52,7 +43,30 @@ from kvlife.fsm.errors import (
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, RegistryStatistics, Ticket
 from kvlife.fsm.table import LIFECYCLE, LIFECYCLE_EDGES, Edge, Guard, State, Trigger
 
-_moved.install()  # the audit modules' paths before the kvlife.fsm.audit package
+if TYPE_CHECKING:
+    from kvlife.fsm.audit.checker import AuditChecker, AuditReport, check_audit
+    from kvlife.fsm.audit.reader import AuditLog, AuditReader, read_audit
+
+# Reading and checking logs is not the registry's business: those names load their modules
+# when first asked for, so that importing the core (a scheduler's process) loads neither.
+_LAZY = {
+    "AuditChecker": "kvlife.fsm.audit.checker",
+    "AuditReport": "kvlife.fsm.audit.checker",
+    "check_audit": "kvlife.fsm.audit.checker",
+    "AuditLog": "kvlife.fsm.audit.reader",
+    "AuditReader": "kvlife.fsm.audit.reader",
+    "read_audit": "kvlife.fsm.audit.reader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LIFECYCLE",

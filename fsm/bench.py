@@ -31,9 +31,9 @@ from weakref import WeakKeyDictionary
 
 from transitions import Machine
 
-from kvlife.diagrams.cli_args import BenchParser, positive_ints
 from kvlife.fsm.audit import AuditRecord, JsonLinesSink, LoggingSink, MemorySink
 from kvlife.fsm.audit.records import DetailValue
+from kvlife.fsm.cli_args import BenchParser, positive_ints
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
 

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import torch
 
-from kvlife.diagrams.cli_args import BenchParser
+from kvlife.fsm.cli_args import BenchParser
 from kvlife.fsm.registry import Lifecycle
 from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyJob

@@ -6,6 +6,7 @@ import ast
 import importlib
 import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +15,6 @@ from hypothesis import given
 
 import kvlife.fsm
 from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink, __version__
-from kvlife.fsm._moved import MOVED
 from kvlife.fsm.audit import (
     RECORD_FIELDS,
     AuditFormatError,
@@ -392,15 +392,72 @@ def test_the_core_takes_only_the_record_type_and_the_guard_from_the_audit_packag
         assert audit <= {"kvlife.fsm.audit.records", "kvlife.fsm.audit.guard"}, (name, audit)
 
 
+AFTER_THE_FACT = {
+    "kvlife.fsm.audit.checker",
+    "kvlife.fsm.audit.reader",
+    "kvlife.fsm.audit.explain",
+    "kvlife.fsm.audit.metrics",
+}
+
+
+def _loaded_by(statement: str) -> set[str]:
+    """The kvlife modules a fresh interpreter holds after ``statement``."""
+    code = f"import sys; {statement}; print(sorted(m for m in sys.modules if 'kvlife' in m))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    return set(ast.literal_eval(out))
+
+
+@pytest.mark.parametrize("module", ["kvlife.fsm.registry", "kvlife.fsm", "kvlife.fsm.audit"])
+def test_importing_the_core_loads_no_reader_checker_explain_or_metrics(module: str) -> None:
+    loaded = _loaded_by(f"import {module}")
+    assert not loaded & AFTER_THE_FACT, sorted(loaded & AFTER_THE_FACT)
+    assert "kvlife.fsm.audit.checker" in _loaded_by(
+        f"from {module.split('.registry', maxsplit=1)[0]} import check_audit"
+    )  # on first use
+
+
+def test_the_lazy_names_are_the_modules_own_objects() -> None:
+    from kvlife.fsm.audit import checker, reader  # noqa: PLC0415
+
+    assert kvlife.fsm.AuditChecker is checker.AuditChecker
+    assert kvlife.fsm.read_audit is reader.read_audit
+    assert kvlife.fsm.audit.Violation is checker.Violation
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        kvlife.fsm.audit.Nope  # noqa: B018
+
+
+def _imports(root: Path) -> dict[str, set[str]]:
+    """Per module file under ``root``, the kvlife modules it imports (anywhere in it)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[str(path.relative_to(root.parent))] = {m for m in found if m.startswith("kvlife")}
+    return graph
+
+
+def test_the_import_graph_is_the_one_the_architecture_page_draws() -> None:
+    """``kvlife.fsm`` imports neither ``kvlife.offload`` nor ``kvlife.diagrams``;
+    ``kvlife.offload`` imports nothing from ``kvlife.diagrams``."""
+    root = Path(kvlife.fsm.__file__).resolve().parent.parent  # the installed kvlife
+    edges: dict[str, set[str]] = {}
+    for package in ("fsm", "offload", "diagrams"):
+        for imported in _imports(root / package).values():
+            edges.setdefault(package, set()).update(m.split(".")[1] for m in imported)
+    print({package: sorted(used - {package}) for package, used in edges.items()})
+    assert edges["fsm"] <= {"fsm"}
+    assert edges["offload"] <= {"fsm", "offload"}
+    assert edges["diagrams"] <= {"fsm", "offload", "diagrams"}
+
+
 @pytest.mark.parametrize("old", OLD_PATHS)
-def test_an_old_module_path_warns_and_holds_the_same_objects(old: str) -> None:
-    if old == "metrics":
-        pytest.importorskip("prometheus_client")
-    sys.modules.pop(f"kvlife.fsm.{old}", None)
-    with pytest.warns(DeprecationWarning, match=f"kvlife.fsm.{old} is now kvlife.fsm.audit."):
-        module = importlib.import_module(f"kvlife.fsm.{old}")
-    new = importlib.import_module(MOVED[f"kvlife.fsm.{old}"])
-    assert module.__all__ and module.__all__ == new.__all__
-    for name in new.__all__:
-        assert getattr(module, name) is getattr(new, name), name
-    assert new.__name__.startswith("kvlife.fsm.audit.")  # the moved module is untouched
+def test_the_audit_modules_have_one_path(old: str) -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"kvlife.fsm.{old}")

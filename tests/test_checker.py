@@ -127,7 +127,7 @@ def test_stats_fields_count_rid_reuse_and_the_busiest_moment() -> None:
     registry.register(new)  # rid reused while the old copy is in flight
     registry.complete(ticket)
     report = check_audit(sink.records())
-    assert report.rid_reuses == 1 and report.max_live == 2 and len(report.live) == 1
+    assert report.reused_while_unreleased == 1 and report.max_live == 2 and len(report.live) == 1
 
 
 def _watched(witness: str) -> tuple[LifecycleRegistry, MemorySink, list[object]]:

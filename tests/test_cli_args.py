@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvlife.diagrams.cli_args import BenchParser, int_in, positive_ints
+from kvlife.fsm.cli_args import BenchParser, int_in, positive_ints
 
 
 def test_int_in_takes_the_range_and_names_what_it_expected() -> None:

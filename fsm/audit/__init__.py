@@ -18,36 +18,10 @@ the transition was applied whole; a failing sink never changes what the registry
 
 from __future__ import annotations
 
-from kvlife.fsm.audit.checker import (
-    MAX_REUSES,
-    MAX_VIOLATIONS,
-    VIOLATION_MEANINGS,
-    AuditChecker,
-    AuditReport,
-    AuditTableMismatchError,
-    InstanceSummary,
-    RidReuse,
-    Verdict,
-    Violation,
-    ViolationKind,
-    check_audit,
-    fed,
-    violations_by_record,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvlife.fsm.audit.guard import SinkStatistics
-from kvlife.fsm.audit.reader import (
-    MAX_PROBLEMS,
-    AuditFormatError,
-    AuditLog,
-    AuditProblem,
-    AuditReader,
-    AuditSegment,
-    Event,
-    Segment,
-    audit_files,
-    read_audit,
-    segment_records,
-)
 from kvlife.fsm.audit.records import (
     RECORD_FIELDS,
     REGISTER,
@@ -71,6 +45,77 @@ from kvlife.fsm.audit.sinks import (
     MemorySink,
     trim_torn_tail,
 )
+
+if TYPE_CHECKING:
+    from kvlife.fsm.audit.checker import (
+        MAX_REUSES,
+        MAX_VIOLATIONS,
+        VIOLATION_MEANINGS,
+        AuditChecker,
+        AuditReport,
+        AuditTableMismatchError,
+        InstanceSummary,
+        RidReuse,
+        Verdict,
+        Violation,
+        ViolationKind,
+        check_audit,
+        fed,
+        violations_by_record,
+    )
+    from kvlife.fsm.audit.reader import (
+        MAX_PROBLEMS,
+        AuditFormatError,
+        AuditLog,
+        AuditProblem,
+        AuditReader,
+        AuditSegment,
+        Event,
+        Segment,
+        audit_files,
+        read_audit,
+        segment_records,
+    )
+
+# The reader and the checker load when one of their names is first asked for: a registry
+# (which needs only records, the guard and sinks) never loads them.
+_LAZY = {
+    "MAX_REUSES": "kvlife.fsm.audit.checker",
+    "MAX_VIOLATIONS": "kvlife.fsm.audit.checker",
+    "VIOLATION_MEANINGS": "kvlife.fsm.audit.checker",
+    "AuditChecker": "kvlife.fsm.audit.checker",
+    "AuditReport": "kvlife.fsm.audit.checker",
+    "AuditTableMismatchError": "kvlife.fsm.audit.checker",
+    "InstanceSummary": "kvlife.fsm.audit.checker",
+    "RidReuse": "kvlife.fsm.audit.checker",
+    "Verdict": "kvlife.fsm.audit.checker",
+    "Violation": "kvlife.fsm.audit.checker",
+    "ViolationKind": "kvlife.fsm.audit.checker",
+    "check_audit": "kvlife.fsm.audit.checker",
+    "fed": "kvlife.fsm.audit.checker",
+    "violations_by_record": "kvlife.fsm.audit.checker",
+    "MAX_PROBLEMS": "kvlife.fsm.audit.reader",
+    "AuditFormatError": "kvlife.fsm.audit.reader",
+    "AuditLog": "kvlife.fsm.audit.reader",
+    "AuditProblem": "kvlife.fsm.audit.reader",
+    "AuditReader": "kvlife.fsm.audit.reader",
+    "AuditSegment": "kvlife.fsm.audit.reader",
+    "Event": "kvlife.fsm.audit.reader",
+    "Segment": "kvlife.fsm.audit.reader",
+    "audit_files": "kvlife.fsm.audit.reader",
+    "read_audit": "kvlife.fsm.audit.reader",
+    "segment_records": "kvlife.fsm.audit.reader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "MAX_PROBLEMS",

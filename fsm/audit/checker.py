@@ -181,11 +181,6 @@ class AuditReport:
         """No violations (lost records are reported in ``lost``, not as violations)."""
         return self.violation_count == 0
 
-    @property
-    def rid_reuses(self) -> int:
-        """The former name of ``reused_while_unreleased`` (kept for one release)."""
-        return self.reused_while_unreleased
-
 
 @dataclass(frozen=True)
 class Verdict:

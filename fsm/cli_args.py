@@ -1,6 +1,8 @@
 """Argument parsing shared by the ``kvlife`` command and the benchmarks it runs
 (``kvlife bench fsm|offload|audit``, each also runnable with ``python -m``): the parser
-the benchmarks use and the argparse ``type`` functions. Not API."""
+the benchmarks use and the argparse ``type`` functions. Plain ``argparse``, in the core
+so that every package may use it (``kvlife.fsm`` and ``kvlife.offload`` import nothing
+from ``kvlife.diagrams``). Not API."""
 
 from __future__ import annotations
 
