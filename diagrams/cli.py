@@ -36,7 +36,7 @@ from typing import NoReturn, TypeVar
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.lifecycle import lifecycle_dot, lifecycle_mermaid
 from kvlife.diagrams.log_graph import log_graph
-from kvlife.fsm._version import __version__
+from kvlife.fsm import __version__
 from kvlife.fsm.audit import (
     AuditChecker,
     AuditFormatError,

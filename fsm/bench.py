@@ -404,9 +404,11 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
         for _ in range(n):
             pass
 
+    owner_thread = registry.owner_thread  # the registry reads its own attribute; a local here
+
     def owner(n: int) -> None:
         for _ in range(n):
-            if get_ident() != registry._owner:
+            if get_ident() != owner_thread:
                 raise AssertionError
 
     def kwargs(n: int) -> None:

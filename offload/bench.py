@@ -199,7 +199,7 @@ def measure_poll(device: torch.device, inflight: int = 10_000, polls: int = 200)
     queue = CompletionQueue(copier.streams)
     if cuda:
         # hold the copy stream behind a long sleep so that none of the copies is done
-        with torch.cuda.stream(copier._copy_streams[0]):
+        with torch.cuda.stream(copier.copy_streams[0]):
             torch.cuda._sleep(10_000_000_000)  # several seconds: longer than 10k launches
     for i in range(inflight):
         pages = host.alloc(1)

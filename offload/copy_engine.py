@@ -28,7 +28,7 @@ return at once and only order *future* work on the stream.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -138,6 +138,12 @@ class CopyEngine:
             copy and restored after it); ``None`` (the default) leaves the process's
             setting alone. On a small machine with other load, 1 avoids threads that wait
             on each other for small copies.
+
+    Attributes:
+        before_cpu_copy: ``None``, or a function called (with no argument) right before
+            each CPU copy runs; an exception it raises is that copy's failure, as a copy
+            that fails while running (the fail path: for demos and tests that exercise it
+            on purpose).
     """
 
     def __init__(
@@ -162,6 +168,7 @@ class CopyEngine:
         self.host = host
         self.chunk_pages = chunk_pages
         self.streams = streams
+        self.before_cpu_copy: Callable[[], None] | None = None
         self.cuda = self.device.type == "cuda"
         if defer and self.cuda:
             raise ValueError("defer is a CPU test facility; CUDA copies are asynchronous")
@@ -306,6 +313,8 @@ class CopyEngine:
             offset += count
 
     def _copy_cpu(self, index: torch.Tensor, pages: HostPages) -> None:
+        if self.before_cpu_copy is not None:
+            self.before_cpu_copy()
         if self.threads is None:
             return self._copy_cpu_pages(index, pages)
         previous = torch.get_num_threads()
@@ -364,7 +373,7 @@ class CopyEngine:
         """Gather through staging, from host page ``first_page`` of ``pages`` on."""
         self._ensure_staging()
         skip = first_page * self.layout.page_size
-        rest = HostPages._create(self.host, pages.indices[first_page:])  # a subset of them
+        rest = pages.tail(first_page)
         for first_token, tokens, chunk in self._chunks(len(index) - skip, rest):
             start = skip + first_token
             staged = self._gather(index[start : start + tokens], tokens, len(chunk), 0)

@@ -352,14 +352,12 @@ def _inject_failures(
     """Make a share of CPU copies raise when they run (the fail path, on purpose)."""
     if rate <= 0 or copier.cuda:
         return
-    real = copier._copy_cpu
 
-    def sometimes_failing(index: torch.Tensor, pages: HostPages) -> None:
+    def sometimes_failing() -> None:
         if rng.random() < rate:
             raise RuntimeError("injected copy failure")
-        real(index, pages)
 
-    copier._copy_cpu = sometimes_failing  # type: ignore[method-assign]
+    copier.before_cpu_copy = sometimes_failing
 
 
 def text_progress(stream: TextIO = sys.stderr) -> Callable[[int, int], None]:

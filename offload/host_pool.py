@@ -61,6 +61,11 @@ class HostPages(metaclass=NoPublicConstructor):
         """Page indices into the pool's tensor."""
         return self._indices
 
+    def tail(self, first: int) -> HostPages:
+        """The same pool's pages from the ``first``-th on (a view of part of them: freeing
+        is still done once, with the whole)."""
+        return HostPages._create(self._pool, self._indices[first:])
+
     def __len__(self) -> int:
         return len(self._indices)
 

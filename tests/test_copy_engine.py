@@ -142,19 +142,24 @@ def test_deferred_copy_reads_device_memory_when_it_runs() -> None:
         job.run()
 
 
-def test_a_copy_that_raises_is_a_failed_job(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_that_raises_is_a_failed_job() -> None:
     layout = LAYOUTS["per_layer"]
     host = HostPagePool(layout, 4, pin_memory=False)
     engine = CopyEngine(layout, layout.allocate(), host)
+    calls: list[int] = []
 
-    def boom(*args: object) -> None:
-        raise RuntimeError("DMA error")
+    def boom() -> None:  # the public fail-path hook the demo uses too
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("DMA error")
 
-    monkeypatch.setattr(engine, "_copy_cpu", boom)
+    engine.before_cpu_copy = boom
     pages = host.alloc(1)
     assert pages is not None
     job = engine.launch(list(range(16)), pages)
     assert job.query() and isinstance(job.error, RuntimeError)
+    again = engine.launch(list(range(16)), pages)  # the hook runs before every copy
+    assert again.query() and again.error is None and calls == [1, 1]
 
 
 @pytest.mark.parametrize(

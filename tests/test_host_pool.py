@@ -110,3 +110,5 @@ def test_host_pages_are_made_by_their_pool_only() -> None:
 
     named = pool.pages([2, 3])  # allocated elsewhere (a scheduler's PageAllocator)
     assert named.indices == (2, 3) and named.runs() == [(2, 2)] and pool.available == 4
+    tail = named.tail(1)  # part of them, made by the pages themselves
+    assert type(tail) is HostPages and tail.indices == (3,) and tail.pool is pool
