@@ -3,6 +3,9 @@ lost ranges versus gaps, segments, table digests, bounded violation lists."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import get_args
+
 import pytest
 
 from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink, Trigger
@@ -13,10 +16,13 @@ from kvlife.fsm.audit import (
     AuditTableMismatchError,
     LostRecords,
     Segment,
+    ViolationKind,
     check_audit,
     make_header,
+    read_audit,
 )
 from tests.strategies import Req
+from tests.violations import EDITS, UNRECORDED, clean_log, edited_log
 
 
 def _records(n: int = 3) -> list[AuditRecord]:
@@ -168,3 +174,38 @@ def test_an_open_ticket_at_the_end_is_unreported_only_in_a_watchers_log() -> Non
     assert "ExampleConnector" in report.violations[0].message
     _, sink, events = _watched("")  # kvlife's own log: a copy in flight at the end is no verdict
     assert check_audit([*events, *sink.records()]).ok
+
+
+#: Where each edit of ``tests/violations.py`` puts its violation: the record's ``seq``
+#: (``None``: about no record, a lifecycle left open at the end).
+AT = {
+    "after_release": 8,
+    "connector_raised": 8,
+    "duplicate_completion": 7,
+    "event_mismatch": 8,
+    "illegal_transition": 2,
+    "inflight_mismatch": 4,
+    "leaked": None,
+    "seq_gap": 5,
+    "serial_reused": 7,
+    "state_mismatch": 6,
+    "stray_report": 8,
+    "unknown_instance": 8,
+    "unknown_op": 6,
+    "unreported": None,
+    "wrong_instance": 5,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EDITS))
+def test_each_violation_kind_is_found_directly_by_the_checker(kind: str, tmp_path: Path) -> None:
+    """Every kind the checker knows, from the one edit of a clean log that makes it: the
+    checker names that kind at the edited record, on its rid (an edit may also break what
+    follows it, which the checker reports too)."""
+    assert set(EDITS) == set(AT) == set(get_args(ViolationKind))  # one edit per kind
+    log = edited_log(clean_log(tmp_path / "clean.jsonl"), kind, tmp_path / "edited.jsonl")
+    report = check_audit(read_audit(log), expect_released=kind in UNRECORDED)
+    found = [(v.seq, v.rid) for v in report.violations if v.kind == kind]
+    assert found[:1] == [(AT[kind], "r")], [(v.kind, v.seq) for v in report.violations]
+    assert not report.ok
+    assert check_audit(read_audit(clean_log(tmp_path / "again.jsonl")), expect_released=True).ok

@@ -56,6 +56,34 @@ def _append(make: Callable[[list[Line]], Line]) -> Callable[[list[Line]], list[L
     return edit
 
 
+def _verdict(reason: str, **detail: Any) -> Callable[[list[Line]], list[Line]]:
+    """A wrapper's verdict on its connector after the log's last record: a refusal of
+    ``reason`` on the released lifecycle #1 of rid ``r``."""
+    return _append(
+        lambda lines: (
+            dict(lines[-1])
+            | {
+                "serial": 1,
+                "trigger": "ack",
+                "src": "released",
+                "dst": None,
+                "ok": False,
+                "reason": reason,
+                "op": None,
+                "inflight": 0,
+                "detail": detail,
+            }
+        )
+    )
+
+
+def _unreported(lines: list[Line]) -> list[Line]:
+    """A watcher's log (its header names the connector) whose last ticket, copy 1 of #1,
+    is never reported: its ack and the finish after it are cut."""
+    header, *records = lines
+    return [header | {"witness": "ExampleConnector"}, *records[:-2]]
+
+
 #: One edit of the clean log per violation kind (``leaked`` needs ``--expect-released``).
 EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
     "seq_gap": _drop(4),
@@ -71,7 +99,15 @@ EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
     "unknown_instance": _append(lambda lines: dict(lines[2]) | {"serial": 7}),
     "after_release": _append(lambda lines: dict(lines[2]) | {"src": "released"}),
     "leaked": lambda lines: lines[:-1],
+    "stray_report": _verdict("stray_report", report="finished_sending", why="repeated"),
+    "connector_raised": _verdict(
+        "connector_raised", call="request_finished", error="KeyError: 'r'"
+    ),
+    "event_mismatch": _verdict("event_mismatch", event="BlockStored", why="tokens"),
+    "unreported": _unreported,
 }
+#: The kinds that are about no record (they are in the verdict's list only).
+UNRECORDED = frozenset({"leaked", "unreported"})
 
 
 def edited_log(clean: Path, kind: str, path: Path) -> Path:
