@@ -42,7 +42,10 @@ class State(str, Enum):
 class Trigger(str, Enum):
     """What can be asked of a lifecycle."""
 
-    #: A copy of some of the request's KV pages to host memory was launched.
+    #: A copy of some of the request's KV was launched: a store of its pages to host
+    #: memory, or a load of host pages back into its device blocks (a vLLM host-cache hit:
+    #: ``detail.kind = "load"``). Both are copies in flight that read or write the
+    #: request's blocks, and both end with ``ack`` or ``fail``.
     START_OFFLOAD = "start_offload"
     #: A copy completed (its CUDA event is done on every rank).
     ACK = "ack"

@@ -348,7 +348,8 @@ class KVLifeDecodeOffloadManager:
             req_to_token_pool, tree_cache, token_to_kv_pool_allocator, page_size
         )
         group = tp_group if self.tp_world_size > 1 else None
-        self.kv = OffloadManager(
+        # kvlife's offload manager (``req.kv`` is SGLang's own per-request KV object)
+        self.kvlife = OffloadManager(
             self.source,
             self.copier,
             stride_pages=self.offload_stride // page_size,
@@ -357,14 +358,14 @@ class KVLifeDecodeOffloadManager:
             page_hash=SGLangPageHasher(),
             whole_strides=True,
         )
-        self.registry = self.kv.registry
+        self.registry = self.kvlife.registry
         self.backups = BackupStats()
         self._backup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvlife-backup")
         self._pending_backups: list[tuple[Future[bool], HostPages, str]] = []
-        self.kv.on_copy(self._back_up)
-        self.kv.on_release(self._free_kept)
+        self.kvlife.on_copy(self._back_up)
+        self.kvlife.on_release(self._free_kept)
         # what SGLang's scheduler counts (len) when it checks for idleness
-        self.ongoing_offload: Mapping[int, Any] = self.kv.inflight_requests
+        self.ongoing_offload: Mapping[int, Any] = self.kvlife.inflight_requests
         self._closed = False
         self._polls = 0
         logger.info("kvlife decode KV offload: %s, %d host pages", self.layout, host_pages)
@@ -389,7 +390,7 @@ class KVLifeDecodeOffloadManager:
         lc = self._lifecycle(req)
         if lc.outcome is not None:  # already finishing: nothing more is copied
             return False
-        ticket = self.kv.step(req)
+        ticket = self.kvlife.step(req)
         if ticket is None:
             return False
         if req.finished():
@@ -417,7 +418,7 @@ class KVLifeDecodeOffloadManager:
         Never waits."""
         done = self._backups_done()
         try:
-            self.kv.poll()
+            self.kvlife.poll()
         finally:
             self._reap_backups(done)
         self._polls += 1
@@ -439,7 +440,7 @@ class KVLifeDecodeOffloadManager:
             req = lc.req
             row = request_row(req)
             if (row is None or row == -1) and req.finished():
-                self.kv.abort(req)
+                self.kvlife.abort(req)
                 swept += 1
         return swept
 
@@ -447,18 +448,18 @@ class KVLifeDecodeOffloadManager:
         """Deliver what completed; refuse (``RuntimeError``, on every rank) while any rank
         still has a copy reading device KV -- retraction frees that KV."""
         self.check_offload_progress()
-        pending = torch.tensor([int(self.kv.inflight > 0)], dtype=torch.int)
+        pending = torch.tensor([int(self.kvlife.inflight > 0)], dtype=torch.int)
         if self.tp_world_size > 1:
             dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=self.tp_group)
         if pending.item():
             raise RuntimeError(
                 "Decode KV offload copies are still pending on some rank; refusing to "
-                f"retract (local: {self.kv.inflight} copies in flight)."
+                f"retract (local: {self.kvlife.inflight} copies in flight)."
             )
 
     def has_inflight_device_transfer(self) -> bool:
         """Whether a device-to-host copy may still read device KV."""
-        return self.kv.inflight > 0
+        return self.kvlife.inflight > 0
 
     def release_host_resources(self) -> None:
         """Shutdown: wait for the backups started, free their pages, stop the thread."""
@@ -474,13 +475,13 @@ class KVLifeDecodeOffloadManager:
         if req in self.registry:
             return self.registry.lifecycle(req)
         start = len(req.origin_input_ids) // self.page_size * self.page_size
-        return self.kv.register(req, req.rid, start=start)
+        return self.kvlife.register(req, req.rid, start=start)
 
     def _finish(self, req: Any) -> None:
         if isinstance(req.finished_reason, FINISH_ABORT):
-            self.kv.abort(req)
+            self.kvlife.abort(req)
         else:
-            self.kv.finish(req, flush=False)
+            self.kvlife.finish(req, flush=False)
 
     def _back_up(self, req: Any, lc: Lifecycle, copy: HostCopy) -> bool:
         """A completed copy: its full pages go to storage on the backup thread; a copy

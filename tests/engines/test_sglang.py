@@ -234,7 +234,7 @@ def test_same_workload_same_storage_and_releases_as_sglangs_manager(
     assert len(ours_pools.releases) == ours_run.admitted
     full = make_pools().alloc.available_size()
     assert ours_pools.alloc.available_size() == theirs_pools.alloc.available_size() == full
-    assert ours.kv.stats.skipped_no_host_memory > 0  # host memory ran out, in both
+    assert ours.kvlife.stats.skipped_no_host_memory > 0  # host memory ran out, in both
     assert ours.host.available == ours.host.capacity and not ours.registry.lifecycles()
 
 
@@ -406,7 +406,7 @@ def test_copies_a_rank_does_not_write_are_freed(pools: Pools, tmp_path: Path) ->
     req = admit(pools, "a", prompt=8, max_new=10)
     decode_to_end(pools, manager, req)
     manager.check_offload_progress()
-    assert manager.backups.skipped == manager.kv.stats.copies_acked == 2
+    assert manager.backups.skipped == manager.kvlife.stats.copies_acked == 2
     assert manager.host.available == 8 and not storage_files(tmp_path / "storage")
     close(manager)
 

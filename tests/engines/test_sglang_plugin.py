@@ -102,7 +102,7 @@ def test_the_switch_makes_sglangs_scheduler_build_kvlifes_manager(tmp_path: Path
     log = read_audit(path)
     report = check_audit(log, expect_released=True)
     assert report.ok, report
-    assert (report.lifecycles, report.released, report.rid_reuses) == (2, 2, 1)
+    assert (report.lifecycles, report.released, report.reused_while_unreleased) == (2, 2, 1)
     assert {r.rid for r in log.records} == {"r"}  # one rid, two lifecycles, both released
 
 
