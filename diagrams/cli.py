@@ -45,6 +45,7 @@ from kvlife.fsm.audit import (
     Segment,
     Verdict,
     audit_files,
+    segment_records,
 )
 from kvlife.fsm.audit.explain import explain, find_rid
 from kvlife.fsm.cli_args import int_in
@@ -259,6 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"kvlife: {_os_error(exc)}")
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 violation``, ``2 violations``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _fail(message: str, status: int = 2) -> int:
     print(message, file=sys.stderr)
     return status
@@ -368,15 +374,18 @@ def _reader(logs: str | Sequence[str]) -> AuditReader:
 _T = TypeVar("_T")
 
 
-def _reading(path: str, work: Callable[[], _T]) -> _T:
-    """Run ``work`` (which reads the log); unreadable input becomes a usage error (one
-    line, exit 2)."""
+def _reading(path: str, work: Callable[[], _T], writes: str | None = None) -> _T:
+    """Run ``work`` (which reads the log, and may write the file ``writes``); unreadable
+    input, or an output that cannot be written, becomes a usage error (one line, exit 2)."""
     try:
         return work()
     except AuditFormatError as exc:
         raise UsageError(f"kvlife: {exc}") from None
     except OSError as exc:
-        raise UsageError(f"kvlife: cannot read {exc.filename or path}: {exc.strerror}") from None
+        name = exc.filename or path
+        if writes is not None and str(name) == str(writes):
+            raise UsageError(f"kvlife: cannot write {name}: {exc.strerror or exc}") from None
+        raise UsageError(f"kvlife: cannot read {name}: {exc.strerror}") from None
 
 
 def _check(path: str, reader: AuditReader, checker: AuditChecker) -> AuditReport:
@@ -418,6 +427,12 @@ def _diagram(args: argparse.Namespace) -> int:
         data = render(dot, args.format)
     if args.output:
         _write_file(args.output, data)
+        what = (
+            f"the lifecycle diagram with {args.from_log}'s counts"
+            if args.from_log
+            else "the lifecycle diagram"
+        )
+        print(f"{args.output}: {what} ({args.format}, {len(data)} bytes)")
     elif args.format == "png":
         raise UsageError("kvlife diagram: PNG needs -o FILE")
     else:
@@ -495,6 +510,26 @@ def _why(args: argparse.Namespace) -> int:
     return _verdict(args, checker.report, reader).exit_status
 
 
+def _known_rids(args: argparse.Namespace, view: str) -> None:
+    """Refuse (exit 2, naming them) the ``--rid`` values the log holds no record of."""
+    wanted = set(args.rid)
+
+    def find() -> set[str]:
+        seen: set[str] = set()
+        for _, record in segment_records(_reader(args.logs)):
+            rid = record.rid
+            if rid is not None and rid in wanted:
+                seen.add(rid)
+                if seen == wanted:
+                    break
+        return seen
+
+    missing = sorted(wanted - _reading(args.log, find))
+    if missing:
+        names = ", ".join(repr(rid) for rid in missing)
+        raise UsageError(f"kvlife audit {view}: {args.log} has no record of rid {names}")
+
+
 def _timeline(args: argparse.Namespace) -> int:
     from kvlife.diagrams.timeline import plot_timeline
 
@@ -503,6 +538,8 @@ def _timeline(args: argparse.Namespace) -> int:
         raise UsageError(f"kvlife audit timeline: -o needs a .png or .svg name, got {suffix!r}")
     if Path(args.output).is_dir():
         raise UsageError(f"kvlife: {args.output} is a directory; give a file name")
+    if args.rid:
+        _known_rids(args, "timeline")
     reader = _reader(args.logs)
     checker = _checker(args)
     try:
@@ -516,13 +553,15 @@ def _timeline(args: argparse.Namespace) -> int:
                 rids=args.rid,
                 checker=checker,
             ),
+            writes=args.output,
         )
     except ModuleNotFoundError as exc:
         raise UsageError(f"kvlife: {exc}") from None
     report = checker.report
     print(
-        f"{args.output}: {rows} lifecycle rows, {report.violation_count} violations, "
-        f"{report.reused_while_unreleased} rid reuses while unreleased"
+        f"{args.output}: {_count(rows, 'lifecycle row')}, "
+        f"{_count(report.violation_count, 'violation')}, "
+        f"{_count(report.reused_while_unreleased, 'rid reuse')} while unreleased"
     )
     return _say_verdict(args, args.log, report, reader)
 

@@ -528,7 +528,7 @@ def test_audit_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     log = _log(tmp_path / "a.jsonl")
     out = tmp_path / "t.svg"
     assert main(["audit", "timeline", str(log), "-o", str(out), "--rid", "a"]) == 0
-    assert out.read_text().startswith("<?xml") and "rows" in capsys.readouterr().out
+    assert out.read_text().startswith("<?xml") and "1 lifecycle row," in capsys.readouterr().out
     assert main(["audit", "timeline", str(log), "-o", str(tmp_path / "t.gif")]) == 2
     assert "needs a .png or .svg name" in capsys.readouterr().err
 
@@ -756,3 +756,44 @@ def test_a_directory_without_logs_is_a_usage_error(
     assert capsys.readouterr().err == (
         f"kvlife: {tmp_path} is a directory with no audit log (*.jsonl)\n"
     )
+
+
+def test_an_output_that_cannot_be_written_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "clean.jsonl")
+    target = tmp_path / "no-such-dir" / "t.png"
+    assert main(["audit", "timeline", str(log), "-o", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {target}" in err and "cannot read" not in err
+
+
+def test_an_unknown_rid_is_exit_2_naming_it_in_every_view(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "clean.jsonl")
+    out = tmp_path / "t.png"
+    argv = ["audit", "timeline", str(log), "--rid", "nope", "--rid", "r", "-o", str(out)]
+    assert main(argv) == 2
+    assert "has no record of rid 'nope'" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["audit", "why", str(log), "--rid", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["audit", "timeline", str(log), "--rid", "r", "-o", str(out)]) == 0
+    assert "2 lifecycle rows, 0 violations, 1 rid reuse while unreleased" in capsys.readouterr().out
+
+
+def test_every_command_that_writes_a_file_says_what_it_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "clean.jsonl")
+    for argv, said in (
+        (["diagram", "-o", str(tmp_path / "d.svg")], "the lifecycle diagram (svg, "),
+        (
+            ["diagram", "--from-log", str(log), "-o", str(tmp_path / "e.dot"), "--format", "dot"],
+            f"the lifecycle diagram with {log}'s counts (dot, ",
+        ),
+    ):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert said in out, out

@@ -34,14 +34,20 @@ def test_a_late_completion_is_named_as_the_old_lifecycles_copy() -> None:
     assert text.startswith("rid 'req-7': 2 lifecycle(s) in the log, 1 call(s) that found none")
     old, new = text.split("\n\nrid 'req-7' lifecycle #1")[0], text.split("lifecycle #1")[1]
     assert "start_offload copy 0: allocated -> offloading, 1 in flight [tokens=16]" in old
-    assert "finish: offloading -> finished_pending, 1 in flight  (finished)" in old
     assert (
-        "ack copy 0: finished_pending -> released  (released)  <- late: the rid was reused by "
+        "finish: offloading -> finished_pending, 1 in flight  (host copies kept; released "
+        "when its 1 copy in flight ends)"
+    ) in old
+    assert (
+        "ack copy 0: finished_pending -> released  (its last copy ended: released)  <- late: "
+        "the rid was reused by "
         "#1 while copy 0 was in flight; its ticket named #0, so it completed #0 only"
     ) in old
     assert "REFUSED ack copy 0: stale_instance: a delivery of copy 0, which belonged to" in old
     assert "registered while #0 still held the rid (finished_pending, 1 in flight)" in new
-    assert "abort: allocated -> released  (aborted)  (released)" in new
+    assert (
+        "abort: allocated -> released  (host copies discarded; no copy in flight: released at once)"
+    ) in new
     assert "REFUSED finish: the request object was not registered" in text
     assert "'other'" not in text
 

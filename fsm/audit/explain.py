@@ -27,7 +27,6 @@ MAX_STORIES = 20
 MAX_STEPS = 400
 """Records told per lifecycle; the rest are counted."""
 
-_OUTCOME = {"finish": "finished", "abort": "aborted"}
 _WATCHED = {  # verdicts on a watched component (a wrapped vLLM connector)
     "stray_report": "the wrapped connector reported a completion no open ticket explains; "
     "vLLM's scheduler asserts on such a report",
@@ -146,6 +145,20 @@ def _refusal(record: AuditRecord, lc: LifecycleHistory) -> str:
     return f"{record.trigger} is not allowed in state {record.src}: refused, nothing changed"
 
 
+def _meaning(record: AuditRecord) -> str:
+    """What an accepted transition means for the request, when the states alone do not
+    say it: what happens to its host copies, and when it will be released."""
+    kept = {"finish": "host copies kept", "abort": "host copies discarded"}.get(record.trigger)
+    if kept is not None:
+        if record.dst == "released":
+            return f"  ({kept}; no copy in flight: released at once)"
+        copies = "copy in flight ends" if record.inflight == 1 else "copies in flight end"
+        return f"  ({kept}; released when its {record.inflight} {copies})"
+    if record.trigger in ("ack", "fail") and record.dst == "released":
+        return "  (its last copy ended: released)"
+    return ""
+
+
 def _births(history: RidHistory) -> dict[int, list[tuple[int, int]]]:
     """Per segment, (registration time, serial) of the rid's lifecycles, in time order: a
     late completion's "reused by" is a range of it, found by bisection."""
@@ -214,10 +227,7 @@ def _story(
         move = f"{record.src} -> {record.dst}" if record.src else f"-> {record.dst}"
         inflight = f", {record.inflight} in flight" if record.inflight else ""
         line = f"  {when}  {record.trigger}{op}: {move}{inflight}{_detail(record)}"
-        if record.trigger in _OUTCOME:
-            line += f"  ({_OUTCOME[record.trigger]})"
-        if record.dst == "released":
-            line += "  (released)"
+        line += _meaning(record)
         if record.trigger == "start_offload" and record.op is not None:
             started[record.op] = record.t_ns
         elif record.trigger in ("ack", "fail") and record.op is not None:
