@@ -3,6 +3,7 @@ links, the site publishes no build files, and nothing points outside the reposit
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -218,3 +219,17 @@ def test_the_site_renders_mermaid_with_no_network(site: Path, browser: Any) -> N
     assert page.evaluate("typeof mermaid") == "object"  # the site's own copy
     assert fetched == [] and errors == []
     page.close()
+
+
+def test_every_documented_kv_transfer_config_is_json_naming_a_real_connector() -> None:
+    """The vLLM config lines the pages show parse as JSON, and a kvlife connector they name
+    is one the package exports (checked by its text: vLLM is not installed here)."""
+    exported = (ROOT / "offload" / "engines" / "vllm" / "__init__.py").read_text()
+    found = 0
+    for page in PAGES:
+        for match in re.finditer(r"--kv-transfer-config\s+'(.*?)'", page.read_text(), re.S):
+            config = json.loads(match[1])
+            found += 1
+            if config.get("kv_connector_module_path") == "kvlife.offload.engines.vllm":
+                assert f'"{config["kv_connector"]}"' in exported, (page.name, config)
+    assert found >= 2
