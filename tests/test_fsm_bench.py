@@ -3,6 +3,8 @@ timing belongs in the benchmark's output, not in tests)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvlife.fsm.bench import (
@@ -38,8 +40,23 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         "kvlife + memory ring: the target leaves",
         "costs that must not grow",
         "<= 0.50",
+        "noise: how much a ratio moved",
     ):
         assert name in out
+
+
+def test_a_missed_target_fails_the_run_only_with_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvlife.fsm import bench  # noqa: PLC0415
+
+    argv = ["--rounds", "4", "--batch", "20", "--memory-live", "500"]
+    monkeypatch.setattr(bench, "RATIO_TARGETS", {"kvlife, no audit": 0.0})  # always missed
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "MISSED" in out and "Missed targets fail only with --check" in out
+    assert re.search(r"kvlife, no audit .* ±\d+%", out), out
+    assert main([*argv, "--check"]) == 1
 
 
 def test_rid_keyed_baseline_does_the_same_bookkeeping() -> None:
