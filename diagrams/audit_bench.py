@@ -162,7 +162,11 @@ def format_table(runs: Sequence[Run]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: print the table."""
-    parser = BenchParser(prog="kvlife bench audit", description=__doc__.split("\n")[0])
+    parser = BenchParser(
+        prog="kvlife bench audit",
+        description="Benchmark of 'kvlife audit check' on big logs: time and peak memory "
+        "against a floor (the standard library reading every line).",
+    )
     parser.add_argument(
         "--records",
         type=positive_ints,
@@ -172,7 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dir", default="out/audit-bench", help="where the logs are kept (default out/audit-bench)"
     )
-    parser.add_argument("--old-tree", help="also run the checker of the kvlife found in DIR")
+    parser.add_argument(
+        "--old-tree",
+        metavar="DIR",
+        help="also run 'kvlife audit check' from another kvlife unpacked in DIR (put on "
+        "PYTHONPATH), for before/after figures",
+    )
     args = parser.parse_args(argv)
     runs = measure(args.records, Path(args.dir), Path(args.old_tree) if args.old_tree else None)
     print(format_table(runs))

@@ -47,3 +47,11 @@ def test_bad_sizes_are_usage_errors() -> None:
     with pytest.raises(SystemExit) as info:
         main(["--records", "a,b"])
     assert info.value.code == 2
+
+
+def test_the_help_reads_as_text(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "kvlife found in DIR" not in out
+    assert "--old-tree DIR" in out and "another kvlife unpacked in DIR" in " ".join(out.split())

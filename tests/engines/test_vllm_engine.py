@@ -505,6 +505,7 @@ def test_an_openai_server_with_kvlife_under_load(
         for line in seen["metrics"].splitlines()
         if line.startswith("vllm:kvlife_") and 'engine="0"' in line
     }
+    print("\n".join(line for line in seen["metrics"].splitlines() if "kvlife_" in line))
     assert exported["vllm:kvlife_stores_total"] > 0, exported
     assert exported["vllm:kvlife_loaded_blocks_total"] >= 1
     assert exported["vllm:kvlife_stored_bytes_total"] > 0
