@@ -28,6 +28,7 @@ from kvlife.fsm.audit.guard import SinkStatistics
 from kvlife.fsm.audit.records import AuditRecord, LostRecords
 from kvlife.fsm.audit.sinks import JsonLinesSink, LoggingSink, MemorySink
 from kvlife.fsm.errors import (
+    CompletionRaceError,
     DuplicateAckError,
     DuplicateRegistrationError,
     InvalidTransitionError,
@@ -76,6 +77,7 @@ __all__ = [
     "AuditReader",
     "AuditRecord",
     "AuditReport",
+    "CompletionRaceError",
     "DuplicateAckError",
     "DuplicateRegistrationError",
     "Edge",

@@ -1,5 +1,16 @@
 """kvlife's exceptions, split by who is at fault.
 
+Two branches under [`LifecycleError`][kvlife.fsm.errors.LifecycleError]: the caller asked for
+something the table or the registry does not allow
+([`InvalidTransitionError`][kvlife.fsm.errors.InvalidTransitionError],
+[`UnknownRequestError`][kvlife.fsm.errors.UnknownRequestError],
+[`RidConflictError`][kvlife.fsm.errors.RidConflictError],
+[`DuplicateRegistrationError`][kvlife.fsm.errors.DuplicateRegistrationError]), or a completion
+came late or twice ([`CompletionRaceError`][kvlife.fsm.errors.CompletionRaceError]:
+[`StaleInstanceError`][kvlife.fsm.errors.StaleInstanceError],
+[`DuplicateAckError`][kvlife.fsm.errors.DuplicateAckError]): the engine's timing, which a
+completion pump counts and drops (as ``LifecycleRegistry.deliver`` does).
+
 Every refused transition raises a subclass of
 [`LifecycleError`][kvlife.fsm.errors.LifecycleError] that carries the data of the refusal as
 attributes (``serial``, ``rid``, ``state``, ``trigger``, ``reason``, ``op``) and
@@ -87,7 +98,19 @@ class InvalidTransitionError(LifecycleError):
     reason: Reason = "invalid_transition"
 
 
-class StaleInstanceError(InvalidTransitionError):
+class CompletionRaceError(LifecycleError):
+    """A completion (or another call) arrived for a lifecycle or ticket that is already
+    done with it: the engine's timing, not the caller's misuse. Catch this to count and
+    drop late or repeated deliveries; catch
+    [`InvalidTransitionError`][kvlife.fsm.errors.InvalidTransitionError],
+    [`UnknownRequestError`][kvlife.fsm.errors.UnknownRequestError],
+    [`RidConflictError`][kvlife.fsm.errors.RidConflictError] and
+    [`DuplicateRegistrationError`][kvlife.fsm.errors.DuplicateRegistrationError] for calls
+    the table refuses because the caller asked for the wrong thing. Nothing changed.
+    """
+
+
+class StaleInstanceError(CompletionRaceError):
     """The lifecycle this call names has already been released.
 
     Typical cause: a late or repeated delivery of a ticket whose lifecycle has finished
@@ -99,7 +122,7 @@ class StaleInstanceError(InvalidTransitionError):
     reason: Reason = "stale_instance"
 
 
-class DuplicateAckError(InvalidTransitionError):
+class DuplicateAckError(CompletionRaceError):
     """This ticket was already delivered (acked or failed) once.
 
     A ticket is single use. Nothing changed: the copy it names was completed by the first

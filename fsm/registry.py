@@ -42,6 +42,7 @@ from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.fsm.errors import (
     PROTOCOL_REASONS,
     REASONS,
+    CompletionRaceError,
     DuplicateAckError,
     DuplicateRegistrationError,
     InvalidTransitionError,
@@ -793,7 +794,7 @@ class LifecycleRegistry:
         if type(ticket) is Ticket and (ticket._lc._registry is not self or not ticket._open):
             try:  # refused: complete() checks it, counts, audits and raises the refusal
                 self.complete(ticket, ok, **detail)
-            except (UnknownRequestError, StaleInstanceError, DuplicateAckError) as exc:
+            except (UnknownRequestError, CompletionRaceError) as exc:
                 return exc.reason
         self.complete(ticket, ok, **detail)
         return None

@@ -8,6 +8,7 @@ from kvlife.fsm import errors
 from kvlife.fsm.errors import (
     PROTOCOL_REASONS,
     REASONS,
+    CompletionRaceError,
     DuplicateAckError,
     DuplicateRegistrationError,
     InvalidTransitionError,
@@ -31,8 +32,17 @@ ALL = [
 
 def test_hierarchy() -> None:
     assert all(issubclass(cls, LifecycleError) for cls in ALL)
-    assert issubclass(StaleInstanceError, InvalidTransitionError)
-    assert issubclass(DuplicateAckError, InvalidTransitionError)
+    # two branches: the caller's misuse, and a completion the engine sent late or twice
+    for race in (StaleInstanceError, DuplicateAckError):
+        assert issubclass(race, CompletionRaceError)
+        assert not issubclass(race, InvalidTransitionError)
+    for misuse in (
+        InvalidTransitionError,
+        UnknownRequestError,
+        RidConflictError,
+        DuplicateRegistrationError,
+    ):
+        assert not issubclass(misuse, CompletionRaceError)
     assert issubclass(UnknownRequestError, LookupError)
     assert issubclass(TableDefinitionError, ValueError)
     assert not issubclass(TableDefinitionError, LifecycleError)
