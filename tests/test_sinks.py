@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -389,3 +390,36 @@ def test_waiting_says_whether_a_write_out_has_anything_to_write(tmp_path: Path) 
     sink.write_out()
     assert not sink.waiting
     sink.close()
+
+
+def test_the_flush_thread_fsyncs_without_holding_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timed flush writes the buffer under the sink's lock and fsyncs outside it: a
+    record written while the disk is slow to sync is taken at once, and the sync is
+    recorded once it is over."""
+    from kvlife.fsm.audit import sinks  # noqa: PLC0415
+
+    syncing = threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        syncing.set()
+        time.sleep(0.6)
+        real_fsync(fd)
+
+    sink = JsonLinesSink(tmp_path / "a.jsonl", fsync="batch", flush_interval_s=0.05)
+    registry = LifecycleRegistry(sinks=[sink])
+    registry.register(Req("a"))
+    monkeypatch.setattr(sinks.os, "fsync", slow_fsync)
+    assert syncing.wait(5)  # the flush thread is inside its fsync now
+    started = time.monotonic()
+    registry.register(Req("b"))  # takes the sink's lock
+    assert time.monotonic() - started < 0.3
+    monkeypatch.setattr(sinks.os, "fsync", real_fsync)
+    deadline = time.monotonic() + 5
+    while sink.buffered or sink._file.unsynced:  # the next interval writes and syncs "b"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sink.close()
+    assert [r.rid for r in read_audit(tmp_path / "a.jsonl").records] == ["a", "b"]
