@@ -20,9 +20,9 @@ Typical use in a scheduler::
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvlife.fsm._lazy import lazy_names
 from kvlife.fsm._version import __version__
 from kvlife.fsm.audit.guard import SinkStatistics
 from kvlife.fsm.audit.records import AuditRecord, LostRecords
@@ -60,13 +60,11 @@ _LAZY = {
 }
 
 
+_load = lazy_names(globals(), _LAZY)
+
+
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _load(name)
 
 
 __all__ = [

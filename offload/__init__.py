@@ -21,8 +21,9 @@ loads no torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from kvlife.fsm._lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvlife.offload.completion import (
@@ -146,14 +147,12 @@ __all__ = [
 ]
 
 
+_load = lazy_names(globals(), {name: f"kvlife.offload.{home}" for name, home in _HOME.items()})
+
+
 def __getattr__(name: str) -> Any:
     """Import the module that defines ``name`` on first use (PEP 562)."""
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'kvlife.offload' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kvlife.offload.{home}"), name)
-    globals()[name] = value
-    return value
+    return _load(name)
 
 
 def __dir__() -> list[str]:

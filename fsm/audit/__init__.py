@@ -18,9 +18,9 @@ the transition was applied whole; a failing sink never changes what the registry
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvlife.fsm._lazy import lazy_names
 from kvlife.fsm.audit.guard import SinkStatistics
 from kvlife.fsm.audit.records import (
     RECORD_FIELDS,
@@ -108,13 +108,11 @@ _LAZY = {
 }
 
 
+_load = lazy_names(globals(), _LAZY)
+
+
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _load(name)
 
 
 __all__ = [
