@@ -68,9 +68,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
-from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleError, LifecycleRegistry, Ticket, Trigger
+from kvlife.fsm import Lifecycle, LifecycleError, Ticket, Trigger
 from kvlife.offload.engines.vllm.config import ConnectorConfig, audit_path
-from kvlife.offload.engines.vllm.scheduler import restore_signals, settle_on_signals
+from kvlife.offload.engines.vllm.scheduler import CoreLog
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -268,21 +268,12 @@ class _Watch:
     def __init__(
         self, config: AuditConfig, path: str | None, witness: str, events: bool, block_size: int
     ) -> None:
-        audit = config.audit
         self.block_size = block_size
-        self.sink: JsonLinesSink | None = None
-        if path:
-            self.sink = JsonLinesSink(
-                path,
-                fsync=audit.audit_fsync,  # type: ignore[arg-type]  # checked by parse
-                max_bytes=audit.audit_max_bytes,
-                backups=audit.audit_backups,
-                flush_interval_s=audit.audit_flush_s,
-                open_marker=True,
-                witness=witness,
-            )
-        self.handlers = settle_on_signals(self.sink) if self.sink is not None else {}
-        self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
+        self.log = CoreLog(path, config.audit, witness)
+        self.sink = self.log.sink
+        #: The end of a connector call: see ``CoreLog.written``.
+        self.written = self.log.written
+        self.registry = self.log.registry
         self.registry.on_release(self._released)
         self.refuse = config.mode == "refuse"
         self.witness = witness
@@ -527,23 +518,6 @@ class _Watch:
             block_hash=str(key)[:40],
         )
 
-    # ------------------------------------------------------------------ the log
-
-    def written(self) -> None:
-        """The end of a connector call: its records go to the file now (no fsync)."""
-        sink = self.sink
-        if sink is not None and sink.waiting:
-            sink.write_out()
-
-    def close(self) -> None:
-        restore_signals(self.handlers)
-        try:
-            self.registry.flush()
-        except Exception:  # another thread: the sink is flushed by its close below
-            logger.debug("kvlife: registry flush at shutdown", exc_info=True)
-        if self.sink is not None:
-            self.sink.close()
-
 
 def _relay(name: str) -> Callable[..., Any]:
     """A method that hands the call to the wrapped connector, unchanged; an exception is
@@ -741,7 +715,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             raise
         finally:
             if self.watch is not None:
-                self.watch.close()
+                self.watch.log.close()
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

@@ -91,6 +91,48 @@ def restore_signals(handlers: dict[int, tuple[Any, Any]]) -> None:
     handlers.clear()
 
 
+class CoreLog:
+    """One engine core's audit log and the registry that writes it: the sink (none
+    without ``path``), settled by SIGINT and SIGTERM before vLLM's own handlers run,
+    written out at the end of every connector call, closed at shutdown. ``witness``
+    names the connector a wrapper watches (see ``JsonLinesSink``)."""
+
+    def __init__(self, path: str | None, config: ConnectorConfig, witness: str = "") -> None:
+        self.sink: JsonLinesSink | None = None
+        if path:
+            self.sink = JsonLinesSink(
+                path,
+                fsync=config.audit_fsync,  # type: ignore[arg-type]  # checked by parse
+                max_bytes=config.audit_max_bytes,
+                backups=config.audit_backups,
+                flush_interval_s=config.audit_flush_s,
+                open_marker=True,
+                witness=witness,
+            )
+        # signal -> (kvlife's handler, vLLM's before it)
+        self.handlers = settle_on_signals(self.sink) if self.sink is not None else {}
+        self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
+
+    def written(self) -> None:
+        """The end of a connector call: its records go to the file now (no fsync), so
+        an engine core that is killed between calls loses none. vLLM kills its engine
+        core at every stop of a server, before any shutdown call reaches the
+        connector."""
+        sink = self.sink
+        if sink is not None and sink.waiting:
+            sink.write_out()
+
+    def close(self) -> None:
+        """Write every record and close the log (the engine is stopping)."""
+        restore_signals(self.handlers)
+        try:
+            self.registry.flush()
+        except Exception:  # another thread: the sink is flushed by its close below
+            logger.debug("kvlife: registry flush at shutdown", exc_info=True)
+        if self.sink is not None:
+            self.sink.close()
+
+
 class SchedulerSide:
     """The planner, its audit log, and the requests vLLM holds under each id now.
 
@@ -126,19 +168,11 @@ class SchedulerSide:
         groups: int = 1,
         sliding: bool = False,
     ) -> None:
-        self.sink: JsonLinesSink | None = None
-        if audit_log:
-            self.sink = JsonLinesSink(
-                audit_log,
-                fsync=config.audit_fsync,  # type: ignore[arg-type]  # checked by parse
-                max_bytes=config.audit_max_bytes,
-                backups=config.audit_backups,
-                flush_interval_s=config.audit_flush_s,
-                open_marker=True,
-            )
-        # signal -> (kvlife's handler, vLLM's before it)
-        self._handlers = settle_on_signals(self.sink) if self.sink is not None else {}
-        registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
+        self.log = CoreLog(audit_log, config)
+        self.sink = self.log.sink
+        #: The end of a connector call: see ``CoreLog.written``.
+        self.written = self.log.written
+        registry = self.log.registry
         self.planner = OffloadPlanner(pages, registry=registry, reporters=workers, events=kv_events)
         self.kv_events = kv_events
         self.bytes_per_block = bytes_per_block
@@ -314,15 +348,6 @@ class SchedulerSide:
             )
         return out
 
-    def written(self) -> None:
-        """The end of a connector call: its records go to the file now (no fsync), so
-        an engine core that is killed between calls loses none. vLLM kills its engine
-        core at every stop of a server, before any shutdown call reaches the
-        connector."""
-        sink = self.sink
-        if sink is not None and sink.waiting:
-            sink.write_out()
-
     def stats(self) -> KVLifeConnectorStats | None:
         """The counters' growth since they were last handed over, and the gauges (page
         account, lifecycles per state) now; ``None`` within ``stats_interval_s`` of the
@@ -346,10 +371,4 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Write every audit record and close the log (the engine is stopping)."""
-        restore_signals(self._handlers)
-        try:
-            self.registry.flush()
-        except Exception:  # another thread: the sink is flushed by its close below
-            logger.debug("kvlife: registry flush at shutdown", exc_info=True)
-        if self.sink is not None:
-            self.sink.close()
+        self.log.close()
