@@ -270,7 +270,6 @@ class _Watch:
     ) -> None:
         self.block_size = block_size
         self.log = CoreLog(path, config.audit, witness)
-        self.sink = self.log.sink
         #: The end of a connector call: see ``CoreLog.written``.
         self.written = self.log.written
         self.registry = self.log.registry
@@ -283,11 +282,11 @@ class _Watch:
         self.frees: dict[str, list[Ticket]] = {}
         self.load_blocks: dict[int, set[int]] = {}  # ticket op -> device blocks it fills
         self.failed: set[int] = set()  # ops of open loads reported failed
-        self.claims: dict[int, bool] = {}  # id(request) -> its last answer was load_async
+        self.claims: set[int] = set()  # id() of requests whose last answer was load_async
         self.recent: OrderedDict[str, Lifecycle] = OrderedDict()  # rid -> released lifecycle
         self.reported: OrderedDict[tuple[str, str], None] = OrderedDict()  # (report, rid) done
         # (report, rid) of tickets cut short when vLLM freed their request at another report
-        self.cut: dict[tuple[str, str], None] = {}
+        self.cut: set[tuple[str, str]] = set()
         # KV event checks: external block hash -> (rid, parent hash, digest of its tokens)
         self.index: OrderedDict[Any, tuple[str, Any, int]] = OrderedDict()
         self.indexed: dict[int, int] = {}  # lifecycle serial -> its block hashes indexed
@@ -318,19 +317,21 @@ class _Watch:
         the one that released last."""
         return self.registry.live(rid) or self.recent.get(rid)
 
-    def open_ticket(self, request: Request, kind: str, **detail: Any) -> None:
+    def open_ticket(self, request: Request, kind: str, **detail: Any) -> Ticket | None:
+        """A ticket of ``kind`` (``load`` or ``delayed_free``) on ``request``'s lifecycle,
+        kept under its rid for the report that completes it; ``None`` when refused."""
         lc = self.lifecycle(request)
         if lc is None:
-            return
+            return None
         try:
             ticket = self.registry.start_offload(lc, kind=kind, **detail)
         except LifecycleError:  # refused (a second finish, say): audited, nothing opened
-            return
+            return None
         (self.loads if kind == "load" else self.frees).setdefault(lc.rid, []).append(ticket)
-        if kind == "load":
-            self.load_blocks[ticket.op] = set()
+        return ticket
 
     def end(self, request: Request) -> None:
+        self.claims.discard(id(request))  # claimed a load, but never allocated
         lc = self.lifecycle(request)
         if lc is None:
             return
@@ -398,13 +399,14 @@ class _Watch:
                 self.failed.discard(ticket.op)
                 self.load_blocks.pop(ticket.op, None)
                 self.registry.complete(ticket, False, cut_by=name)
-                self.cut[(report, rid)] = None
+                self.cut.add((report, rid))
             if not tickets:
                 del tickets_of[rid]
 
     def stray(self, output: KVConnectorOutput, name: str, rid: str) -> None:
         lc = self.holder(rid)
-        if self.cut.pop((name, rid), False) is None:
+        if (name, rid) in self.cut:
+            self.cut.discard((name, rid))
             why = "already_freed"
         elif (name, rid) in self.reported:
             why = "repeated"
@@ -614,9 +616,9 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             watch.raised("get_num_new_matched_tokens", (request,), exc)
             raise
         if count and is_async:
-            watch.claims[id(request)] = True
+            watch.claims.add(id(request))
         else:
-            watch.claims.pop(id(request), None)
+            watch.claims.discard(id(request))
         watch.written()
         return count, is_async
 
@@ -630,11 +632,12 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         except Exception as exc:
             watch.raised("update_state_after_alloc", (request,), exc)
             raise
-        if watch.claims.pop(id(request), False) and num_external_tokens > 0:
-            watch.open_ticket(request, "load", tokens=num_external_tokens)
-            tickets = watch.loads.get(request.request_id)
-            if tickets:
-                watch.load_blocks[tickets[-1].op] = {
+        claimed = id(request) in watch.claims
+        watch.claims.discard(id(request))
+        if claimed and num_external_tokens > 0:
+            ticket = watch.open_ticket(request, "load", tokens=num_external_tokens)
+            if ticket is not None:
+                watch.load_blocks[ticket.op] = {
                     block for group in blocks.get_block_ids() for block in group
                 }
         watch.written()
