@@ -526,12 +526,7 @@ def _relay(name: str) -> Callable[..., Any]:
     written to the log (scheduler side) before it goes on."""
 
     def relay(self: KVLifeAuditConnector, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return getattr(self.wrapped, name)(*args, **kwargs)
-        except Exception as exc:
-            if self.watch is not None:
-                self.watch.raised(name, args, exc)
-            raise
+        return self._call(name, *args, **kwargs)
 
     relay.__name__ = relay.__qualname__ = name
     relay.__doc__ = f"``{name}`` of the wrapped connector, relayed unchanged."
@@ -591,16 +586,21 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
 
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped connector's ``name``, called with the arguments as they are; an
+        exception is written to the log (scheduler side) before it goes on."""
+        try:
+            return getattr(self.wrapped, name)(*args, **kwargs)
+        except Exception as exc:
+            if self.watch is not None:
+                self.watch.raised(name, args, exc)
+            raise
+
     def on_new_request(self, request: Request) -> None:
         watch = self.watch
         if watch is not None:
             watch.lifecycle(request)
-        try:
-            self.wrapped.on_new_request(request)
-        except Exception as exc:
-            if watch is not None:
-                watch.raised("on_new_request", (request,), exc)
-            raise
+        self._call("on_new_request", request)
         if watch is not None:
             watch.written()
 
@@ -610,11 +610,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         watch = self.watch
         assert watch is not None  # vLLM calls it on the scheduler side only
         watch.lifecycle(request)
-        try:
-            count, is_async = self.wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
-        except Exception as exc:
-            watch.raised("get_num_new_matched_tokens", (request,), exc)
-            raise
+        count, is_async = self._call("get_num_new_matched_tokens", request, num_computed_tokens)
         if count and is_async:
             watch.claims.add(id(request))
         else:
@@ -627,11 +623,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
     ) -> None:
         watch = self.watch
         assert watch is not None
-        try:
-            self.wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
-        except Exception as exc:
-            watch.raised("update_state_after_alloc", (request,), exc)
-            raise
+        self._call("update_state_after_alloc", request, blocks, num_external_tokens)
         claimed = id(request) in watch.claims
         watch.claims.discard(id(request))
         if claimed and num_external_tokens > 0:
@@ -643,33 +635,20 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         watch.written()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        try:
-            return self.wrapped.build_connector_meta(scheduler_output)
-        except Exception as exc:
-            if self.watch is not None:
-                self.watch.raised("build_connector_meta", (scheduler_output,), exc)
-            raise
+        return self._call("build_connector_meta", scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         watch = self.watch
         assert watch is not None
         watch.report(connector_output)
-        try:
-            self.wrapped.update_connector_output(connector_output)
-        except Exception as exc:
-            watch.raised("update_connector_output", (connector_output,), exc)
-            raise
+        self._call("update_connector_output", connector_output)
         watch.written()
 
     def _finished(self, call: str, request: Request, block_ids: Any) -> tuple[bool, Any]:
         watch = self.watch
         assert watch is not None
         watch.lifecycle(request)
-        try:
-            delay, params = getattr(self.wrapped, call)(request, block_ids)
-        except Exception as exc:
-            watch.raised(call, (request,), exc)
-            raise
+        delay, params = self._call(call, request, block_ids)
         if delay:
             watch.open_ticket(request, "delayed_free")
         watch.end(request)
@@ -685,7 +664,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         return self._finished("request_finished_all_groups", request, block_ids)
 
     def take_events(self) -> Iterable[Any]:
-        try:
+        try:  # read here: a generator raises while it is read, not when it is called
             events = list(self.wrapped.take_events())
         except Exception as exc:
             if self.watch is not None:
@@ -711,11 +690,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         try:
-            self.wrapped.shutdown()
-        except Exception as exc:
-            if self.watch is not None:
-                self.watch.raised("shutdown", (), exc)
-            raise
+            self._call("shutdown")
         finally:
             if self.watch is not None:
                 self.watch.log.close()
