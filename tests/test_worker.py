@@ -83,3 +83,15 @@ def test_block_views_refuse_what_they_cannot_copy_naming_the_layer() -> None:
     with pytest.raises(LayoutError, match="do not follow the declared memory order"):
         block_views({"l": heads_inside}, BLOCKS, order=(0, 1, 2, 3))
     assert block_views({"l": heads_inside}, BLOCKS, order=(0, 2, 1, 3))  # as declared
+
+
+def test_a_row_of_several_groups_given_to_one_worker_fails_that_order_only() -> None:
+    """Rows are split per KV cache group before a worker sees them; one that reaches a
+    single worker anyway is refused by the copy engine and reported failed."""
+    caches = _caches()
+    worker = _worker(caches)
+    before = {name: cache.clone() for name, cache in caches.items()}
+    worker.store([StoreOrder(1, ((2, 3),), (0,), 0), StoreOrder(2, (4,), (1,), 0)])
+    done, failed = worker.poll()
+    assert (done, failed) == ([2], [1])
+    assert all(torch.equal(caches[n], before[n]) for n in caches)
