@@ -92,6 +92,6 @@ def test_a_verdict_on_a_watched_connector_is_told_in_its_lifecycles_story() -> N
         "stray_report", Trigger.ACK, "again", rid="b", report="finished_sending", why="repeated"
     )
     story = explain(sink.records(), "b", checker=AuditChecker())
-    assert "reported a completion no open ticket explains" in story
+    assert "reported a completion that no open ticket explains" in story
     assert "report=finished_sending why=repeated" in story
     assert "VIOLATION stray_report" in story or "FAILED" in story, story

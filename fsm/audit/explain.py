@@ -18,22 +18,22 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlife.fsm.audit.checker import AuditChecker, Verdict, Violation, fed, violations_by_record
+from kvlife.fsm.audit.checker import (
+    VIOLATION_MEANINGS,
+    AuditChecker,
+    Verdict,
+    Violation,
+    fed,
+    violations_by_record,
+)
 from kvlife.fsm.audit.reader import Event, segment_records
 from kvlife.fsm.audit.records import REGISTER, AuditRecord
+from kvlife.fsm.errors import PROTOCOL_REASONS
 
 MAX_STORIES = 20
 """Lifecycles told per call; a rid held by more says how many were left out."""
 MAX_STEPS = 400
 """Records told per lifecycle; the rest are counted."""
-
-_WATCHED = {  # verdicts on a watched component (a wrapped vLLM connector)
-    "stray_report": "the wrapped connector reported a completion no open ticket explains; "
-    "vLLM's scheduler asserts on such a report",
-    "connector_raised": "the wrapped connector raised while handling this request",
-    "event_mismatch": "a KV event the wrapped connector published does not match the blocks "
-    "vLLM hashed",
-}
 
 
 @dataclass
@@ -139,9 +139,8 @@ def _refusal(record: AuditRecord, lc: LifecycleHistory) -> str:
         )
     if reason == "duplicate_registration":
         return "the same request object was registered again before this lifecycle finished"
-    if reason in _WATCHED:
-        said = _detail(record).strip(" []")
-        return f"{_WATCHED[reason]}{f' ({said})' if said else ''}"
+    if reason in PROTOCOL_REASONS:
+        return _verdict(record)
     return f"{record.trigger} is not allowed in state {record.src}: refused, nothing changed"
 
 
@@ -157,6 +156,12 @@ def _meaning(record: AuditRecord) -> str:
     if record.trigger in ("ack", "fail") and record.dst == "released":
         return "  (its last copy ended: released)"
     return ""
+
+
+def _verdict(record: AuditRecord) -> str:
+    """A verdict on a watched connector, in the checker's words, with what was reported."""
+    said = _detail(record).strip(" []")
+    return VIOLATION_MEANINGS[record.reason or ""] + (f" ({said})" if said else "")
 
 
 def _births(history: RidHistory) -> dict[int, list[tuple[int, int]]]:
@@ -304,9 +309,8 @@ def explain(
     if history.unknown and serial is None:
         lines += ["", "calls and reports for this rid that found no lifecycle:"]
         for seg, record in history.unknown[:MAX_STEPS]:
-            if record.reason in _WATCHED:
-                said = _detail(record).strip(" []")
-                why = f"{record.reason}: {_WATCHED[record.reason]}{f' ({said})' if said else ''}"
+            if record.reason in PROTOCOL_REASONS:
+                why = f"{record.reason}: {_verdict(record)}"
             else:
                 why = (
                     "the request object was not registered (or already released, or another object)"
