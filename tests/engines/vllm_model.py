@@ -33,35 +33,28 @@ def make_model(directory: Path, *, kv_heads: int = 1, hybrid: bool = False) -> P
     )
 
     torch.manual_seed(0)
+    common: dict[str, Any] = {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": VOCAB,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
     if hybrid:
         gemma = Gemma2Config(
-            hidden_size=128,
-            intermediate_size=256,
             num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=kv_heads,
             head_dim=64,
-            vocab_size=VOCAB,
             max_position_embeddings=16384,
             sliding_window=256,
-            bos_token_id=0,
-            eos_token_id=1,
             pad_token_id=2,
+            **common,
         )
         Gemma2ForCausalLM(gemma).to(torch.float32).save_pretrained(directory)
     else:
-        config = LlamaConfig(
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=kv_heads,
-            vocab_size=VOCAB,
-            max_position_embeddings=2048,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-        LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
+        llama = LlamaConfig(num_hidden_layers=2, max_position_embeddings=2048, **common)
+        LlamaForCausalLM(llama).to(torch.float32).save_pretrained(directory)
     words = {f"w{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="w2"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
