@@ -6,9 +6,12 @@ interleaved rounds, and the table reports the median time per lifecycle and its 
 the rid-keyed bookkeeping measured in the same rounds. The memory line is tracemalloc's
 count of bytes retained per live lifecycle (10k live, request objects and rids excluded).
 The "what limits the ratios" lines time, each against the loop around it, what the core
-pays that the rid-keyed dicts do not (the owner-thread check and the ``**detail`` keyword
-dict of every changing call) and the least an audit record costs (a clock read, building
-the record, a ring append), next to what each ratio target leaves per record.
+pays that the rid-keyed dicts do not, each named by the guarantee it buys (the owner-thread
+check of every changing call, a ticket object per copy, a lifecycle object per request
+instance, a clock read per registration, the ``**detail`` keyword dict of every call that
+takes audit detail), and the least an audit record costs (the one call that builds and
+hands it on, a clock read, building the record, a ring append), next to what each ratio
+target leaves per record.
 """
 
 from __future__ import annotations
@@ -370,6 +373,44 @@ DETAIL_CALLS = 2 * COPIES + 1
 """Registry calls per benchmark lifecycle that take ``**detail`` (all but register)."""
 
 
+class _TicketShape:
+    """An object of a ticket's shape (three slots), made as the registry makes one."""
+
+    __slots__ = ("a", "b", "c")
+    a: object
+    b: int
+    c: bool
+
+
+class _LifecycleShape:
+    """An object of a lifecycle's shape (nine slots), made as the registry makes one."""
+
+    __slots__ = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
+    a: int
+    b: int
+    c: int
+    d: int
+    e: int
+    f: int
+    g: int
+    h: int
+    i: int
+
+
+def _emit_probe(
+    rid: object,
+    serial: object,
+    trigger: object,
+    src: object,
+    dst: object,
+    reason: object,
+    op: object,
+    inflight: object,
+    detail: object,
+) -> None:
+    """A call of the audit path's shape (nine arguments) that does nothing."""
+
+
 class _DetailProbe:
     """Two methods that differ only in taking ``**detail``, as the registry's calls do."""
 
@@ -402,9 +443,15 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
     - ``owner check``: ``_get_ident() != self._owner``, once per changing call;
     - ``**detail``: the keyword dict CPython builds for every call of a method that
       takes ``**detail`` (an empty one too), against the same method without it;
-    - ``clock read``, ``record build``, ``ring append``: what every audit record costs
-      at least (``time.monotonic_ns()``, an [`AuditRecord`][kvlife.fsm.audit.records.AuditRecord]
-      of 12 fields, a ``deque.append``), against the loop alone.
+    - ``ticket object``, ``lifecycle object``: making an object of a ticket's (three
+      slots) and of a lifecycle's (nine slots) shape with ``object.__new__``, as the
+      registry does, against the loop alone;
+    - ``birth clock``: ``time.monotonic()``, read at every registration (the age of the
+      oldest live lifecycle);
+    - ``emit call``, ``clock read``, ``record build``, ``ring append``: what every audit
+      record costs at least (the call of the one record path with its nine arguments,
+      ``time.monotonic_ns()``, an [`AuditRecord`][kvlife.fsm.audit.records.AuditRecord] of
+      12 fields, a ``deque.append``), against the loop alone.
     """
     registry = LifecycleRegistry()
     get_ident = threading.get_ident
@@ -439,6 +486,31 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
         for _ in range(n):
             now()
 
+    monotonic = time.monotonic
+
+    def birth(n: int) -> None:
+        for _ in range(n):
+            monotonic()
+
+    new = object.__new__
+    owner_object = _LifecycleShape()
+
+    def ticket(n: int) -> None:
+        for i in range(n):
+            t = new(_TicketShape)
+            t.a = owner_object
+            t.b = i
+            t.c = True
+
+    def lifecycle(n: int) -> None:
+        for i in range(n):
+            lc = new(_LifecycleShape)
+            lc.a = lc.b = lc.c = lc.d = lc.e = lc.f = lc.g = lc.h = lc.i = i
+
+    def emit(n: int) -> None:
+        for i in range(n):
+            _emit_probe("r", i, "ack", "offloading", "allocated", None, i, 0, detail)
+
     def build(n: int) -> None:
         for i in range(n):
             AuditRecord(i, i, "r", i, "ack", "offloading", "allocated", True, None, i, 0, detail)
@@ -449,7 +521,11 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
 
     return {
         "owner check": _net_ns(owner, loop, rounds, n),
+        "ticket object": _net_ns(ticket, loop, rounds, n),
+        "lifecycle object": _net_ns(lifecycle, loop, rounds, n),
+        "birth clock": _net_ns(birth, loop, rounds, n),
         "**detail": _net_ns(kwargs, plain, rounds, n),
+        "emit call": _net_ns(emit, loop, rounds, n),
         "clock read": _net_ns(clock, loop, rounds, n),
         "record build": _net_ns(build, loop, rounds, n),
         "ring append": _net_ns(store, loop, rounds, n),
@@ -497,23 +573,48 @@ def _verdict(value: float, limit: float) -> str:
     return "met" if value <= limit else "MISSED"
 
 
+GUARANTEES: tuple[tuple[str, str, int], ...] = (
+    ("owner check", "a call from another thread raises and changes nothing", CHECKED_CALLS),
+    ("ticket object", "a completion names its exact copy of its exact lifecycle", COPIES),
+    ("lifecycle object", "a lifecycle per request instance; stale ones are refused", 1),
+    ("birth clock", "the age of the oldest live lifecycle, in statistics()", 1),
+    ("**detail", "audit detail as keywords (an API choice, not a guarantee)", DETAIL_CALLS),
+)
+"""What the core pays per benchmark lifecycle that the rid-keyed dicts do not: (the
+``measure_limits`` key, what it buys, times per lifecycle)."""
+
+
 def _limits_lines(rows: Sequence[Row], kv: Row, limits: dict[str, float]) -> list[str]:
-    """Where the core's time goes beyond the rid-keyed dicts, and what each ratio
-    target leaves per audit record against what a record costs at least."""
+    """Where the core's time goes beyond the rid-keyed dicts, by the guarantee each cost
+    buys, and what each ratio target leaves per audit record against what a record
+    costs at least."""
     base = next(r for r in rows if r.name == "rid-keyed dicts (baseline)").median_us
+    width = max(len(what) for _, what, _ in GUARANTEES)
+    lines = [
+        "what limits the ratios (measured now, ns net of the loop around them), per lifecycle:"
+    ]
+    total = 0.0
+    for key, what, times in GUARANTEES:
+        cost = limits[key] * times / 1000
+        total += cost
+        lines.append(f"  {what:<{width}}  {key} {limits[key]:.0f} ns x {times} = {cost:.2f} us")
     owner, kwargs = limits["owner check"], limits["**detail"]
     fixed = (owner * CHECKED_CALLS + kwargs * DETAIL_CALLS) / 1000
-    floor = limits["clock read"] + limits["record build"] + limits["ring append"]
-    lines = [
-        "what limits the ratios (measured now, ns net of the loop around them):",
-        f"  owner-thread check {owner:.0f} ns x {CHECKED_CALLS} calls + **detail dict "
-        f"{kwargs:.0f} ns x {DETAIL_CALLS} calls = {fixed:.2f} us per lifecycle "
+    lines += [
+        f"  together {total:.2f} us ({100 * total / kv.median_us:.0f}% of kvlife, no audit); "
+        f"the rest is what the dicts do too (calls, lookups, counters): "
+        f"{(kv.median_us - total) / base:.2f} x rid-keyed",
+        f"  the owner-thread check and the **detail dict are {fixed:.2f} us "
         f"({100 * fixed / kv.median_us:.0f}% of kvlife, no audit; without both: "
         f"{(kv.median_us - fixed) / base:.2f} x rid-keyed)",
-        f"  one audit record costs at least: clock read {limits['clock read']:.0f} + record "
-        f"build {limits['record build']:.0f} + ring append {limits['ring append']:.0f} = "
-        f"{floor:.0f} ns",
     ]
+    floor = limits["clock read"] + limits["record build"] + limits["ring append"]
+    call = limits["emit call"]
+    lines.append(
+        f"  one audit record costs at least: the record path's call {call:.0f} + clock read "
+        f"{limits['clock read']:.0f} + record build {limits['record build']:.0f} + ring "
+        f"append {limits['ring append']:.0f} = {floor + call:.0f} ns"
+    )
     for r in rows:
         limit = RATIO_TARGETS.get(r.name)
         if limit is None or r.name == kv.name:

@@ -27,7 +27,6 @@ Audit sinks never change what the registry does: see
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 import weakref
@@ -36,8 +35,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal, NoReturn, cast, final
 
-from kvlife.fsm.audit.guard import SinkGuard, SinkStatistics
-from kvlife.fsm.audit.records import REGISTER, AuditRecord, DetailValue, StateName, TriggerName
+from kvlife.fsm.audit.guard import AuditPath, Births, Emit, SinkStatistics
+from kvlife.fsm.audit.records import REGISTER, DetailValue, StateName, TriggerName
 from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.fsm.errors import (
     PROTOCOL_REASONS,
@@ -69,13 +68,14 @@ _RELEASED: Final = STATES.index(State.RELEASED)
 _START: Final = LIFECYCLE.rows[Trigger.START_OFFLOAD]
 _ACK: Final = LIFECYCLE.rows[Trigger.ACK]
 _FAIL: Final = LIFECYCLE.rows[Trigger.FAIL]
-_FINISH: Final = LIFECYCLE.rows[Trigger.FINISH]
-_ABORT: Final = LIFECYCLE.rows[Trigger.ABORT]
+# What finish and abort look up: (trigger, its name, its rows, the outcome). An enum
+# member's attribute costs about 100 ns in CPython 3.11: none is read on a hot path.
+_FINISH: Final = (Trigger.FINISH, "finish", LIFECYCLE.rows[Trigger.FINISH], "finished")
+_ABORT: Final = (Trigger.ABORT, "abort", LIFECYCLE.rows[Trigger.ABORT], "aborted")
 # Invariant: a lifecycle in one of these states has not finished; its rid and its request
 # object cannot be registered again.
 _UNFINISHED: Final = (_ALLOCATED, _OFFLOADING)
 
-_now = time.monotonic_ns
 _clock = time.monotonic
 _get_ident = threading.get_ident
 
@@ -253,43 +253,6 @@ def _skip_released(lc: Lifecycle | None) -> Lifecycle | None:
     return lc
 
 
-def _settle_sinks(guards: list[SinkGuard]) -> None:
-    for guard in guards:
-        guard.settle()
-
-
-#: Lifecycles registered within this many seconds of each other share one birth time.
-_BIRTH_RESOLUTION_S: Final = 0.05
-_MAX_BIRTH_MARKS: Final = 4096
-
-
-class _Births:
-    """When lifecycles were registered, without a timestamp per lifecycle (a float is
-    32 of the ~260 bytes a live lifecycle costs): (first serial, time) marks, one at the
-    first registration after each ``_BIRTH_RESOLUTION_S``. A lifecycle's birth is its
-    mark's time, at most that much early. At ``_MAX_BIRTH_MARKS`` every other old mark is
-    dropped, so the error grows only for lifecycles older than thousands of marks."""
-
-    __slots__ = ("serials", "times")
-
-    def __init__(self) -> None:
-        self.serials: list[int] = []
-        self.times: list[float] = []
-
-    def mark(self, serial: int, now: float) -> None:
-        if len(self.serials) >= _MAX_BIRTH_MARKS:
-            half = len(self.serials) // 2  # thin the older half, keep the newer one whole
-            self.serials[:half] = self.serials[:half:2]
-            self.times[:half] = self.times[:half:2]
-        self.serials.append(serial)
-        self.times.append(now)
-
-    def age(self, serial: int) -> float:
-        """Seconds since ``serial`` was registered (never less than the truth)."""
-        index = bisect.bisect_right(self.serials, serial) - 1
-        return _clock() - self.times[max(index, 0)]
-
-
 def _by_serial(lc: Lifecycle) -> int:
     return lc._serial
 
@@ -314,7 +277,8 @@ class RegistryStatistics:
     inflight: int
     #: Age in seconds of the oldest unreleased lifecycle, or ``None`` when none is live.
     #: Never less than the true age, and at most 50 ms more for lifecycles registered in
-    #: the last few thousand 50 ms periods (older ones: a little more, see ``_Births``).
+    #: the last few thousand 50 ms periods (older ones: a little more, see
+    #: [`Births`][kvlife.fsm.audit.guard.Births]).
     oldest_live_age_s: float | None
     #: rid and serial of the oldest unreleased lifecycle, or ``None``.
     oldest_live: tuple[str, int] | None
@@ -342,7 +306,8 @@ class LifecycleRegistry:
     (state, in-flight count, references, counters, audit record, release hooks) or raises
     a [`LifecycleError`][kvlife.fsm.errors.LifecycleError] subclass and changes nothing except the
     refusal counters and the audit log. A failing sink never raises out of a registry
-    call: see [`kvlife.fsm.audit.guard`][kvlife.fsm.audit.guard].
+    call: see [`kvlife.fsm.audit.guard`][kvlife.fsm.audit.guard], which also holds the one
+    path every record takes ([`AuditPath`][kvlife.fsm.audit.guard.AuditPath]).
 
     Called from a thread other than its owner, every changing method raises
     [`WrongThreadError`][kvlife.fsm.errors.WrongThreadError] and changes nothing (not even a
@@ -361,8 +326,6 @@ class LifecycleRegistry:
         if not isinstance(sink_retry_s, (int, float)) or not sink_retry_s >= 0:
             raise ValueError(f"sink_retry_s must be a number >= 0, got {sink_retry_s!r}")
         self._owner = _get_ident()
-        self._sink_backlog = sink_backlog
-        self._sink_retry_s = float(sink_retry_s)
         self._by_id: dict[int, Lifecycle] = {}  # id(req) -> the request's current lifecycle
         # Unreleased lifecycles that are no longer their request's current one (the request
         # was re-admitted while they were finished_pending), by serial. Few, if any: the
@@ -370,22 +333,20 @@ class LifecycleRegistry:
         self._shadowed: dict[int, Lifecycle] = {}
         self._by_rid: dict[str, Lifecycle] = {}  # rid -> newest unreleased lifecycle
         self._next_serial = 0
-        self._births = _Births()
+        self._births = Births()
         self._next_mark = 0.0
         self._next_op = 0
-        self._seq = 0  # the next record's seq
         self._released = 0
         self._refusals: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._refusal_view = MappingProxyType(self._refusals)
         self._hooks: list[ReleaseHook] = []
-        self._guards: list[SinkGuard] = []
-        self._gated: tuple[SinkGuard, ...] = ()  # sinks with an active() method
-        self._writing: tuple[SinkGuard, ...] = ()  # sinks that take records now
+        self._audit = AuditPath(sink_backlog, float(sink_retry_s))
         # At interpreter exit (or when the registry is collected), records a failing sink
         # still owes are offered once more, and what it still refuses is logged as lost.
-        weakref.finalize(self, _settle_sinks, self._guards)
-        # None when no sink takes records: then no record is ever built.
-        self._write: Callable[[AuditRecord], object] | None = None
+        weakref.finalize(self, self._audit.settle)
+        # The audit path's emit while a sink takes records; None when none does: then no
+        # record is ever built. Every record is built there, nowhere else.
+        self._emit: Emit | None = None
         for sink in sinks:
             self.attach(sink)
 
@@ -399,10 +360,7 @@ class LifecycleRegistry:
             WrongThreadError: called from a thread other than the owner.
         """
         self._check_thread("attach")
-        write = getattr(sink, "write", None)
-        if not callable(write):
-            raise TypeError(f"an audit sink needs a write(record) method, got {sink!r}")
-        self._guards.append(SinkGuard(sink, self._sink_backlog, self._sink_retry_s))
+        self._audit.attach(sink)
         self._rewire()
 
     def detach(self, sink: Any) -> None:
@@ -414,55 +372,23 @@ class LifecycleRegistry:
             WrongThreadError: called from a thread other than the owner.
         """
         self._check_thread("detach")
-        for index, guard in enumerate(self._guards):
-            if guard.sink is sink:
-                guard.settle()
-                del self._guards[index]
-                self._rewire()
-                return
-        raise ValueError(f"{sink!r} is not attached to {self!r}")
+        if not self._audit.detach(sink):
+            raise ValueError(f"{sink!r} is not attached to {self!r}")
+        self._rewire()
 
     def _rewire(self) -> None:
-        self._gated = tuple(g for g in self._guards if g.gated)
-        guards = self._writing = tuple(g for g in self._guards if g.active)
-        if not guards:
-            self._write = None  # no sink takes records now: none is built
-        elif len(guards) == 1 and guards[0].healthy:
-            self._write = guards[0].sink.write  # the fast path: no guard until it fails
-        else:
-            self._write = self._fan_out
-
-    def _regate(self) -> None:
-        """Ask sinks that can be off (a ``LoggingSink`` whose logger is disabled) whether
-        they take records now; once per registration, not per record."""
-        for guard in self._gated:
-            if guard.refresh_active():
-                self._rewire()
-
-    def _fan_out(self, record: AuditRecord) -> None:
-        """Every sink gets the record; a failure is its guard's business, never ours."""
-        guards = self._writing
-        for guard in guards:
-            guard.write(record)
-        if len(guards) == 1 and guards[0].healthy:  # recovered: back to the fast path
-            self._rewire()
-
-    def _sink_failed(self, record: AuditRecord, exc: Exception) -> None:
-        # Only the fast path raises here (_fan_out never does): the one sink writing now,
-        # which need not be the first attached (a disabled LoggingSink is left out).
-        self._writing[0].failed(record, exc)
-        self._rewire()
+        self._emit = self._audit.emit if self._audit.active else None
 
     @property
     def audited(self) -> bool:
         """Whether a sink is attached, i.e. whether records (and their detail) are built.
         Callers can skip computing audit detail when it is not."""
-        return self._write is not None
+        return self._emit is not None
 
     @property
     def sinks(self) -> tuple[Any, ...]:
         """The attached audit sinks."""
-        return tuple(guard.sink for guard in self._guards)
+        return self._audit.sinks
 
     def adopt_thread(self) -> None:
         """Make the calling thread the registry's owner (for a registry built on one
@@ -566,8 +492,9 @@ class LifecycleRegistry:
         """
         if _get_ident() != self._owner:
             self._wrong_thread("register")
-        if self._gated:
-            self._regate()
+        audit = self._audit
+        if audit.gated and audit.regate():  # a LoggingSink's logger switched on or off
+            self._rewire()
         if rid is None:
             rid = getattr(req, "rid", None)
             if rid is None:
@@ -611,8 +538,7 @@ class LifecycleRegistry:
         lc._outcome = None
         now = _clock()
         if now >= self._next_mark:  # birth times are kept per 50 ms, not per lifecycle
-            self._births.mark(serial, now)
-            self._next_mark = now + _BIRTH_RESOLUTION_S
+            self._next_mark = self._births.mark(serial, now)
         lc._older = newest
         if newest is not None and newest._older is not None and newest._older._s == _RELEASED:
             newest._older = _skip_released(newest._older)  # keep the chain short
@@ -620,29 +546,9 @@ class LifecycleRegistry:
             self._shadowed[current._serial] = current
         self._by_id[key] = lc
         self._by_rid[rid] = lc
-        # Each transition builds its record inline, not through one record-writing function:
-        # that extra call per record makes an audited lifecycle about 9% slower (measured
-        # in one process, interleaved, against this shape). No sink, no record.
-        if self._write is not None:
-            record = AuditRecord(
-                self._seq,
-                _now(),
-                rid,
-                serial,
-                REGISTER,
-                None,
-                "allocated",
-                True,
-                None,
-                None,
-                0,
-                {},
-            )
-            self._seq += 1
-            try:
-                self._write(record)
-            except Exception as exc:  # a sink never changes what the registry does
-                self._sink_failed(record, exc)
+        emit = self._emit
+        if emit is not None:
+            emit(rid, serial, REGISTER, None, "allocated", None, None, 0, {})
         return lc
 
     def start_offload(self, target: object, **detail: DetailValue) -> Ticket:
@@ -681,26 +587,19 @@ class LifecycleRegistry:
         ticket._lc = lc
         ticket._op = op
         ticket._open = True
-        if self._write is not None:
-            record = AuditRecord(
-                self._seq,
-                _now(),
+        emit = self._emit
+        if emit is not None:
+            emit(
                 lc._rid,
                 lc._serial,
                 "start_offload",
                 _NAMES[s],
                 _NAMES[dst],
-                True,
                 None,
                 op,
                 inflight,
                 detail,
             )
-            self._seq += 1
-            try:
-                self._write(record)
-            except Exception as exc:  # a sink never changes what the registry does
-                self._sink_failed(record, exc)
         return ticket
 
     def require(self, lc: Lifecycle, trigger: Trigger) -> None:
@@ -757,26 +656,20 @@ class LifecycleRegistry:
         ticket._open = False
         lc._inflight = inflight - 1
         lc._s = dst
-        if self._write is not None:
-            record = AuditRecord(
-                self._seq,
-                _now(),
+        emit = self._emit
+        if emit is not None:
+            trigger: TriggerName = "ack" if ok else "fail"
+            emit(
                 lc._rid,
                 lc._serial,
-                "ack" if ok else "fail",
+                trigger,
                 _NAMES[s],
                 _NAMES[dst],
-                True,
                 None,
                 ticket._op,
                 inflight - 1,
                 detail,
             )
-            self._seq += 1
-            try:
-                self._write(record)
-            except Exception as exc:  # a sink never changes what the registry does
-                self._sink_failed(record, exc)
         if dst == _RELEASED:
             self._release(lc)
         return lc
@@ -813,7 +706,7 @@ class LifecycleRegistry:
             InvalidTransitionError: the lifecycle already finished or aborted.
             WrongThreadError: called from a thread other than the owner.
         """
-        return self._end(target, Trigger.FINISH, _FINISH, "finished", detail)
+        return self._end(target, _FINISH, detail)
 
     def abort(self, target: object, **detail: DetailValue) -> Lifecycle:
         """The request was aborted: its host copies are discarded on release.
@@ -821,18 +714,17 @@ class LifecycleRegistry:
         Same transitions and errors as [`finish()`][kvlife.fsm.registry.LifecycleRegistry.finish];
         only the outcome differs.
         """
-        return self._end(target, Trigger.ABORT, _ABORT, "aborted", detail)
+        return self._end(target, _ABORT, detail)
 
     def _end(
         self,
         target: object,
-        trigger: Trigger,
-        rows: Row,
-        outcome: Outcome,
+        end: tuple[Trigger, TriggerName, Row, Outcome],
         detail: dict[str, DetailValue],
     ) -> Lifecycle:
+        trigger, name, rows, outcome = end
         if _get_ident() != self._owner:
-            self._wrong_thread(trigger.value)
+            self._wrong_thread(name)
         if detail:
             _check_detail(detail)
         lc = self._by_id.get(id(target))
@@ -845,26 +737,9 @@ class LifecycleRegistry:
             self._refuse_table(lc, trigger, None)
         lc._s = dst
         lc._outcome = outcome
-        if self._write is not None:
-            record = AuditRecord(
-                self._seq,
-                _now(),
-                lc._rid,
-                lc._serial,
-                trigger.value,
-                _NAMES[s],
-                _NAMES[dst],
-                True,
-                None,
-                None,
-                inflight,
-                detail,
-            )
-            self._seq += 1
-            try:
-                self._write(record)
-            except Exception as exc:  # a sink never changes what the registry does
-                self._sink_failed(record, exc)
+        emit = self._emit
+        if emit is not None:
+            emit(lc._rid, lc._serial, name, _NAMES[s], _NAMES[dst], None, None, inflight, detail)
         if dst == _RELEASED:
             self._release(lc)
         return lc
@@ -978,26 +853,11 @@ class LifecycleRegistry:
         detail: dict[str, DetailValue] | None = None,
     ) -> None:
         self._refusals[reason] += 1
-        if self._write is not None:
-            record = AuditRecord(
-                self._seq,
-                _now(),
-                rid,
-                serial,
-                cast(TriggerName, trigger),
-                cast(StateName | None, state),
-                None,
-                False,
-                reason,
-                op,
-                inflight,
-                detail or {},
-            )
-            self._seq += 1
-            try:
-                self._write(record)
-            except Exception as exc:  # a sink never changes what the registry does
-                self._sink_failed(record, exc)
+        emit = self._emit
+        if emit is not None:
+            trigger_name = cast(TriggerName, trigger)
+            src = cast(StateName | None, state)
+            emit(rid, serial, trigger_name, src, None, reason, op, inflight, detail or {})
 
     def record_violation(
         self,
@@ -1080,10 +940,12 @@ class LifecycleRegistry:
             transitions=2 * started - inflight + self._released + ended,
             refusals=dict(self._refusals),
             inflight=inflight,
-            oldest_live_age_s=None if oldest is None else self._births.age(oldest._serial),
+            oldest_live_age_s=None
+            if oldest is None
+            else self._births.age(oldest._serial, _clock()),
             oldest_live=None if oldest is None else (oldest._rid, oldest._serial),
-            sinks=tuple(guard.statistics() for guard in list(self._guards)),
-            records=self._seq,
+            sinks=self._audit.statistics(),
+            records=self._audit.records,
         )
 
     def flush(self) -> None:
@@ -1094,8 +956,7 @@ class LifecycleRegistry:
             WrongThreadError: called from a thread other than the owner.
         """
         self._check_thread("flush")
-        for guard in self._guards:
-            guard.flush()
+        self._audit.flush()
         self._rewire()
 
     def __repr__(self) -> str:

@@ -78,9 +78,20 @@ def test_bad_arguments_exit_2() -> None:
 
 def test_limits_are_measured_net_of_the_loop() -> None:
     limits = measure_limits(rounds=3, n=20_000)
-    assert set(limits) == {"owner check", "**detail", "clock read", "record build", "ring append"}
+    assert set(limits) == {
+        "owner check",
+        "ticket object",
+        "lifecycle object",
+        "birth clock",
+        "**detail",
+        "emit call",
+        "clock read",
+        "record build",
+        "ring append",
+    }
     assert all(0 <= value < 10_000 for value in limits.values()), limits
     assert limits["clock read"] > 0 and limits["record build"] > 0, limits
+    assert limits["ticket object"] > 0 and limits["lifecycle object"] > 0, limits
 
 
 def test_limits_lines_do_the_arithmetic() -> None:
@@ -91,15 +102,23 @@ def test_limits_lines_do_the_arithmetic() -> None:
     ]
     limits = {
         "owner check": 50.0,
+        "ticket object": 100.0,
+        "lifecycle object": 200.0,
+        "birth clock": 40.0,
         "**detail": 20.0,
+        "emit call": 50.0,
         "clock read": 60.0,
         "record build": 80.0,
         "ring append": 10.0,
     }
     text = "\n".join(_limits_lines(rows, rows[1], limits))
+    assert "owner check 50 ns x 10 = 0.50 us" in text
+    assert "ticket object 100 ns x 4 = 0.40 us" in text
+    # 0.50 + 0.40 + 0.20 + 0.04 + 0.18 = 1.32 us, 22% of 6.0; (6.0 - 1.32) / 10 = 0.47
+    assert "together 1.32 us (22% of kvlife, no audit)" in text and ": 0.47 x rid-keyed" in text
     # 50 x 10 + 20 x 9 = 680 ns = 0.68 us, 11% of 6.0; (6.0 - 0.68) / 10 = 0.53
-    assert "= 0.68 us per lifecycle (11% of kvlife, no audit; without both: 0.53" in text
-    assert "= 150 ns" in text
+    assert "are 0.68 us (11% of kvlife, no audit; without both: 0.53" in text
+    assert "= 200 ns" in text  # 50 + 60 + 80 + 10
     # 0.80 x 10 us - 6 us = 2 us over RECORDS records; spent (9 - 6) us over RECORDS
     budget, spent = 2000 / RECORDS, 3000 / RECORDS
     assert f"leaves {budget:.0f} ns per record over no audit; spent {spent:.0f} ns" in text

@@ -341,3 +341,63 @@ def test_a_sink_that_raises_on_every_write_accounts_for_every_record(
     with caplog.at_level(logging.ERROR, logger="kvlife.fsm.sinks"):
         registry.detach(sink)
     assert "60 records were never written (seq 0-59)" in about(sink, caplog)[-1]
+
+
+# --- the one record path --------------------------------------------------------------------
+
+
+def test_every_record_is_built_in_one_place() -> None:
+    """Only the audit path's ``emit`` builds an ``AuditRecord`` among the modules a registry
+    runs (the registry hands it the fields of each accepted or refused transition)."""
+    import ast  # noqa: PLC0415
+
+    import kvlife.fsm  # noqa: PLC0415
+
+    root = Path(kvlife.fsm.__file__).parent
+    builders = []
+    for path in [*root.glob("*.py"), root / "audit" / "guard.py"]:
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "AuditRecord"
+                ):
+                    builders.append(f"{path.name}:{fn.name}")
+    # bench.py times the build of a record against the loop around it
+    assert sorted(set(builders)) == ["bench.py:build", "bench.py:measure_limits", "guard.py:emit"]
+
+
+def test_the_audit_path_numbers_records_and_takes_none_while_no_sink_does() -> None:
+    from kvlife.fsm.audit.guard import AuditPath  # noqa: PLC0415
+
+    path = AuditPath(backlog=4, retry_s=0.0)
+    assert not path.active and path.records == 0
+    sink = MemorySink()
+    path.attach(sink)
+    assert path.active and path.sinks == (sink,)
+    path.emit("r", 0, "register", None, "allocated", None, None, 0, {})
+    path.emit("r", 0, "ack", "offloading", None, "duplicate_ack", 3, 1, {"job": 3})
+    first, second = sink.records()
+    assert (first.seq, first.ok, first.reason) == (0, True, None)
+    assert (second.seq, second.ok, second.reason, second.op) == (1, False, "duplicate_ack", 3)
+    assert path.detach(sink) and not path.active and not path.detach(sink)
+    with pytest.raises(TypeError, match=r"write\(record\)"):
+        path.attach(object())
+    assert path.sinks == () and path.records == 2
+
+
+def test_a_sink_failing_on_the_fast_path_moves_the_path_to_its_guard() -> None:
+    from kvlife.fsm.audit.guard import AuditPath  # noqa: PLC0415
+
+    path = AuditPath(backlog=8, retry_s=0.0)
+    flaky = Flaky(fail=lambda n: n == 2)
+    path.attach(flaky)
+    for serial in range(4):
+        path.emit("r", serial, "register", None, "allocated", None, None, 0, {})
+    (stats,) = path.statistics()
+    assert stats.errors == 1 and stats.pending == 0  # the failed record was retried
+    assert [r.seq for r in flaky.took] == [0, 1, 2, 3]

@@ -23,20 +23,34 @@ or counted lost with its ``seq`` range (``dropped``, ``lost``). When the guard g
 a sink (``detach``, interpreter exit), what it still holds and what the sink still buffers
 become lost, and the message logged names the same ranges.
 
-While every sink is healthy the registry calls ``sink.write`` directly: a guard costs
+While every sink is healthy the record goes to ``sink.write`` directly: a guard costs
 nothing until its sink first fails.
+
+[`AuditPath`][kvlife.fsm.audit.guard.AuditPath] is a registry's one way to its sinks: the
+one place that builds a record (``emit``), hands it to every sink that takes records now,
+and hands a failure to that sink's guard. [`Births`][kvlife.fsm.audit.guard.Births] keeps
+when the registry's lifecycles were registered, for the age of the oldest one in its
+statistics, at a fixed cost: it samples the clock, it keeps no time per lifecycle.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvlife.fsm.audit.records import AuditRecord, LostRecords
+from kvlife.fsm.audit.records import (
+    AuditRecord,
+    DetailValue,
+    LostRecords,
+    StateName,
+    TriggerName,
+)
+from kvlife.fsm.errors import Reason
 
 _log: Final = logging.getLogger("kvlife.fsm.sinks")
 
@@ -295,4 +309,225 @@ class SinkGuard:
         )
 
 
-__all__ = ["SinkGuard", "SinkStatistics", "format_ranges", "merge_ranges", "seq_ranges"]
+_now = time.monotonic_ns
+
+Emit = Callable[
+    [
+        str | None,
+        int | None,
+        TriggerName,
+        StateName | None,
+        StateName | None,
+        Reason | None,
+        int | None,
+        int,
+        dict[str, DetailValue],
+    ],
+    None,
+]
+"""The type of [`AuditPath.emit`][kvlife.fsm.audit.guard.AuditPath.emit]."""
+
+
+class AuditPath:
+    """A registry's sinks, and the one path its records take to them.
+
+    ``emit`` builds the record of one accepted or refused transition (the next ``seq``,
+    the clock, the fields it is given) and hands it to every sink that takes records now.
+    While there is one such sink and it is healthy, the record goes to its ``write``
+    directly; otherwise through each sink's [`SinkGuard`][kvlife.fsm.audit.guard.SinkGuard],
+    which keeps what a failing sink could not take. ``emit`` never raises for a sink.
+
+    A registry calls ``emit`` only while ``active`` is true (some sink takes records):
+    with none, no record is built and no ``seq`` is spent.
+
+    Args:
+        backlog: most records kept per failing sink for a retry.
+        retry_s: least time between two retries of a failing sink on the write path.
+    """
+
+    __slots__ = (
+        "_backlog",
+        "_gated",
+        "_guards",
+        "_retry_s",
+        "_write",
+        "_writing",
+        "gated",
+        "records",
+    )
+
+    def __init__(self, backlog: int, retry_s: float) -> None:
+        self._backlog = backlog
+        self._retry_s = retry_s
+        self._guards: list[SinkGuard] = []
+        self._gated: tuple[SinkGuard, ...] = ()  # sinks with an active() method
+        self._writing: tuple[SinkGuard, ...] = ()  # sinks that take records now
+        self._write: Callable[[AuditRecord], object] | None = None
+        #: Records built so far: the next record's ``seq``.
+        self.records = 0
+        #: Whether some sink can be switched off (has an ``active()`` method): then the
+        #: registry asks ``regate()`` once per registration.
+        self.gated = False
+
+    @property
+    def active(self) -> bool:
+        """Whether some sink takes records now (else ``emit`` must not be called)."""
+        return self._write is not None
+
+    @property
+    def sinks(self) -> tuple[Any, ...]:
+        """The attached sinks, in attach order."""
+        return tuple(guard.sink for guard in self._guards)
+
+    def attach(self, sink: Any) -> None:
+        """Send records to ``sink`` from now on.
+
+        Raises:
+            TypeError: ``sink`` has no ``write(record)`` method. Nothing attached.
+        """
+        if not callable(getattr(sink, "write", None)):
+            raise TypeError(f"an audit sink needs a write(record) method, got {sink!r}")
+        self._guards.append(SinkGuard(sink, self._backlog, self._retry_s))
+        self._rewire()
+
+    def detach(self, sink: Any) -> bool:
+        """Stop sending records to ``sink`` (found by identity), after a last retry of
+        what it has not taken yet (what it still refuses is logged as lost). Returns
+        whether it was attached (nothing changes when it was not)."""
+        for index, guard in enumerate(self._guards):
+            if guard.sink is sink:
+                guard.settle()
+                del self._guards[index]
+                self._rewire()
+                return True
+        return False
+
+    def regate(self) -> bool:
+        """Ask the sinks that can be off whether they take records now; returns whether
+        ``active`` may have changed."""
+        changed = False
+        for guard in self._gated:
+            if guard.refresh_active():
+                changed = True
+        if changed:
+            self._rewire()
+        return changed
+
+    def _rewire(self) -> None:
+        self._gated = tuple(g for g in self._guards if g.gated)
+        self.gated = bool(self._gated)
+        guards = self._writing = tuple(g for g in self._guards if g.active)
+        if not guards:
+            self._write = None
+        elif len(guards) == 1 and guards[0].healthy:
+            self._write = guards[0].sink.write  # the fast path: no guard until it fails
+        else:
+            self._write = self._fan_out
+
+    def _fan_out(self, record: AuditRecord) -> None:
+        """Every sink gets the record; a failure is its guard's business."""
+        guards = self._writing
+        for guard in guards:
+            guard.write(record)
+        if len(guards) == 1 and guards[0].healthy:  # recovered: back to the fast path
+            self._rewire()
+
+    def emit(
+        self,
+        rid: str | None,
+        serial: int | None,
+        trigger: TriggerName,
+        src: StateName | None,
+        dst: StateName | None,
+        reason: Reason | None,
+        op: int | None,
+        inflight: int,
+        detail: dict[str, DetailValue],
+    ) -> None:
+        """Build the next record (accepted when ``reason`` is ``None``) and hand it to
+        every sink that takes records. Never raises for a sink."""
+        seq = self.records
+        self.records = seq + 1
+        record = AuditRecord(
+            seq,
+            _now(),
+            rid,
+            serial,
+            trigger,
+            src,
+            dst,
+            reason is None,
+            reason,
+            op,
+            inflight,
+            detail,
+        )
+        try:
+            self._write(record)  # type: ignore[misc]  # emit is called only while active
+        except Exception as exc:  # only the fast path raises: the one sink writing now
+            self._writing[0].failed(record, exc)
+            self._rewire()
+
+    def flush(self) -> None:
+        """Offer every failing sink its backlog again, then flush every sink that can be
+        flushed. Never raises for a sink."""
+        for guard in self._guards:
+            guard.flush()
+        self._rewire()
+
+    def settle(self) -> None:
+        """Last chance for every sink that failed (interpreter exit, the registry
+        collected): see [`SinkGuard.settle()`][kvlife.fsm.audit.guard.SinkGuard.settle]."""
+        for guard in self._guards:
+            guard.settle()
+
+    def statistics(self) -> tuple[SinkStatistics, ...]:
+        """Each attached sink's counters, in attach order."""
+        return tuple(guard.statistics() for guard in list(self._guards))
+
+
+#: Lifecycles registered within this many seconds of each other share one birth time.
+BIRTH_RESOLUTION_S: Final = 0.05
+_MAX_BIRTH_MARKS: Final = 4096
+
+
+class Births:
+    """When a registry's lifecycles were registered, without a time per lifecycle (a float
+    is 32 of the ~260 bytes a live lifecycle costs): (first serial, time) marks, one at
+    the first registration after each ``BIRTH_RESOLUTION_S``. A lifecycle's birth is its
+    mark's time, at most that much early. At ``_MAX_BIRTH_MARKS`` every other old mark is
+    dropped, so the error grows only for lifecycles older than thousands of marks."""
+
+    __slots__ = ("serials", "times")
+
+    def __init__(self) -> None:
+        self.serials: list[int] = []
+        self.times: list[float] = []
+
+    def mark(self, serial: int, now: float) -> float:
+        """``serial`` was registered at ``now``; returns when the next mark is due."""
+        if len(self.serials) >= _MAX_BIRTH_MARKS:
+            half = len(self.serials) // 2  # thin the older half, keep the newer one whole
+            self.serials[:half] = self.serials[:half:2]
+            self.times[:half] = self.times[:half:2]
+        self.serials.append(serial)
+        self.times.append(now)
+        return now + BIRTH_RESOLUTION_S
+
+    def age(self, serial: int, now: float) -> float:
+        """Seconds from ``serial``'s registration to ``now`` (never less than the truth)."""
+        index = bisect.bisect_right(self.serials, serial) - 1
+        return now - self.times[max(index, 0)]
+
+
+__all__ = [
+    "BIRTH_RESOLUTION_S",
+    "AuditPath",
+    "Births",
+    "Emit",
+    "SinkGuard",
+    "SinkStatistics",
+    "format_ranges",
+    "merge_ranges",
+    "seq_ranges",
+]
