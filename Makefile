@@ -174,11 +174,14 @@ bench: venv
 	$(VENV)/bin/kvlife bench offload
 	$(VENV)/bin/kvlife bench audit
 
-# The report page's screenshot in the manual (docs/report.png), from a demo log.
+# The report page's screenshot in the manual (docs/report.png) and the story of the first
+# rid the demo reused (docs/story.png), from a demo log.
 screenshots: venv dot browser
-	$(VENV)/bin/kvlife demo --requests 60 --no-progress --out build/shot >/dev/null
+	$(VENV)/bin/kvlife demo --requests 60 --no-progress --out build/shot > build/shot.txt
 	$(VENV)/bin/kvlife audit report build/shot/audit.jsonl -o build/shot/report.html
 	$(PY) tests/screenshot.py build/shot/report.html docs/report.png
+	rid=$$(sed -n 's/.*kvlife audit why .* --rid \([^ ]*\).*/\1/p' build/shot.txt | head -1); \
+	$(VENV)/bin/kvlife audit why build/shot/audit.jsonl --rid "$$rid" -o docs/story.png | tail -1
 
 # Regenerate the committed lifecycle diagrams from the table.
 diagrams: venv dot

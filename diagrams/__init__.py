@@ -8,6 +8,9 @@
   the refusals of a log.
 * [`plot_timeline()`][kvlife.diagrams.timeline.plot_timeline]: one row per lifecycle instance,
   coloured by state over time.
+* [`plot_story()`][kvlife.diagrams.story.plot_story]: the story of one rid (what
+  ``kvlife audit why`` tells), a lane per lifecycle with its copies, refusals, reuses and
+  late completions.
 """
 
 from __future__ import annotations
@@ -20,17 +23,21 @@ from kvlife.diagrams.lifecycle import (
     write_lifecycle_diagrams,
 )
 from kvlife.diagrams.log_graph import log_graph
+from kvlife.diagrams.story import Story, build_story, plot_story
 from kvlife.diagrams.timeline import Timeline, build_timeline, plot_timeline, timeline_rows
 
 __all__ = [
     "DotNotFoundError",
+    "Story",
     "Timeline",
+    "build_story",
     "build_timeline",
     "dot_text",
     "lifecycle_dot",
     "lifecycle_graph",
     "lifecycle_mermaid",
     "log_graph",
+    "plot_story",
     "plot_timeline",
     "render",
     "timeline_rows",

@@ -6,7 +6,7 @@ Subcommands::
     kvlife diagram [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE]
     kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
     kvlife audit stats LOG [--json]
-    kvlife audit why LOG (--rid RID | --serial N [--segment INDEX|ID])
+    kvlife audit why LOG (--rid RID | --serial N [--segment INDEX|ID]) [-o STORY.svg|.png]
     kvlife audit report LOG -o FILE.html [--accept-table D]
     kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
@@ -125,6 +125,13 @@ def _parser() -> _Parser:
         type=_segment,
         default=0,
         help="the segment of --serial: its index or its id (default 0)",
+    )
+    why.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="also draw the rid's story to FILE (.svg or .png): a lane per lifecycle, its "
+        "copies, refusals, reuses and late completions",
     )
     _verdict_options(why)
     report = audit_sub.add_parser(
@@ -481,6 +488,8 @@ def _segment_index(path: str, logs: Sequence[str], segment: int | str) -> int:
 
 
 def _why(args: argparse.Namespace) -> int:
+    if args.output is not None:
+        _picture_name("why", args.output)
     args.segment = _segment_index(args.log, args.logs, args.segment)
     rid = args.rid
     if rid is None:
@@ -507,7 +516,34 @@ def _why(args: argparse.Namespace) -> int:
     except LookupError as exc:
         raise UsageError(f"kvlife audit why: {args.log}: {exc}") from None
     print(text)
+    if args.output is not None:
+        _draw_story(args, rid)
     return _verdict(args, checker.report, reader).exit_status
+
+
+def _picture_name(view: str, output: str) -> None:
+    """Refuse (exit 2) an output that is not a .png or .svg file name."""
+    suffix = Path(output).suffix
+    if suffix not in (".png", ".svg"):
+        raise UsageError(f"kvlife audit {view}: -o needs a .png or .svg name, got {suffix!r}")
+    if Path(output).is_dir():
+        raise UsageError(f"kvlife: {output} is a directory; give a file name")
+
+
+def _draw_story(args: argparse.Namespace, rid: str) -> None:
+    from kvlife.diagrams.story import build_story, plot_story
+
+    story = _reading(args.log, lambda: build_story(_reader(args.logs), rid, checker=_checker(args)))
+    try:
+        _reading(args.log, lambda: plot_story(story, Path(args.output)), writes=args.output)
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"kvlife: {exc}") from None
+    copies = sum(len(lane.copies) for lane in story.lanes)
+    print(
+        f"\n{args.output}: the story of rid {rid!r}: {_count(len(story.lanes), 'lifecycle')}, "
+        f"{copies} cop{'y' if copies == 1 else 'ies'}, {_count(len(story.reuses), 'reuse')}, "
+        f"{_count(len(story.late), 'late completion')}"
+    )
 
 
 def _known_rids(args: argparse.Namespace, view: str) -> None:
@@ -533,11 +569,7 @@ def _known_rids(args: argparse.Namespace, view: str) -> None:
 def _timeline(args: argparse.Namespace) -> int:
     from kvlife.diagrams.timeline import plot_timeline
 
-    suffix = Path(args.output).suffix
-    if suffix not in (".png", ".svg"):
-        raise UsageError(f"kvlife audit timeline: -o needs a .png or .svg name, got {suffix!r}")
-    if Path(args.output).is_dir():
-        raise UsageError(f"kvlife: {args.output} is a directory; give a file name")
+    _picture_name("timeline", args.output)
     if args.rid:
         _known_rids(args, "timeline")
     reader = _reader(args.logs)

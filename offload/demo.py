@@ -223,7 +223,7 @@ class DemoSummary:
             first = self.reused_rids[0]
             lines += [
                 f"Rids reused that way (first {len(self.reused_rids)}): {shown}. Next:",
-                f"  kvlife audit why {audit_log} --rid {first}",
+                f"  kvlife audit why {audit_log} --rid {first} -o {out}/story-{first}.svg",
                 f"  kvlife audit timeline {audit_log} -o {out}/timeline-{first}.png --rid {first}",
                 f"  kvlife audit report {audit_log} -o {out}/report.html",
             ]

@@ -644,9 +644,14 @@ def test_the_demo_names_reused_rids_that_why_then_finds(
     command = next(line.strip() for line in out.splitlines() if "kvlife audit why" in line)
     words = command.split()
     assert words[:3] == ["kvlife", "audit", "why"] and words[3] == str(tmp_path / "audit.jsonl")
+    assert words[-2:] == ["-o", str(tmp_path / f"story-{words[5]}.svg")]
     assert main(words[1:]) == 0  # runs as printed (the log is clean)
     story = capsys.readouterr().out
-    assert "the rid was reused" in story and story.rstrip().endswith("OK")
+    assert "the rid was reused" in story
+    assert "verdict on the whole log (kvlife audit check): OK" in story
+    assert story.rstrip().endswith("1 late completion") or "late completions" in story
+    svg = (tmp_path / f"story-{words[5]}.svg").read_text()
+    assert 'id="reuse-0"' in svg and 'id="late-' in svg
 
 
 def test_why_takes_a_segment_by_its_id_or_its_index(

@@ -1,0 +1,419 @@
+"""The story of one rid as a picture: what ``kvlife audit why`` tells, drawn.
+
+One lane per lifecycle that held the rid (``#serial``), coloured by state over time as in
+the timeline; above each lane its copies, each a span from its start to its completion
+labelled with its copy number (red when it failed); refused deliveries marked on the lane,
+one mark per reason; the moment a newer lifecycle took the rid while an older one was
+unreleased (a reuse), a purple line from the old lane to the new one; and for a late
+completion (the rid was reused while the copy was in flight), an arrow from the newest
+lane that held the rid when the copy completed (where a rid-keyed bookkeeping would have
+applied it) to the lifecycle its ticket named, which is the one it completed. Records the
+checker finds wrong are red diamonds.
+
+[`build_story()`][kvlife.diagrams.story.build_story] reads the log once and keeps only the
+rid's records; [`plot_story()`][kvlife.diagrams.story.plot_story] draws it (PNG or SVG by
+suffix). The SVG's elements carry ids a test or a script can find: ``lane-SERIAL``,
+``copy-OP`` (the span) and ``copy-label-OP``, ``refused-N``, ``reuse-N``, ``late-OP`` (the
+arrow; its label names the target ``#serial``) and ``violation-N``.
+
+Needs matplotlib (the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from kvlife.diagrams.dot import shortened
+from kvlife.diagrams.timeline import COLOURS, REUSE_COLOUR
+from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
+from kvlife.fsm.audit.checker import fed, violations_by_record
+from kvlife.fsm.audit.explain import RidHistory, collect
+from kvlife.fsm.audit.records import REGISTER
+from kvlife.fsm.table import State
+
+REFUSAL_MARKS: Final = {
+    "stale_instance": ("x", "#d62728", "late delivery after release (stale_instance)"),
+    "duplicate_ack": ("+", "#d62728", "repeated delivery (duplicate_ack)"),
+    "rid_conflict": ("s", "#8c564b", "rid taken while held (rid_conflict)"),
+    "invalid_transition": ("v", "#7f7f7f", "not allowed in its state (invalid_transition)"),
+}
+"""Marker, colour and legend text per refusal reason; other reasons (a watched
+connector's protocol violations, lookups that found nothing) share ``OTHER_REFUSAL``."""
+OTHER_REFUSAL: Final = ("*", "#e377c2", "other refusal")
+LATE_COLOUR: Final = "#e6550d"
+"""The late-completion arrow."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of a lifecycle: started at ``start`` ms, completed at ``end`` (``None``:
+    still in flight at the end of the log), ``ok`` unless it failed."""
+
+    op: int
+    serial: int
+    start: float
+    end: float | None
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class LateCompletion:
+    """Copy ``op`` of lifecycle ``ticket`` completed at ``t`` ms, after the rid was taken
+    by ``holder`` (the newest lifecycle holding the rid then): it completed ``ticket``."""
+
+    op: int
+    t: float
+    ticket: int
+    holder: int
+
+
+@dataclass
+class Lane:
+    """One lifecycle of the rid: its state spans, copies and refusals (times in ms)."""
+
+    serial: int
+    segment: int
+    registered: float | None
+    spans: list[tuple[float, float, str]] = field(default_factory=list)
+    copies: list[Copy] = field(default_factory=list)
+    refusals: list[tuple[float, str, int | None]] = field(default_factory=list)
+    released: float | None = None
+
+
+@dataclass
+class Story:
+    """What the picture draws: the lanes in (segment, serial) order, the reuses (time, old
+    serial, new serial), the late completions and the checker's marks (time, serial,
+    kinds), with the log's end time."""
+
+    rid: str
+    lanes: list[Lane]
+    reuses: list[tuple[float, int, int]]
+    late: list[LateCompletion]
+    violations: list[tuple[float, int, tuple[str, ...]]]
+    end: float
+
+
+def story_of(history: RidHistory, marks: dict[tuple[int, int], list[object]]) -> Story:
+    """The picture's content from ``collect``'s history of a rid and the checker's
+    violations by (segment, seq) (``violations_by_record``)."""
+    t0 = history.t0 or 0
+    lanes: list[Lane] = []
+    violations: list[tuple[float, int, tuple[str, ...]]] = []
+    end = 0.0
+
+    def ms(t_ns: int) -> float:
+        return (t_ns - t0) / 1e6
+
+    for lc in sorted(history.lifecycles.values(), key=lambda h: (h.segment, h.serial)):
+        registered = lc.registered_ns
+        lane = Lane(lc.serial, lc.segment, None if registered is None else ms(registered))
+        state, since = "", 0.0
+        started: dict[int, float] = {}
+        for record in lc.records:
+            t = ms(record.t_ns)
+            end = max(end, t)
+            found = marks.get((lc.segment, record.seq))
+            if found:
+                kinds = tuple(str(getattr(v, "kind", "")) for v in found)
+                violations.append((t, lc.serial, kinds))
+            if not record.ok:
+                lane.refusals.append((t, record.reason or "", record.op))
+                continue
+            if record.trigger == "start_offload" and record.op is not None:
+                started[record.op] = t
+            elif record.trigger in ("ack", "fail") and record.op is not None:
+                begun = started.pop(record.op, t)
+                lane.copies.append(Copy(record.op, lc.serial, begun, t, ok=record.trigger == "ack"))
+            if record.trigger == REGISTER or record.dst != state:
+                if state:
+                    lane.spans.append((since, t, state))
+                state, since = record.dst or "", t
+            if record.dst == State.RELEASED.value:
+                lane.released = t
+                state = ""
+        lane.copies += [Copy(op, lc.serial, t, None) for op, t in started.items()]
+        if state:
+            lane.spans.append((since, -1.0, state))  # open: to the end of the log
+        lanes.append(lane)
+    for lane in lanes:
+        lane.spans = [(a, end if b < 0 else b, s) for a, b, s in lane.spans]
+    reuses, late = _reuses_and_late(lanes)
+    return Story(history.rid, lanes, reuses, late, violations, end)
+
+
+def _reuses_and_late(
+    lanes: list[Lane],
+) -> tuple[list[tuple[float, int, int]], list[LateCompletion]]:
+    reuses: list[tuple[float, int, int]] = []
+    late: list[LateCompletion] = []
+    for lane in lanes:
+        if lane.registered is None:
+            continue
+        for older in lanes:
+            if older.segment != lane.segment or older.serial >= lane.serial:
+                continue
+            born = older.registered if older.registered is not None else -1.0
+            if born <= lane.registered and (
+                older.released is None or older.released > lane.registered
+            ):
+                reuses.append((lane.registered, older.serial, lane.serial))
+    for lane in lanes:
+        for copy in lane.copies:
+            if copy.end is None:
+                continue
+            newer = [
+                other
+                for other in lanes
+                if other.segment == lane.segment
+                and other.serial > lane.serial
+                and other.registered is not None
+                and copy.start <= other.registered <= copy.end
+            ]
+            if newer:
+                holder = max(newer, key=lambda other: other.serial)
+                late.append(LateCompletion(copy.op, copy.end, lane.serial, holder.serial))
+    return reuses, late
+
+
+def build_story(
+    source: AuditReader | AuditLog | Iterable[Event],
+    rid: str,
+    *,
+    checker: AuditChecker | None = None,
+) -> Story:
+    """Read ``source`` once and return the story of ``rid``; with ``checker``, the whole
+    log is checked in the same pass (``checker.finish()`` has been called on return) and
+    its violations on this rid's records are marked.
+
+    Raises:
+        LookupError: the log holds no lifecycle of ``rid``.
+    """
+    events = source.events() if isinstance(source, AuditLog) else source
+    history = collect(events if checker is None else fed(events, checker), rid)
+    if not history.lifecycles:
+        raise LookupError(f"the log has no lifecycle of rid {rid!r}")
+    marks: dict[tuple[int, int], list[object]] = {}
+    if checker is not None:
+        marks = {key: list(found) for key, found in violations_by_record(checker.finish()).items()}
+    return story_of(history, marks)
+
+
+def _levels(copies: list[Copy], end: float, char: float) -> dict[int, int]:
+    """A row above the lane for each copy, so that neither copies nor their labels cover
+    each other: the lowest row whose last copy and label ended before this one starts
+    (``char``: the width of one label character, in ms)."""
+    rows: list[float] = []
+    level: dict[int, int] = {}
+    for copy in sorted(copies, key=lambda c: c.start):
+        label_end = copy.start + char * (len(str(copy.op)) + 1)
+        stop = max(end if copy.end is None else copy.end, label_end)
+        for index, busy_until in enumerate(rows):
+            if busy_until < copy.start:
+                rows[index] = stop
+                level[copy.op] = index
+                break
+        else:
+            level[copy.op] = len(rows)
+            rows.append(stop)
+    return level
+
+
+def plot_story(story: Story, path: Path) -> None:
+    """Draw ``story`` to ``path`` (PNG or SVG by suffix).
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (with the install hint).
+        OSError: ``path`` cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.artist import Artist
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+    except ModuleNotFoundError as exc:  # pragma: no cover - the plot extra is installed in CI
+        raise ModuleNotFoundError("the story needs matplotlib: pip install 'kvlife[plot]'") from exc
+    end = max(story.end, 1e-6)
+    least = end * 0.006  # about 6 px of the plot's width
+    # Each lane: its state bar, then a row per level of overlapping copies above it.
+    char = end * 0.0065  # one label character: about 6 px of the plot's width
+    levels = {lane.serial: _levels(lane.copies, end, char) for lane in story.lanes}
+    heights = [
+        1.0 + 0.35 * (max(levels[lane.serial].values(), default=-1) + 1) for lane in story.lanes
+    ]
+    base: dict[int, float] = {}
+    y = 0.0
+    for lane, height in zip(story.lanes, heights, strict=True):
+        base[lane.serial] = y + height - 0.5  # the state bar's centre, copies above it
+        y += height + 0.3
+    fig, ax = plt.subplots(figsize=(11, min(2.2 + 0.55 * y, 40)), dpi=110)
+    for lane in story.lanes:
+        centre = base[lane.serial]
+        for start, stop, state in lane.spans:
+            bars = ax.broken_barh(
+                [(start, max(stop - start, least))],
+                (centre - 0.3, 0.6),
+                facecolors=COLOURS.get(state, "gray"),
+                edgecolor="#a63603" if state == State.FINISHED_PENDING.value else "none",
+                zorder=2,
+            )
+            bars.set_gid(f"lane-{lane.serial}")
+        for copy in lane.copies:
+            cy = centre - 0.55 - 0.35 * levels[lane.serial][copy.op]
+            stop = end if copy.end is None else copy.end
+            colour = "#31a354" if copy.ok else "#d62728"
+            (span,) = ax.plot(
+                [copy.start, max(stop, copy.start + least)],
+                [cy, cy],
+                color=colour,
+                linewidth=3,
+                solid_capstyle="butt",
+                linestyle="-" if copy.end is not None else ":",
+                zorder=3,
+            )
+            span.set_gid(f"copy-{copy.op}")
+            label = ax.text(copy.start, cy - 0.06, str(copy.op), fontsize=7, va="bottom")
+            label.set_gid(f"copy-label-{copy.op}")
+    refused = 0
+    reasons_seen: dict[str, tuple[str, str, str]] = {}
+    for lane in story.lanes:
+        for t, reason, _ in lane.refusals:
+            marker, colour, text = REFUSAL_MARKS.get(reason, OTHER_REFUSAL)
+            reasons_seen[reason if reason in REFUSAL_MARKS else "other"] = (marker, colour, text)
+            (point,) = ax.plot(
+                [t],
+                [base[lane.serial]],
+                marker,
+                color=colour,
+                markersize=9,
+                markeredgewidth=2,
+                zorder=6,
+                clip_on=False,
+            )
+            point.set_gid(f"refused-{refused}")
+            refused += 1
+    for n, (t, old, new) in enumerate(story.reuses):
+        (line,) = ax.plot(
+            [t, t],
+            [base[old], base[new]],
+            color=REUSE_COLOUR,
+            linewidth=2,
+            marker="o",
+            markersize=4,
+            zorder=5,
+        )
+        line.set_gid(f"reuse-{n}")
+        ax.text(
+            t - char,
+            base[new] + 0.45,
+            f"#{new} takes the rid",
+            color=REUSE_COLOUR,
+            fontsize=7,
+            ha="right",
+            va="top",
+        )
+    for late in story.late:
+        arrow = ax.annotate(
+            f"copy {late.op} completes #{late.ticket} (its ticket), not #{late.holder}",
+            xy=(late.t, base[late.ticket]),
+            xytext=(late.t + 2 * char, base[late.holder] + 0.45),
+            arrowprops={"arrowstyle": "-|>", "color": LATE_COLOUR, "linewidth": 1.8},
+            color=LATE_COLOUR,
+            fontsize=7,
+            ha="left",
+            va="top",
+            zorder=7,
+        )
+        arrow.set_gid(f"late-{late.op}")
+    for n, (t, serial, _) in enumerate(story.violations):
+        (point,) = ax.plot(
+            [t], [base[serial]], "D", color="red", markersize=9, markeredgecolor="black", zorder=8
+        )
+        point.set_gid(f"violation-{n}")
+    ax.set_yticks([base[lane.serial] for lane in story.lanes])
+    segments = len({lane.segment for lane in story.lanes}) > 1
+    ax.set_yticklabels(
+        [
+            f"#{lane.serial}" + (f" (segment {lane.segment})" if segments else "")
+            for lane in story.lanes
+        ],
+        fontsize=8,
+    )
+    ax.set_ylim(y - 0.1, -0.4)
+    ax.set_xlim(0, end * 1.02)
+    ax.set_xlabel("time since the log's first record (ms)")
+    ax.set_ylabel("lifecycles of the rid (#serial)")
+    ax.set_title(_title(story), fontsize=10, color="red" if story.violations else "black")
+    handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
+    handles.append(
+        Line2D([], [], color="#31a354", linewidth=3, label="copy N, from start to completion")
+    )
+    if any(not c.ok for lane in story.lanes for c in lane.copies):
+        handles.append(Line2D([], [], color="#d62728", linewidth=3, label="failed copy"))
+    for marker, colour, text in reasons_seen.values():
+        handles.append(Line2D([], [], marker=marker, color=colour, linestyle="none", label=text))
+    if story.reuses:
+        handles.append(Line2D([], [], color=REUSE_COLOUR, marker="o", label="rid reused"))
+    if story.late:
+        handles.append(Line2D([], [], color=LATE_COLOUR, label="late completion -> its ticket"))
+    if story.violations:
+        handles.append(
+            Line2D(
+                [],
+                [],
+                marker="D",
+                color="red",
+                markeredgecolor="black",
+                linestyle="none",
+                label="violation",
+            )
+        )
+    ax.legend(  # under the axis, never over a lane
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(0, -0.6 / max(y, 1.0) - 0.04),
+        ncol=3,
+        fontsize=7,
+        frameon=False,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    try:
+        with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text
+            fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def _title(story: Story) -> str:
+    lanes = len(story.lanes)
+    parts = [f"rid {shortened(story.rid, 40)!r}: {lanes} lifecycle{'' if lanes == 1 else 's'}"]
+    if story.reuses:
+        n = len(story.reuses)
+        parts.append(f"{n} reuse{'' if n == 1 else 's'} of the rid while a lifecycle held it")
+    if story.late:
+        n = len(story.late)
+        parts.append(
+            f"{n} late completion{'' if n == 1 else 's'}, applied to its ticket's lifecycle only"
+        )
+    if story.violations:
+        n = len(story.violations)
+        parts.append(f"{n} violation{'' if n == 1 else 's'}")
+    return "; ".join(parts)
+
+
+__all__ = [
+    "Copy",
+    "Lane",
+    "LateCompletion",
+    "Story",
+    "build_story",
+    "plot_story",
+    "story_of",
+]
