@@ -27,22 +27,13 @@ from pathlib import Path
 from typing import Final
 
 from kvlife.diagrams.dot import shortened
-from kvlife.diagrams.timeline import COLOURS, REUSE_COLOUR
+from kvlife.diagrams.timeline import COLOURS, OTHER_REFUSAL, REFUSAL_MARKS, REUSE_COLOUR
 from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
 from kvlife.fsm.audit.checker import fed, violations_by_record
 from kvlife.fsm.audit.explain import RidHistory, collect
 from kvlife.fsm.audit.records import REGISTER
 from kvlife.fsm.table import State
 
-REFUSAL_MARKS: Final = {
-    "stale_instance": ("x", "#d62728", "late delivery after release (stale_instance)"),
-    "duplicate_ack": ("+", "#d62728", "repeated delivery (duplicate_ack)"),
-    "rid_conflict": ("s", "#8c564b", "rid taken while held (rid_conflict)"),
-    "invalid_transition": ("v", "#7f7f7f", "not allowed in its state (invalid_transition)"),
-}
-"""Marker, colour and legend text per refusal reason; other reasons (a watched
-connector's protocol violations, lookups that found nothing) share ``OTHER_REFUSAL``."""
-OTHER_REFUSAL: Final = ("*", "#e377c2", "other refusal")
 LATE_COLOUR: Final = "#e6550d"
 """The late-completion arrow."""
 

@@ -36,13 +36,23 @@ COLOURS: Final = {
 """Colour per state (released is not drawn: the row ends there)."""
 REUSE_COLOUR: Final = "#6a3d9a"
 """The connector from an old row to the new one that reused its rid."""
+REFUSAL_MARKS: Final = {
+    "stale_instance": ("x", "#d62728", "late delivery after release (stale_instance)"),
+    "duplicate_ack": ("+", "#d62728", "repeated delivery (duplicate_ack)"),
+    "rid_conflict": ("s", "#8c564b", "rid taken while held (rid_conflict)"),
+    "invalid_transition": ("v", "#7f7f7f", "not allowed in its state (invalid_transition)"),
+}
+"""Marker, colour and legend text per refusal reason; other reasons (a watched
+connector's protocol violations, lookups that found nothing) share ``OTHER_REFUSAL``."""
+OTHER_REFUSAL: Final = ("*", "#e377c2", "other refusal")
 MAX_REFUSALS_PER_ROW: Final = 200
 """Refusal marks kept per row (a flood of stale deliveries draws as one smear anyway)."""
 
 
 @dataclass
 class Row:
-    """One lifecycle instance's history: (start, end, state) spans and refusal times."""
+    """One lifecycle instance's history: (start, end, state) spans, refusal times and each
+    refusal's reason (``reasons[i]`` for ``refusals[i]``)."""
 
     serial: int
     rid: str
@@ -50,6 +60,7 @@ class Row:
     refusals: list[float] = field(default_factory=list)
     released: bool = False
     segment: int = 0
+    reasons: list[str] = field(default_factory=list)
 
 
 _DIGITS: Final = re.compile(r"(\d+)")
@@ -190,6 +201,7 @@ def build_timeline(
         if not r.ok:
             if len(row.refusals) < MAX_REFUSALS_PER_ROW:
                 row.refusals.append(t)
+                row.reasons.append(r.reason or "")
             continue
         since, state = current.get(ident, (t, ""))
         if r.dst == state:
@@ -270,6 +282,7 @@ def plot_timeline(
     height = 1.6 + 0.2 * max(len(shown), 1)
     fig, ax = plt.subplots(figsize=(11, min(height, 42)), dpi=110)
     least = max(end, 1e-6) * 0.006  # about 6 px of the plot's width
+    reasons_seen: dict[str, tuple[str, str]] = {}  # legend text -> (marker, colour)
     for y, row in enumerate(shown):
         for start, stop, state in row.spans:
             pending = state == State.FINISHED_PENDING.value
@@ -281,12 +294,17 @@ def plot_timeline(
                 linewidth=0.8,
                 zorder=3 if pending else 2,
             )
-        if row.refusals:
+        by_reason: dict[str, list[float]] = {}
+        for t, reason in zip(row.refusals, row.reasons, strict=True):
+            by_reason.setdefault(reason if reason in REFUSAL_MARKS else "", []).append(t)
+        for reason, times in by_reason.items():
+            marker, colour, text = REFUSAL_MARKS.get(reason, OTHER_REFUSAL)
+            reasons_seen[text] = (marker, colour)
             ax.plot(
-                row.refusals,
-                [y] * len(row.refusals),
-                "x",
-                color="red",
+                times,
+                [y] * len(times),
+                marker,
+                color=colour,
                 markersize=6,
                 markeredgewidth=1.5,
                 zorder=4,
@@ -301,10 +319,10 @@ def plot_timeline(
             [reuse.t, reuse.t],
             [old, new],
             color=REUSE_COLOUR,
-            linewidth=1.4,
+            linewidth=2,
             marker="o",
-            markersize=3,
-            zorder=5,
+            markersize=5,
+            zorder=7,  # above refusal marks
         )
         line.set_gid(f"reuse-{reuses_drawn}")
         reuses_drawn += 1
@@ -314,7 +332,7 @@ def plot_timeline(
         if row_y is None:
             continue
         (point,) = ax.plot(
-            [mark.t], [row_y], "D", color="red", markersize=8, markeredgecolor="black", zorder=6
+            [mark.t], [row_y], "D", color="red", markersize=8, markeredgecolor="black", zorder=8
         )
         point.set_gid(f"violation-{violations_drawn}")
         violations_drawn += 1
@@ -330,29 +348,38 @@ def plot_timeline(
         ],
         fontsize=7,
     )
-    ax.invert_yaxis()
+    ax.set_ylim(len(shown) - 0.5, -0.5)  # top to bottom, no empty band
     ax.set_xlim(0, max(end, 1e-6) * 1.01)
     ax.set_xlabel("time since the first record (ms)")
+    ax.set_ylabel("rid #serial: one row per lifecycle" + (", s: segment" if segments else ""))
     shown_rids = len({row.rid for row in shown})
+    report = timeline.report
+    reuses = report.reused_while_unreleased
+    counts = (
+        f"{_plural(report.violation_count, 'violation')}; {_plural(reuses, 'reuse')} of a rid "
+        "while its earlier lifecycle was unreleased"
+    )
+    if violations_drawn < report.violation_count or reuses_drawn < len(timeline.reuses):
+        counts += (
+            f" ({reuses_drawn} of the reuses and {violations_drawn} of the violations "
+            "on the rows shown)"
+        )
     note = ""
     if timeline.lifecycles > len(shown):
         note = (
             f"\n{len(shown)} of {timeline.lifecycles} lifecycles and {shown_rids} of "
-            f"{timeline.rids} rids shown (the first instances of each rid first)"
+            f"{timeline.rids} rids shown: each rid's first lifecycle, then each one's second, "
+            "and so on, in rid order"
         )
-    report = timeline.report
-    counts = (
-        f"{_plural(report.violation_count, 'violation')}, "
-        f"{_plural(report.reused_while_unreleased, 'rid reuse')} while unreleased"
-    )
-    if violations_drawn < report.violation_count or reuses_drawn < len(timeline.reuses):
-        counts += f" ({violations_drawn} and {reuses_drawn} of them on the rows shown)"
-    ax.set_title(f"{shortened(title, 80)}: {counts}{note}", fontsize=10, pad=24)
+    ax.set_title(f"{shortened(title, 80)}: {counts}{note}", fontsize=9)
     if report.violation_count:
         ax.title.set_color("red")
     handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
-    handles.append(Line2D([], [], marker="x", color="red", linestyle="none", label="refused"))
-    handles.append(Line2D([], [], color=REUSE_COLOUR, marker="o", label="rid reused"))
+    for text, (marker, colour) in reasons_seen.items():
+        handles.append(Line2D([], [], marker=marker, color=colour, linestyle="none", label=text))
+    handles.append(
+        Line2D([], [], color=REUSE_COLOUR, marker="o", label="rid reused: old row to new row")
+    )
     handles.append(
         Line2D(
             [],
@@ -364,12 +391,12 @@ def plot_timeline(
             label="violation",
         )
     )
-    # above the plot, never over a row
+    # under the plot, never over a row
     ax.legend(
         handles=handles,
-        loc="lower left",
-        bbox_to_anchor=(0, 1.0),
-        ncol=len(handles),
+        loc="upper left",
+        bbox_to_anchor=(0, -0.5 / max(height, 1.0) - 0.02),
+        ncol=3,
         fontsize=8,
         frameon=False,
     )

@@ -138,7 +138,7 @@ def test_every_rid_reuse_while_unreleased_is_one_mark_and_counted(tmp_path: Path
     plot_timeline(read_audit(log), svg)
     text = svg.read_text()
     assert len(re.findall(r'id="reuse-\d+"', text)) == len(reused) == 9
-    assert "0 violations, 9 rid reuses while unreleased" in text
+    assert "0 violations; 9 reuses of a rid while its earlier lifecycle was unreleased" in text
     assert 'id="violation-' not in text
 
 
@@ -150,4 +150,4 @@ def test_violating_records_are_marked_on_their_rows(tmp_path: Path) -> None:
     plot_timeline(read_audit(log), svg, rids=["r"])
     text = svg.read_text()
     assert len(re.findall(r'id="violation-\d+"', text)) == 1
-    assert "1 violation, 1 rid reuse while unreleased" in text
+    assert "1 violation; 1 reuse of a rid while its earlier lifecycle was unreleased" in text
