@@ -348,7 +348,7 @@ def plot_timeline(
         ],
         fontsize=7,
     )
-    ax.set_ylim(len(shown) - 0.5, -0.5)  # top to bottom, no empty band
+    ax.set_ylim(max(len(shown), 1) - 0.5, -0.5)  # top to bottom, no empty band
     ax.set_xlim(0, max(end, 1e-6) * 1.01)
     ax.set_xlabel("time since the first record (ms)")
     ax.set_ylabel("rid #serial: one row per lifecycle" + (", s: segment" if segments else ""))
