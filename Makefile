@@ -174,14 +174,17 @@ bench: venv
 	$(VENV)/bin/kvlife bench offload
 	$(VENV)/bin/kvlife bench audit
 
-# The report page's screenshot in the manual (docs/report.png) and the story of the first
-# rid the demo reused (docs/story.png), from a demo log.
+# The pictures in the manual, from one demo log: the report page's screenshot
+# (docs/report.png), the story of the first rid the demo reused (docs/story.png), the
+# log's diagram (docs/audit-diagram.png) and its timeline (docs/timeline.png).
 screenshots: venv dot browser
 	$(VENV)/bin/kvlife demo --requests 60 --no-progress --out build/shot > build/shot.txt
 	$(VENV)/bin/kvlife audit report build/shot/audit.jsonl -o build/shot/report.html
 	$(PY) tests/screenshot.py build/shot/report.html docs/report.png
 	rid=$$(sed -n 's/.*kvlife audit why .* --rid \([^ ]*\).*/\1/p' build/shot.txt | head -1); \
 	$(VENV)/bin/kvlife audit why build/shot/audit.jsonl --rid "$$rid" -o docs/story.png | tail -1
+	$(VENV)/bin/kvlife diagram --from-log build/shot/audit.jsonl --format png -o docs/audit-diagram.png
+	$(VENV)/bin/kvlife audit timeline build/shot/audit.jsonl -o docs/timeline.png
 
 # Regenerate the committed lifecycle diagrams from the table.
 diagrams: venv dot

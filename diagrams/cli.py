@@ -85,6 +85,11 @@ def _parser() -> _Parser:
     )
     diagram.add_argument("--format", choices=["dot", "svg", "png", "mermaid"], default="svg")
     diagram.add_argument("--from-log", metavar="LOG", help="annotate with this audit log")
+    diagram.add_argument(
+        "--all-edges",
+        action="store_true",
+        help="with --from-log: also draw the table's edges the log never took (grey, x0)",
+    )
     diagram.add_argument("-o", "--output", metavar="FILE", help="write here (default stdout)")
     _accept_table(diagram, "draw a log written")
     _verdict_options(diagram)
@@ -422,7 +427,9 @@ def _diagram(args: argparse.Namespace) -> int:
         checker = _checker(args)
         graph = _reading(
             args.from_log,
-            lambda: log_graph(log, title=Path(args.from_log).name, checker=checker),
+            lambda: log_graph(
+                log, title=Path(args.from_log).name, checker=checker, all_edges=args.all_edges
+            ),
         )
         dot = str(graph.source)
     else:

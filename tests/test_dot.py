@@ -55,8 +55,8 @@ def test_hostile_rids_are_rendered_literally_with_no_extra_nodes() -> None:
         line = f"{visible(rid)} #{serial} offloading inflight=1"
         assert line in texts, (rid, line, texts)
     assert any(t.startswith('log "x" \\N <y>') for t in texts)
-    # __start, the four states and the live note: nothing injected by a rid
-    assert nodes == 6
+    # __start, the four states, the live note and the legend: nothing injected by a rid
+    assert nodes == 7
 
 
 @needs_dot
@@ -66,7 +66,7 @@ def test_a_hostile_rid_in_a_refusal_keeps_the_graph_intact() -> None:
     with pytest.raises(LookupError):
         registry.finish(Req('"] evil [label="'))  # unknown request: refused and audited
     texts, nodes = _svg_texts(render(str(log_graph(sink.records()).source), "svg"))
-    assert nodes == 6  # __start, four states, the "no lifecycle" node
+    assert nodes == 7  # __start, four states, the "no lifecycle" node, the legend
     assert any("unknown_request" in t for t in texts)
 
 
