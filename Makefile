@@ -180,8 +180,8 @@ bench: venv
 screenshots: venv dot browser
 	$(VENV)/bin/kvlife demo --requests 60 --no-progress --out build/shot > build/shot.txt
 	$(VENV)/bin/kvlife audit report build/shot/audit.jsonl -o build/shot/report.html
-	$(PY) tests/screenshot.py build/shot/report.html docs/report.png
 	rid=$$(sed -n 's/.*kvlife audit why .* --rid \([^ ]*\).*/\1/p' build/shot.txt | head -1); \
+	$(PY) tests/screenshot.py build/shot/report.html docs/report.png "$$rid" && \
 	$(VENV)/bin/kvlife audit why build/shot/audit.jsonl --rid "$$rid" -o docs/story.png | tail -1
 	$(VENV)/bin/kvlife diagram --from-log build/shot/audit.jsonl --format png -o docs/audit-diagram.png
 	$(VENV)/bin/kvlife audit timeline build/shot/audit.jsonl -o docs/timeline.png

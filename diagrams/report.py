@@ -1,14 +1,19 @@
 """``kvlife audit report``: one self-contained HTML page about an audit log.
 
-The page opens with the verdict of ``kvlife audit check`` on the log and a table of its
-violations (rid, serial, seq, kind, what it means; a click shows that lifecycle's history).
-Then the log-annotated lifecycle diagram, the timeline, and a table of the log's lifecycles
-(rid, serial, outcome, copies, time in each state, refusals, violations, whether it reused
-a rid another lifecycle still held) that sorts by any column and filters by rid, outcome,
-refusals, violations and reuse; selecting a row shows that lifecycle's whole history, with
-the sentences ``kvlife audit why`` prints for a rid reuse and a late completion, and the
-violations on the records they are about. Everything is inline (styles, script, pictures, data): the
-page loads no file and makes no request, so it can be mailed or attached to an incident.
+The page leads with what an on-call engineer needs first: the verdict of ``kvlife audit
+check`` on the log, the unreadable lines by file and line number, a table of its
+violations (rid, serial, seq, kind, what it means), and the table of the log's lifecycles
+(rid, serial, outcome, copies, time in each state, refusals, violations, which unreleased
+lifecycles held the rid when it was registered), which sorts by any column and filters by
+rid, outcome, refusals, violations and reuse, every column explained. Selecting a
+lifecycle shows its story, drawn as ``kvlife audit why -o`` draws it (a lane per lifecycle
+of its rid, copies, refusals, reuses, late completions), and its whole history, with the
+sentences ``kvlife audit why`` prints for a rid reuse and a late completion and the
+violations on the records they are about. Every ``#serial`` on the page is a link to that
+lifecycle (``#lc-SEGMENT-SERIAL`` in the address). The pictures of the whole log (the
+log-annotated diagram, the timeline) come after the table. Everything is inline (styles,
+script, pictures, data): the page loads no file and makes no request, so it can be mailed
+or attached to an incident.
 
 User text (rids) only ever reaches the page as JSON data that the script puts in with
 ``textContent``, and the JSON is escaped so that it cannot end its ``<script>`` element: a
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,6 +82,8 @@ class ReportData:
     end_ms: float
     report: AuditReport = field(default_factory=AuditReport)
     verdict: Verdict = field(default_factory=lambda: Verdict.of(AuditReport()))
+    #: The first unreadable lines, as "file:line: what was wrong".
+    unreadable: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         """The page's data as JSON that cannot close a ``<script>`` element."""
@@ -121,6 +129,8 @@ class ReportData:
                 "violation_count": self.report.violation_count,
                 "verdict": str(self.verdict),
                 "ok": self.verdict.ok,
+                "unreadable": self.unreadable,
+                "unreadable_count": self.verdict.unreadable_lines,
             },
             sort_keys=True,
         )
@@ -237,7 +247,11 @@ def gather(
     report = checker.finish()
     problems = int(getattr(source, "problem_count", 0))
     verdict = Verdict.of(report, problems, allow_lost=allow_lost)
-    return ReportData(list(entries.values()), total, records, t, report, verdict)
+    unreadable = [
+        f"{Path(p.file).name or 'log'}:{p.line}: {p.message}"
+        for p in getattr(source, "problems", [])
+    ]
+    return ReportData(list(entries.values()), total, records, t, report, verdict, unreadable)
 
 
 def _svg(data: bytes) -> str:
@@ -285,55 +299,58 @@ def build_report(
             notes.append(f"The timeline is left out: {exc}")
     data = gather(events(), checker=new_checker(), allow_lost=allow_lost)
     verdict = data.verdict
-    page = _PAGE.format(
-        title=html.escape(title),
-        verdict=html.escape(f"Verdict (kvlife audit check): {verdict}"),
-        verdict_class="ok" if verdict.ok else "failed",
-        summary=html.escape(
+    fields = {
+        "title": html.escape(title),
+        "verdict": html.escape(f"Verdict (kvlife audit check): {verdict}"),
+        "verdict_class": "ok" if verdict.ok else "failed",
+        "summary": html.escape(
             f"{data.records} records, {data.total} lifecycles over {data.end_ms:.1f} ms"
         ),
-        notes="".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes),
-        diagram=diagram,
-        timeline=timeline,
-        data=data.to_json(),
-    )
+        "notes": "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes),
+        "diagram": diagram,
+        "timeline": timeline,
+        "data": data.to_json(),
+    }
+    # One pass over the template: text put in one field is never read as another's name.
+    page = _FIELD.sub(lambda m: fields[m.group(1)], _PAGE)
     return page, data
 
 
-_PAGE: Final = """<!DOCTYPE html>
+_FIELD: Final = re.compile(r"@(title|verdict_class|verdict|summary|notes|diagram|timeline|data)@")
+
+
+_PAGE: Final = r"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
+<title>@title@</title>
 <style>
-body {{ font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }}
-h1 {{ font-size: 1.4em; margin: 0 0 .2em; }} h2 {{ font-size: 1.15em; margin: 1.4em 0 .5em; }}
-.note {{ color: #a63603; }} .pictures svg {{ max-width: 100%; height: auto; }}
-#filters {{ display: flex; gap: 1em; align-items: center; margin-bottom: .5em; }}
-table {{ border-collapse: collapse; font-variant-numeric: tabular-nums; }}
-th, td {{ border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: right; }}
-th {{ cursor: pointer; background: #f4f4f4; position: sticky; top: 0; user-select: none; }}
-td.text, th.text {{ text-align: left; max-width: 28em; overflow-wrap: anywhere; }}
-tbody tr {{ cursor: pointer; }} tbody tr:hover {{ background: #eef5fb; }}
-tr.selected {{ background: #d6e8f7 !important; }}
-.refused {{ color: #c00; }} #wrap {{ max-height: 32em; overflow: auto; }}
-#verdict {{ font-size: 1.2em; font-weight: bold; padding: .3em .6em; display: inline-block; }}
-#verdict.ok {{ background: #e5f5e0; color: #006d2c; }}
-#verdict.failed {{ background: #fee0d2; color: #a50f15; }}
-tr.violation td {{ background: #fee0d2; }} .why {{ color: #6a3d9a; }}
-#history table {{ margin-top: .5em; }}
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
+h1 { font-size: 1.4em; margin: 0 0 .2em; } h2 { font-size: 1.15em; margin: 1.4em 0 .5em; }
+.note { color: #a63603; } .pictures svg { max-width: 100%; height: auto; }
+#filters { display: flex; flex-wrap: wrap; gap: 1em; align-items: center; margin-bottom: .5em; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
+th, td { border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: right; }
+th { cursor: pointer; background: #f4f4f4; position: sticky; top: 0; user-select: none; }
+td.text, th.text { text-align: left; max-width: 28em; overflow-wrap: anywhere; }
+tbody tr { cursor: pointer; } tbody tr:hover { background: #eef5fb; }
+tr.selected { background: #d6e8f7 !important; }
+.refused { color: #c00; } #wrap { max-height: 32em; overflow: auto; }
+#verdict { font-size: 1.2em; font-weight: bold; padding: .3em .6em; display: inline-block; }
+#verdict.ok { background: #e5f5e0; color: #006d2c; }
+#verdict.failed { background: #fee0d2; color: #a50f15; }
+tr.violation td { background: #fee0d2; } .why { color: #6a3d9a; }
+#history table { margin-top: .5em; } #columns dt { font-weight: bold; display: inline; }
+#columns dd { display: inline; margin: 0 1em 0 .3em; } #columns { font-size: .9em; color: #444; }
+#story svg { max-width: 100%; height: auto; border: 1px solid #eee; }
+a.serial { color: #08519c; }
 </style></head>
 <body>
-<h1>{title}</h1>
-<p id="verdict" class="{verdict_class}">{verdict}</p>
-<p id="summary">{summary}</p>
-{notes}
+<h1>@title@</h1>
+<p id="verdict" class="@verdict_class@">@verdict@</p>
+<p id="summary">@summary@</p>
+@notes@
+<div id="unreadable"></div>
 <div id="violations"></div>
-<div class="pictures">
-<h2>Lifecycle diagram, with the log's counts and refusals</h2>
-{diagram}
-<h2>Timeline</h2>
-{timeline}
-</div>
 <h2>Lifecycles</h2>
 <div id="filters">
 <label>rid contains <input id="rid-filter" type="search" placeholder="req-7"></label>
@@ -354,29 +371,77 @@ tr.violation td {{ background: #fee0d2; }} .why {{ color: #6a3d9a; }}
 <th data-key="refusals">refusals</th><th data-key="violations">violations</th>
 <th class="text" data-key="reused">reused rid held by</th>
 </tr></thead><tbody></tbody></table></div>
-<div id="history"><p>Select a lifecycle to see its whole history.</p></div>
-<script id="data" type="application/json">{data}</script>
+<dl id="columns"></dl>
+<div id="story"></div>
+<div id="history"><p>Select a lifecycle to see its story and its whole history.</p></div>
+<div class="pictures">
+<h2>Lifecycle diagram of the whole log, with its counts and refusals</h2>
+<p>Of the whole log: the filters above do not change it.</p>
+@diagram@
+<h2>Timeline of the whole log</h2>
+<p>Of the whole log (the rows its title names): the filters above do not change it; the
+story above draws the selected lifecycle's rid.</p>
+@timeline@
+</div>
+<script id="data" type="application/json">@data@</script>
 <script>
 "use strict";
 const DATA = JSON.parse(document.getElementById("data").textContent);
 const rows = DATA.lifecycles;
 const body = document.querySelector("#lifecycles tbody");
 const TIMES = ["allocated", "offloading", "finished_pending"];
+const COLUMNS = {
+  rid: "the request id the lifecycle was registered under (a label: one rid can have " +
+    "many lifecycles)",
+  serial: "the lifecycle's number, never reused within its segment; #N links to it",
+  segment: "which writer wrote it: each time a log is opened is a segment, with its own " +
+    "serials (0 for a log written once)",
+  outcome: "finished (host copies kept), aborted (discarded) or live (neither at the end " +
+    "of the log)",
+  copies: "copies started (start_offload)", acks: "copies that completed",
+  fails: "copies that failed",
+  allocated: "ms in allocated (no copy in flight)",
+  offloading: "ms in offloading (copies in flight)",
+  finished_pending: "ms finished or aborted with copies still in flight",
+  refusals: "calls refused on it (late or repeated deliveries, calls its state does not allow)",
+  violations: "records the checker found wrong on it",
+  reused: "the lifecycles that still held its rid, unreleased, when it was registered",
+};
 let sortKey = "serial", sortUp = true, selected = null;
 
-function value(row, key) {{
+function value(row, key) {
   return TIMES.includes(key) ? row.time[key] : row[key];
-}}
-function naturalCompare(a, b) {{
-  return String(a).localeCompare(String(b), undefined, {{numeric: true}});
-}}
-function cell(tr, text, cls) {{
+}
+function naturalCompare(a, b) {
+  return String(a).localeCompare(String(b), undefined, {numeric: true});
+}
+function find(segment, serial) {
+  return rows.find(r => r.serial === serial && r.segment === segment);
+}
+function link(serial, segment, text) {
+  const a = document.createElement("a");
+  a.className = "serial";
+  a.href = `#lc-${segment}-${serial}`;
+  a.textContent = text === undefined ? `#${serial}` : text;
+  return a;
+}
+// Text with every "#N" made a link to lifecycle N of the same segment (when listed).
+function linked(parent, text, segment) {
+  const parts = String(text).split(/(#\d+)/);
+  for (const part of parts) {
+    const m = /^#(\d+)$/.exec(part);
+    if (m && find(segment, Number(m[1]))) parent.appendChild(link(Number(m[1]), segment));
+    else if (part) parent.appendChild(document.createTextNode(part));
+  }
+}
+function cell(tr, text, cls, segment) {
   const td = document.createElement("td");
-  td.textContent = text;
+  if (segment === undefined) td.textContent = text; else linked(td, text, segment);
   if (cls) td.className = cls;
   tr.appendChild(td);
-}}
-function render() {{
+  return td;
+}
+function render() {
   const ridText = document.getElementById("rid-filter").value.toLowerCase();
   const outcome = document.getElementById("outcome-filter").value;
   const refusedOnly = document.getElementById("refused-filter").checked;
@@ -386,117 +451,293 @@ function render() {{
     r.rid.toLowerCase().includes(ridText) &&
     (!outcome || r.outcome === outcome) && (!refusedOnly || r.refusals > 0) &&
     (!violatingOnly || r.violations > 0) && (!reusedOnly || r.reused !== ""));
-  shown.sort((a, b) => {{
+  shown.sort((a, b) => {
     const x = value(a, sortKey), y = value(b, sortKey);
     const c = typeof x === "number" && typeof y === "number" ? x - y : naturalCompare(x, y);
     return (sortUp ? c : -c) || a.segment - b.segment || a.serial - b.serial;
-  }});
+  });
   body.replaceChildren();
-  for (const r of shown) {{
+  for (const r of shown) {
     const tr = document.createElement("tr");
     tr.dataset.index = rows.indexOf(r);
     if (r === selected) tr.className = "selected";
     cell(tr, r.rid, "text");
-    cell(tr, r.serial); cell(tr, r.segment); cell(tr, r.outcome, "text");
+    const serial = cell(tr, "");
+    serial.appendChild(link(r.serial, r.segment, String(r.serial)));
+    cell(tr, r.segment); cell(tr, r.outcome, "text");
     cell(tr, r.copies); cell(tr, r.acks); cell(tr, r.fails);
     for (const k of TIMES) cell(tr, r.time[k].toFixed(3));
     cell(tr, r.refusals, r.refusals ? "refused" : "");
     cell(tr, r.violations, r.violations ? "refused" : "");
-    cell(tr, r.reused, "text");
+    cell(tr, r.reused, "text", r.segment);
     body.appendChild(tr);
-  }}
+  }
   const left = DATA.total - rows.length;
   document.getElementById("count").textContent =
-    `showing ${{shown.length}} of ${{rows.length}} lifecycles` +
-    (left > 0 ? ` (${{left}} more in the log are not listed)` : "");
-}}
-function showHistory(r) {{
+    `showing ${shown.length} of ${rows.length} lifecycles` +
+    (left > 0 ? ` (${left} more in the log are not listed)` : "");
+}
+
+// --- the story of the selected lifecycle's rid, drawn as `kvlife audit why -o` draws it
+const SVG = "http://www.w3.org/2000/svg";
+const COLOURS = {allocated: "#9ecae1", offloading: "#3182bd", finished_pending: "#fd8d3c"};
+const MARKS = {stale_instance: "\u00d7", duplicate_ack: "+"};
+function el(name, attrs, parent, text) {
+  const node = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  if (parent) parent.appendChild(node);
+  return node;
+}
+function lanesOf(r) {
+  return rows.filter(x => x.rid === r.rid && x.segment === r.segment)
+    .sort((a, b) => a.serial - b.serial).map(x => {
+      const lane = {row: x, spans: [], copies: [], refusals: [], registered: null};
+      let state = "", since = 0;
+      const started = {};
+      for (const [t, trigger, src, dst, ok, reason, op] of x.history) {
+        if (!ok) { lane.refusals.push([t, reason, op]); continue; }
+        if (trigger === "register") lane.registered = t;
+        if (trigger === "start_offload" && op !== null) started[op] = t;
+        if ((trigger === "ack" || trigger === "fail") && op !== null && op in started) {
+          lane.copies.push({op: op, start: started[op], end: t, ok: trigger === "ack"});
+          delete started[op];
+        }
+        if (dst !== state) {
+          if (state) lane.spans.push([since, t, state]);
+          state = dst === "released" ? "" : dst; since = t;
+        }
+      }
+      for (const op in started) {
+        lane.copies.push({op: Number(op), start: started[op], end: null, ok: true});
+      }
+      if (state) lane.spans.push([since, null, state]);
+      return lane;
+    });
+}
+function drawStory(r) {
+  const box = document.getElementById("story");
+  box.replaceChildren();
+  const lanes = lanesOf(r);
+  const h = document.createElement("h2");
+  const plural = lanes.length === 1 ? "" : "s";
+  h.textContent = `Story of rid ${r.rid}: ${lanes.length} lifecycle${plural}`;
+  box.appendChild(h);
+  let t0 = Infinity, t1 = -Infinity;
+  for (const lane of lanes) {
+    for (const [t] of lane.row.history) { t0 = Math.min(t0, t); t1 = Math.max(t1, t); }
+  }
+  if (!(t1 > t0)) t1 = t0 + 1;
+  const width = 1200, left = 60, right = 20, laneH = 28, copyH = 13;
+  const x = t => left + (t - t0) / (t1 - t0) * (width - left - right);
+  let y = 10;
+  const base = {};
+  const svg = el("svg", {width: width, xmlns: SVG, "font-family": "sans-serif", "font-size": 13});
+  const levelsOf = lane => {
+    const busy = [], level = {};
+    for (const c of [...lane.copies].sort((a, b) => a.start - b.start)) {
+      const label = x(c.start) + 7 * (String(c.op).length + 1);
+      const stop = Math.max(x(c.end === null ? t1 : c.end), label);
+      let i = busy.findIndex(b => b < x(c.start));
+      if (i < 0) { i = busy.length; busy.push(0); }
+      busy[i] = stop; level[c.op] = i;
+    }
+    return [level, busy.length];
+  };
+  for (const lane of lanes) {
+    const [level, n] = levelsOf(lane);
+    const top = y + n * copyH + (n ? 12 : 0);
+    base[lane.row.serial] = top + laneH / 2;
+    const g = el("g", {id: `lane-${lane.row.serial}`}, svg);
+    el("text", {x: 4, y: top + laneH / 2 + 4}, g, `#${lane.row.serial}`);
+    for (const [a, b, state] of lane.spans) {
+      el("rect", {x: x(a), y: top, width: Math.max(x(b === null ? t1 : b) - x(a), 3), height: laneH,
+                  fill: COLOURS[state] || "gray"}, g);
+    }
+    for (const c of lane.copies) {
+      const cy = top - 6 - level[c.op] * copyH;
+      const cg = el("g", {id: `copy-${c.op}`}, svg);
+      const x2 = Math.max(x(c.end === null ? t1 : c.end), x(c.start) + 3);
+      el("line", {x1: x(c.start), x2: x2, y1: cy, y2: cy,
+                  stroke: c.ok ? "#31a354" : "#d62728", "stroke-width": 3,
+                  "stroke-dasharray": c.end === null ? "2 2" : "none"}, cg);
+      el("text", {x: x(c.start), y: cy - 3, "font-size": 11}, cg, String(c.op));
+    }
+    for (const [t, reason] of lane.refusals) {
+      el("text", {x: x(t) - 4, y: top + laneH / 2 + 4, fill: "#d62728", "font-weight": "bold",
+                  "font-size": 14}, g, MARKS[reason] || "*")
+        .appendChild(el("title", {}, null, reason));
+    }
+    y = top + laneH + 16;
+  }
+  let reuses = 0;
+  for (const lane of lanes) {
+    if (lane.registered === null) continue;
+    for (const older of lanes) {
+      const held = older.row.serial < lane.row.serial && older.row.start <= lane.registered &&
+        (older.row.end === null || older.row.end > lane.registered);
+      if (!held) continue;
+      const g = el("g", {id: `reuse-${reuses++}`}, svg);
+      el("line", {x1: x(lane.registered), x2: x(lane.registered), y1: base[older.row.serial],
+                  y2: base[lane.row.serial], stroke: "#6a3d9a", "stroke-width": 2}, g);
+    }
+  }
+  for (const lane of lanes) for (const c of lane.copies) {
+    if (c.end === null) continue;
+    const newer = lanes.filter(o => o.row.serial > lane.row.serial && o.registered !== null &&
+                                    c.start <= o.registered && o.registered <= c.end);
+    if (!newer.length) continue;
+    const holder = newer[newer.length - 1].row.serial;
+    const g = el("g", {id: `late-${c.op}`}, svg);
+    el("line", {x1: x(c.end) + 8, y1: base[holder], x2: x(c.end), y2: base[lane.row.serial] + 6,
+                stroke: "#e6550d", "stroke-width": 2}, g);
+    el("text", {x: x(c.end) + 10, y: base[holder] + 22, fill: "#e6550d"}, g,
+       `copy ${c.op} completes #${lane.row.serial} (its ticket), not #${holder}`);
+  }
+  svg.setAttribute("height", y + 10);
+  svg.setAttribute("viewBox", `0 0 ${width} ${y + 10}`);
+  box.appendChild(svg);
+  const p = document.createElement("p");
+  p.textContent = "Lanes: the rid's lifecycles, coloured by state (allocated light blue, " +
+    "offloading blue, finished_pending orange); above each, its copies from start to completion " +
+    "(green; red failed; dotted still in flight); \u00d7 a late delivery after release, + a " +
+    "repeated delivery; purple: the rid taken while an older lifecycle held it; orange: a late " +
+    "completion, applied to its ticket's lifecycle.";
+  box.appendChild(p);
+}
+function showHistory(r) {
   selected = r;
+  drawStory(r);
   const box = document.getElementById("history");
   box.replaceChildren();
   const h = document.createElement("h2");
-  h.textContent = `History of ${{r.rid}} #${{r.serial}}` +
-    (r.segment ? ` (segment ${{r.segment}})` : "") + `: ${{r.outcome}}, ${{r.state}} at the end`;
+  h.textContent = `History of ${r.rid} #${r.serial}` +
+    (r.segment ? ` (segment ${r.segment})` : "") + `: ${r.outcome}, ${r.state} at the end`;
   box.appendChild(h);
   const table = document.createElement("table");
   const head = document.createElement("tr");
   for (const name of ["ms", "trigger", "copy", "from", "to", "in flight", "refused", "detail",
-                      "why"]) {{
+                      "why"]) {
     const th = document.createElement("th");
     th.textContent = name;
     if (!["ms", "copy", "in flight"].includes(name)) th.className = "text";
     head.appendChild(th);
-  }}
+  }
   table.appendChild(head);
-  for (const [t, trigger, src, dst, ok, reason, op, inflight, detail, why] of r.history) {{
+  for (const [t, trigger, src, dst, ok, reason, op, inflight, detail, why] of r.history) {
     const tr = document.createElement("tr");
     if (!ok) tr.className = "refused";
     if (why.includes("VIOLATION")) tr.className = "violation";
     cell(tr, t.toFixed(3)); cell(tr, trigger, "text"); cell(tr, op === null ? "" : op);
     cell(tr, src || "", "text"); cell(tr, dst || "", "text"); cell(tr, inflight);
-    cell(tr, ok ? "" : reason, "text"); cell(tr, detail, "text"); cell(tr, why, "text why");
+    cell(tr, ok ? "" : reason, "text"); cell(tr, detail, "text");
+    cell(tr, why, "text why", r.segment);
     table.appendChild(tr);
-  }}
+  }
   box.appendChild(table);
-  if (r.more) {{
+  if (r.more) {
     const p = document.createElement("p");
-    p.textContent = `... ${{r.more}} more records`;
+    p.textContent = `... ${r.more} more records`;
     box.appendChild(p);
-  }}
+  }
   render();
-}}
-document.querySelectorAll("#lifecycles th").forEach(th => th.addEventListener("click", () => {{
-  const key = th.dataset.key;
-  sortUp = key === sortKey ? !sortUp : true;
-  sortKey = key;
-  render();
-}}));
-function showViolations() {{
+}
+document.querySelectorAll("#lifecycles th").forEach(th => {
+  th.title = COLUMNS[th.dataset.key] || "";
+  th.addEventListener("click", () => {
+    const key = th.dataset.key;
+    sortUp = key === sortKey ? !sortUp : true;
+    sortKey = key;
+    render();
+  });
+});
+function showColumns() {
+  const box = document.getElementById("columns");
+  for (const th of document.querySelectorAll("#lifecycles th")) {
+    const dt = document.createElement("dt"), dd = document.createElement("dd");
+    dt.textContent = th.textContent; dd.textContent = COLUMNS[th.dataset.key];
+    box.append(dt, dd);
+  }
+}
+function showUnreadable() {
+  if (!DATA.unreadable_count) return;
+  const box = document.getElementById("unreadable");
+  const h = document.createElement("h2");
+  h.textContent =
+    `Unreadable lines (${DATA.unreadable_count}): skipped, never joined with a neighbour`;
+  box.appendChild(h);
+  const list = document.createElement("ul");
+  for (const line of DATA.unreadable) {
+    const li = document.createElement("li");
+    li.textContent = line;
+    list.appendChild(li);
+  }
+  box.appendChild(list);
+  if (DATA.unreadable_count > DATA.unreadable.length) {
+    const p = document.createElement("p");
+    p.textContent = `... ${DATA.unreadable_count - DATA.unreadable.length} more`;
+    box.appendChild(p);
+  }
+}
+function showViolations() {
   const box = document.getElementById("violations");
   if (!DATA.violations.length) return;
   const h = document.createElement("h2");
-  h.textContent = `Violations (${{DATA.violation_count}})`;
+  h.textContent = `Violations (${DATA.violation_count})`;
   box.appendChild(h);
   const table = document.createElement("table");
   table.id = "violation-table";
   const head = document.createElement("tr");
-  for (const name of ["rid", "serial", "seq", "kind", "what it means", "detail"]) {{
+  for (const name of ["rid", "serial", "seq", "kind", "what it means", "detail"]) {
     const th = document.createElement("th");
     th.textContent = name;
     th.className = "text";
     head.appendChild(th);
-  }}
+  }
   table.appendChild(head);
-  for (const v of DATA.violations) {{
+  for (const v of DATA.violations) {
     const tr = document.createElement("tr");
-    const row = rows.find(r => r.serial === v.serial && r.segment === v.segment);
+    const row = find(v.segment, v.serial);
     cell(tr, v.rid === null ? "" : v.rid, "text");
-    cell(tr, v.serial === null ? "" : v.serial, "text");
+    cell(tr, v.serial === null ? "" : `#${v.serial}`, "text", v.segment);
     cell(tr, v.seq === null ? "" : v.seq, "text");
     cell(tr, v.kind, "text refused"); cell(tr, v.meaning, "text"); cell(tr, v.message, "text");
-    if (row) tr.addEventListener("click", () => {{
+    if (row) tr.addEventListener("click", () => {
       showHistory(row);
-      document.getElementById("history").scrollIntoView();
-    }});
+      document.getElementById("story").scrollIntoView();
+    });
     table.appendChild(tr);
-  }}
+  }
   box.appendChild(table);
-  if (DATA.violation_count > DATA.violations.length) {{
+  if (DATA.violation_count > DATA.violations.length) {
     const p = document.createElement("p");
-    p.textContent = `... ${{DATA.violation_count - DATA.violations.length}} more`;
+    p.textContent = `... ${DATA.violation_count - DATA.violations.length} more`;
     box.appendChild(p);
-  }}
-}}
+  }
+}
 for (const id of ["rid-filter", "outcome-filter", "refused-filter", "violation-filter",
-                  "reused-filter"]) {{
+                  "reused-filter"]) {
   document.getElementById(id).addEventListener("input", render);
-}}
-body.addEventListener("click", event => {{
+}
+body.addEventListener("click", event => {
+  if (event.target.closest("a")) return;  // a link: the address says which
   const tr = event.target.closest("tr");
   if (tr) showHistory(rows[Number(tr.dataset.index)]);
-}});
+});
+function followAddress() {
+  const m = /^#lc-(\d+)-(\d+)$/.exec(location.hash);
+  const row = m && find(Number(m[1]), Number(m[2]));
+  if (row) {
+    showHistory(row);
+    document.getElementById("story").scrollIntoView();
+  }
+}
+window.addEventListener("hashchange", followAddress);
+showUnreadable();
 showViolations();
+showColumns();
 render();
+followAddress();
 </script>
 </body></html>
 """

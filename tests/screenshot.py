@@ -1,8 +1,8 @@
 """Take the report page's screenshot for the manual: ``make screenshots``.
 
-Usage: ``python tests/screenshot.py REPORT.html OUT.png`` -- opens the page in headless
-Chromium, filters the table to one rid, selects its first lifecycle and captures the table
-and the history.
+Usage: ``python tests/screenshot.py REPORT.html OUT.png [RID]`` -- opens the page in
+headless Chromium, filters the table to one rid (``req-7`` by default), selects its first
+lifecycle and captures the table and the story of the rid under it.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ def main(report: Path, out: Path, rid: str = "req-7") -> None:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(report.resolve().as_uri())
         page.fill("#rid-filter", rid)
-        page.locator("#lifecycles tbody tr").last.click()
-        page.locator("h2", has_text="Lifecycles").scroll_into_view_if_needed()
+        page.locator("#lifecycles tbody tr").first.click()
         page.evaluate("document.querySelector('#filters').scrollIntoView()")
         page.screenshot(path=str(out))
         browser.close()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4])

@@ -210,3 +210,84 @@ def test_the_page_opens_with_the_verdict_and_its_violations(browser: Any, tmp_pa
     assert page.locator("#lifecycles tbody tr").count() == 1
     assert errors == []
     page.close()
+
+
+def _open(browser: Any, path: Path, errors: list[str], address: str = "") -> Any:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.as_uri() + address)
+    return page
+
+
+def test_the_table_comes_before_the_pictures_and_every_column_is_explained(
+    browser: Any, tmp_path: Path
+) -> None:
+    log, _ = reuse_log(tmp_path / "reuse.jsonl")
+    out = tmp_path / "page.html"
+    assert main(["audit", "report", str(log), "-o", str(out)]) == 0
+    errors: list[str] = []
+    page = _open(browser, out, errors)
+    top = page.evaluate(
+        "[...document.querySelectorAll('#verdict, #lifecycles, .pictures svg')]"
+        ".map(e => e.getBoundingClientRect().top)"
+    )
+    verdict, table, *pictures = top
+    assert verdict < table < min(pictures) and table < 400, top  # on the first screen
+    headers = page.locator("#lifecycles th")
+    explained = page.locator("#columns dt")
+    assert explained.count() == headers.count() == 13
+    for i in range(headers.count()):
+        assert headers.nth(i).get_attribute("title"), headers.nth(i).text_content()
+    assert "segment" in explained.all_text_contents()
+    assert errors == []
+    page.close()
+
+
+def test_every_serial_is_a_link_to_its_lifecycle_with_its_story(
+    browser: Any, tmp_path: Path
+) -> None:
+    """reuse_log: req-0's #1 took the rid while #0's copy was in flight, so the reuse
+    column of #1 names #0, and #0's history tells of the late completion."""
+    log, _ = reuse_log(tmp_path / "reuse.jsonl")
+    out = tmp_path / "page.html"
+    assert main(["audit", "report", str(log), "-o", str(out)]) == 0
+    errors: list[str] = []
+    page = _open(browser, out, errors)
+    page.fill("#rid-filter", "req-0")
+    row = page.locator("#lifecycles tbody tr", has=page.locator("td a", has_text="1")).first
+    held_by = row.locator("td").last.locator("a")
+    assert held_by.text_content() == "#0" and held_by.get_attribute("href") == "#lc-0-0"
+    held_by.click()
+    history = page.locator("#history h2")
+    assert history.text_content().startswith("History of req-0 #0")
+    assert page.evaluate("location.hash") == "#lc-0-0"
+    why = page.locator("#history td.why a")
+    assert {why.nth(i).text_content() for i in range(why.count())} >= {"#0", "#1"}
+    # the story of the rid: its four lifecycles, the reuses and the late completions
+    story = page.locator("#story svg")
+    for serial in range(4):
+        assert story.locator(f"g#lane-{serial}").count() == 1
+    assert story.locator("g[id^=reuse-]").count() == 3
+    late = story.locator("g#late-0 text")
+    assert late.text_content() == "copy 0 completes #0 (its ticket), not #1"
+    page.close()
+    # an address names a lifecycle: the page opens on it
+    page = _open(browser, out, errors, "#lc-0-2")
+    assert page.locator("#history h2").text_content().startswith("History of req-0 #2")
+    assert errors == []
+    page.close()
+
+
+def test_unreadable_lines_are_named_by_file_and_line(browser: Any, tmp_path: Path) -> None:
+    log = clean_log(tmp_path / "clean.jsonl")
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join([*lines[:3], "not json\n", *lines[3:]]))
+    out = tmp_path / "page.html"
+    assert main(["audit", "report", str(log), "-o", str(out)]) == 1
+    errors: list[str] = []
+    page = _open(browser, out, errors)
+    assert page.locator("#unreadable h2").text_content().startswith("Unreadable lines (1)")
+    (item,) = page.locator("#unreadable li").all_text_contents()
+    assert item.startswith("clean.jsonl:4: ")
+    assert errors == []
+    page.close()
