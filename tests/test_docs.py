@@ -197,6 +197,7 @@ def test_the_site_publishes_no_build_files(site: Path) -> None:
     published = {p.name for p in site.rglob("*") if p.is_file()}
     assert "hooks.py" not in published
     assert {"lifecycle.svg", "lifecycle.mmd"} <= published
+    assert not any("-before" in name for name in published)  # docs/incident-pictures/
 
 
 def test_the_site_renders_mermaid_with_no_network(site: Path, browser: Any) -> None:
@@ -218,6 +219,23 @@ def test_the_site_renders_mermaid_with_no_network(site: Path, browser: Any) -> N
     )
     assert page.evaluate("typeof mermaid") == "object"  # the site's own copy
     assert fetched == [] and errors == []
+    page.close()
+
+
+def test_the_architecture_chart_is_drawn_at_a_readable_size(site: Path, browser: Any) -> None:
+    """Its 15 boxes one above the other in the text column: a chart laid out left to right
+    was squeezed into a strip about 150 px high, its labels about 6 px."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto((site / "architecture" / "index.html").as_uri())
+    page.wait_for_function(
+        "document.querySelector('div.mermaid')?.getBoundingClientRect().height > 100",
+        timeout=30_000,
+    )
+    box = page.evaluate(
+        "(() => { const r = document.querySelector('div.mermaid').getBoundingClientRect();"
+        " return [r.width, r.height]; })()"
+    )
+    assert box[1] > 700 and box[1] > box[0], box
     page.close()
 
 
