@@ -802,3 +802,35 @@ def test_every_command_that_writes_a_file_says_what_it_wrote(
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert said in out, out
+
+
+# --- why -o: the story picture ------------------------------------------------------------
+
+
+def test_why_draws_the_story_and_says_what_it_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "a.jsonl")
+    out = tmp_path / "story.png"
+    assert main(["audit", "why", str(log), "--rid", "r", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "late: the rid was reused by #1" in text  # the words, as before
+    assert text.rstrip().endswith(
+        f"{out}: the story of rid 'r': 2 lifecycles, 2 copies, 1 reuse, 1 late completion"
+    )
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ("story.txt", "-o needs a .png or .svg name, got '.txt'"),
+        ("missing-dir/story.svg", "cannot write"),
+    ],
+)
+def test_why_refuses_an_output_it_cannot_write(
+    output: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = clean_log(tmp_path / "a.jsonl")
+    assert main(["audit", "why", str(log), "--rid", "r", "-o", str(tmp_path / output)]) == 2
+    assert message in capsys.readouterr().err

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from kvlife.diagrams.cli import main
 from kvlife.diagrams.story import Copy, build_story, plot_story
 from kvlife.diagrams.story import _levels as levels
 from kvlife.fsm import AuditChecker, JsonLinesSink, LifecycleRegistry, read_audit
@@ -100,32 +99,3 @@ def test_copies_and_labels_never_share_a_row_where_they_would_overlap() -> None:
 def test_a_rid_the_log_does_not_hold_is_a_lookup_error(tmp_path: Path) -> None:
     with pytest.raises(LookupError, match="no lifecycle of rid 'nope'"):
         build_story(read_audit(clean_log(tmp_path / "a.jsonl")), "nope")
-
-
-def test_why_draws_the_story_and_says_what_it_wrote(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    log = clean_log(tmp_path / "a.jsonl")
-    out = tmp_path / "story.png"
-    assert main(["audit", "why", str(log), "--rid", "r", "-o", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "late: the rid was reused by #1" in text  # the words, as before
-    assert text.rstrip().endswith(
-        f"{out}: the story of rid 'r': 2 lifecycles, 2 copies, 1 reuse, 1 late completion"
-    )
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.parametrize(
-    ("output", "message"),
-    [
-        ("story.txt", "-o needs a .png or .svg name, got '.txt'"),
-        ("missing-dir/story.svg", "cannot write"),
-    ],
-)
-def test_why_refuses_an_output_it_cannot_write(
-    output: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    log = clean_log(tmp_path / "a.jsonl")
-    assert main(["audit", "why", str(log), "--rid", "r", "-o", str(tmp_path / output)]) == 2
-    assert message in capsys.readouterr().err

@@ -151,3 +151,23 @@ def test_violating_records_are_marked_on_their_rows(tmp_path: Path) -> None:
     text = svg.read_text()
     assert len(re.findall(r'id="violation-\d+"', text)) == 1
     assert "1 violation; 1 reuse of a rid while its earlier lifecycle was unreleased" in text
+
+
+def test_each_refusal_reason_has_its_mark_and_legend_and_rows_are_explained(
+    tmp_path: Path,
+) -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    ticket = registry.start_offload(registry.register(req))
+    registry.complete(ticket)
+    registry.deliver(ticket)  # duplicate_ack: live
+    registry.finish(req)
+    registry.deliver(ticket)  # stale_instance: released
+    out = tmp_path / "t.svg"
+    plot_timeline(sink.records(), out)
+    svg = out.read_text()
+    assert "late delivery after release (stale_instance)" in svg
+    assert "repeated delivery (duplicate_ack)" in svg
+    assert "rid #serial: one row per lifecycle" in svg
+    assert "0 violations; 0 reuses of a rid" in svg
