@@ -1,8 +1,10 @@
-"""Scheduler-side step time of vLLM's real ``Scheduler`` with no connector, with vLLM's own
-``OffloadingConnector`` (alone, and inside kvlife's audit wrapper ``KVLifeAuditConnectorHMA``
-with its log: ``vllm+audit``) and with ``KVLifeConnector``: the same seeded workload through
-each, interleaved in one process, timing only ``schedule()`` + ``update_from_output()``
-per step (median and p99). ``make bench-vllm``.
+"""Scheduler-side step time of vLLM's real ``Scheduler`` with no connector, with a connector
+that does nothing (``null``: what vLLM's own plumbing costs a step once any connector is
+configured), with vLLM's own ``OffloadingConnector`` (alone, and inside kvlife's audit
+wrapper ``KVLifeAuditConnectorHMA`` with its log: ``vllm+audit``) and with
+``KVLifeConnector``: the same seeded workload through each, interleaved in one process,
+timing only ``schedule()`` + ``update_from_output()`` per step (median and p99), each as a
+ratio to no connector and to the connector that does nothing. ``make bench-vllm``.
 
 The workload keeps ``concurrent`` requests running (prompts of 64-400 distinct tokens,
 16-64 output tokens), admitting a new one whenever one finishes, until ``requests`` have
@@ -37,12 +39,15 @@ from tests.engines.vllm_harness import (
 )
 
 KVLIFE = "kvlife.offload.engines.vllm"
-CONFIGS = ("none", "vllm", "vllm+audit", "kvlife", "kvlife+log")
+NULL = "tests.engines.vllm_connectors"
+CONFIGS = ("none", "null", "vllm", "vllm+audit", "kvlife", "kvlife+log")
 
 
 def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
     if config == "none":
         return make_scheduler(None, blocks=4096, max_seqs=64)  # type: ignore[arg-type]
+    if config == "null":  # a connector that claims nothing, stores nothing, delays nothing
+        return make_scheduler("PlayConnector", NULL, {}, blocks=4096, max_seqs=64)
     if config.startswith("vllm"):
         bytes_per_block = 2 * BLOCK * 12 * 64 * 2  # the harness model: K+V, fp16
         extra = {"cpu_bytes_to_use": host_blocks * bytes_per_block}
@@ -213,9 +218,14 @@ def measure(
         for config, times in steps.items()
     }
     base = result["none"]
+    null = result.get("null")
     for config in configs[1:]:
-        result[config]["median_ratio"] = result[config]["median_us"] / base["median_us"]
-        result[config]["p99_ratio"] = result[config]["p99_us"] / base["p99_us"]
+        row = result[config]
+        row["median_ratio"] = row["median_us"] / base["median_us"]
+        row["p99_ratio"] = row["p99_us"] / base["p99_us"]
+        if null is not None and config != "null":
+            row["median_null_ratio"] = row["median_us"] / null["median_us"]
+            row["p99_null_ratio"] = row["p99_us"] / null["p99_us"]
     return result
 
 
@@ -253,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             if config != "none"
             else ""
         )
+        if "median_null_ratio" in row:
+            ratios += (
+                f", {row['median_null_ratio']:.2f}x / {row['p99_null_ratio']:.2f}x of one "
+                "that does nothing"
+            )
         print(
             f"  {config:10s} median {row['median_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
             f"max {row['max_us']:8.1f} us  ({int(row['steps'])} steps){ratios}"
