@@ -540,15 +540,20 @@ def _picture_name(view: str, output: str) -> None:
 def _draw_story(args: argparse.Namespace, rid: str) -> None:
     from kvlife.diagrams.story import build_story, plot_story
 
-    story = _reading(args.log, lambda: build_story(_reader(args.logs), rid, checker=_checker(args)))
+    around = None if args.serial is None else (args.segment, args.serial)
+    story = _reading(
+        args.log,
+        lambda: build_story(_reader(args.logs), rid, checker=_checker(args), around=around),
+    )
     try:
         _reading(args.log, lambda: plot_story(story, Path(args.output)), writes=args.output)
     except ModuleNotFoundError as exc:
         raise UsageError(f"kvlife: {exc}") from None
     copies = sum(len(lane.copies) for lane in story.lanes)
     print(
-        f"\n{args.output}: the story of rid {rid!r}: {_count(len(story.lanes), 'lifecycle')}, "
-        f"{copies} cop{'y' if copies == 1 else 'ies'}, {_count(len(story.reuses), 'reuse')}, "
+        f"\n{args.output}: the story of rid {rid!r}: {_count(len(story.lanes), 'lifecycle')}"
+        + (f" of {story.total}" if story.total > len(story.lanes) else "")
+        + f", {copies} cop{'y' if copies == 1 else 'ies'}, {_count(len(story.reuses), 'reuse')}, "
         f"{_count(len(story.late), 'late completion')}"
     )
 

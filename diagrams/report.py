@@ -489,9 +489,17 @@ function el(name, attrs, parent, text) {
   if (parent) parent.appendChild(node);
   return node;
 }
-function lanesOf(r) {
-  return rows.filter(x => x.rid === r.rid && x.segment === r.segment)
-    .sort((a, b) => a.serial - b.serial).map(x => {
+const MAX_LANES = 20;  // as `kvlife audit why -o` draws at most
+// The rid's lifecycles of r's segment, at most MAX_LANES of them around r.
+function nearby(r) {
+  const all = rows.filter(x => x.rid === r.rid && x.segment === r.segment)
+    .sort((a, b) => a.serial - b.serial);
+  const at = all.indexOf(r);
+  const first = Math.max(0, Math.min(at - MAX_LANES / 2, all.length - MAX_LANES));
+  return [all.slice(first, first + MAX_LANES), all.length];
+}
+function lanesOf(shown) {
+  return shown.map(x => {
       const lane = {row: x, spans: [], copies: [], refusals: [], registered: null};
       let state = "", since = 0;
       const started = {};
@@ -518,10 +526,12 @@ function lanesOf(r) {
 function drawStory(r) {
   const box = document.getElementById("story");
   box.replaceChildren();
-  const lanes = lanesOf(r);
+  const [shown, total] = nearby(r);
+  const lanes = lanesOf(shown);
   const h = document.createElement("h2");
   const plural = lanes.length === 1 ? "" : "s";
-  h.textContent = `Story of rid ${r.rid}: ${lanes.length} lifecycle${plural}`;
+  h.textContent = `Story of rid ${r.rid}: ${lanes.length} lifecycle${plural}` +
+    (total > lanes.length ? ` of its ${total}, around #${r.serial}` : "");
   box.appendChild(h);
   let t0 = Infinity, t1 = -Infinity;
   for (const lane of lanes) {

@@ -53,12 +53,19 @@ class Copy:
 @dataclass(frozen=True)
 class LateCompletion:
     """Copy ``op`` of lifecycle ``ticket`` completed at ``t`` ms, after the rid was taken
-    by ``holder`` (the newest lifecycle holding the rid then): it completed ``ticket``."""
+    by ``holder`` (the newest lifecycle holding the rid then): it completed ``ticket``.
+    Both lifecycles are of ``segment``."""
 
     op: int
     t: float
     ticket: int
     holder: int
+    segment: int = 0
+
+
+MAX_LANES: Final = 20
+"""Lifecycles drawn per story (as ``kvlife audit why`` tells at most 20); the title says
+how many the rid has."""
 
 
 @dataclass
@@ -76,24 +83,34 @@ class Lane:
 
 @dataclass
 class Story:
-    """What the picture draws: the lanes in (segment, serial) order, the reuses (time, old
-    serial, new serial), the late completions and the checker's marks (time, serial,
-    kinds), with the log's end time."""
+    """What the picture draws: the lanes in (segment, serial) order, the reuses (time,
+    segment, old serial, new serial), the late completions and the checker's marks (time,
+    segment, serial, kinds), with the log's end time. ``total``: the rid's lifecycles in
+    the log (more than ``lanes`` when some were left out)."""
 
     rid: str
     lanes: list[Lane]
-    reuses: list[tuple[float, int, int]]
+    reuses: list[tuple[float, int, int, int]]
     late: list[LateCompletion]
-    violations: list[tuple[float, int, tuple[str, ...]]]
+    violations: list[tuple[float, int, int, tuple[str, ...]]]
     end: float
+    total: int = 0
 
 
-def story_of(history: RidHistory, marks: dict[tuple[int, int], list[object]]) -> Story:
+def story_of(
+    history: RidHistory,
+    marks: dict[tuple[int, int], list[object]],
+    *,
+    around: tuple[int, int] | None = None,
+    max_lanes: int = MAX_LANES,
+) -> Story:
     """The picture's content from ``collect``'s history of a rid and the checker's
-    violations by (segment, seq) (``violations_by_record``)."""
+    violations by (segment, seq) (``violations_by_record``). At most ``max_lanes``
+    lifecycles are kept: the first ones, or those nearest lifecycle ``around`` (a
+    (segment, serial)) in serial order."""
     t0 = history.t0 or 0
     lanes: list[Lane] = []
-    violations: list[tuple[float, int, tuple[str, ...]]] = []
+    violations: list[tuple[float, int, int, tuple[str, ...]]] = []
     end = 0.0
 
     def ms(t_ns: int) -> float:
@@ -110,7 +127,7 @@ def story_of(history: RidHistory, marks: dict[tuple[int, int], list[object]]) ->
             found = marks.get((lc.segment, record.seq))
             if found:
                 kinds = tuple(str(getattr(v, "kind", "")) for v in found)
-                violations.append((t, lc.serial, kinds))
+                violations.append((t, lc.segment, lc.serial, kinds))
             if not record.ok:
                 lane.refusals.append((t, record.reason or "", record.op))
                 continue
@@ -133,13 +150,23 @@ def story_of(history: RidHistory, marks: dict[tuple[int, int], list[object]]) ->
     for lane in lanes:
         lane.spans = [(a, end if b < 0 else b, s) for a, b, s in lane.spans]
     reuses, late = _reuses_and_late(lanes)
-    return Story(history.rid, lanes, reuses, late, violations, end)
+    total = len(lanes)
+    if total > max_lanes:
+        keys = [(lane.segment, lane.serial) for lane in lanes]
+        at = keys.index(around) if around in keys else 0
+        first = max(0, min(at - max_lanes // 2, total - max_lanes)) if around in keys else 0
+        lanes = lanes[first : first + max_lanes]
+        kept = {(lane.segment, lane.serial) for lane in lanes}
+        reuses = [r for r in reuses if (r[1], r[2]) in kept and (r[1], r[3]) in kept]
+        late = [x for x in late if (x.segment, x.ticket) in kept and (x.segment, x.holder) in kept]
+        violations = [v for v in violations if (v[1], v[2]) in kept]
+    return Story(history.rid, lanes, reuses, late, violations, end, total)
 
 
 def _reuses_and_late(
     lanes: list[Lane],
-) -> tuple[list[tuple[float, int, int]], list[LateCompletion]]:
-    reuses: list[tuple[float, int, int]] = []
+) -> tuple[list[tuple[float, int, int, int]], list[LateCompletion]]:
+    reuses: list[tuple[float, int, int, int]] = []
     late: list[LateCompletion] = []
     for lane in lanes:
         if lane.registered is None:
@@ -151,7 +178,7 @@ def _reuses_and_late(
             if born <= lane.registered and (
                 older.released is None or older.released > lane.registered
             ):
-                reuses.append((lane.registered, older.serial, lane.serial))
+                reuses.append((lane.registered, lane.segment, older.serial, lane.serial))
     for lane in lanes:
         for copy in lane.copies:
             if copy.end is None:
@@ -166,7 +193,9 @@ def _reuses_and_late(
             ]
             if newer:
                 holder = max(newer, key=lambda other: other.serial)
-                late.append(LateCompletion(copy.op, copy.end, lane.serial, holder.serial))
+                late.append(
+                    LateCompletion(copy.op, copy.end, lane.serial, holder.serial, lane.segment)
+                )
     return reuses, late
 
 
@@ -175,10 +204,13 @@ def build_story(
     rid: str,
     *,
     checker: AuditChecker | None = None,
+    around: tuple[int, int] | None = None,
+    max_lanes: int = MAX_LANES,
 ) -> Story:
     """Read ``source`` once and return the story of ``rid``; with ``checker``, the whole
     log is checked in the same pass (``checker.finish()`` has been called on return) and
-    its violations on this rid's records are marked.
+    its violations on this rid's records are marked. ``around`` and ``max_lanes``: as for
+    [`story_of()`][kvlife.diagrams.story.story_of].
 
     Raises:
         LookupError: the log holds no lifecycle of ``rid``.
@@ -190,7 +222,7 @@ def build_story(
     marks: dict[tuple[int, int], list[object]] = {}
     if checker is not None:
         marks = {key: list(found) for key, found in violations_by_record(checker.finish()).items()}
-    return story_of(history, marks)
+    return story_of(history, marks, around=around, max_lanes=max_lanes)
 
 
 def _levels(copies: list[Copy], end: float, char: float) -> dict[int, int]:
@@ -234,18 +266,18 @@ def plot_story(story: Story, path: Path) -> None:
     least = end * 0.006  # about 6 px of the plot's width
     # Each lane: its state bar, then a row per level of overlapping copies above it.
     char = end * 0.0065  # one label character: about 6 px of the plot's width
-    levels = {lane.serial: _levels(lane.copies, end, char) for lane in story.lanes}
+    levels = {_key(lane): _levels(lane.copies, end, char) for lane in story.lanes}
     heights = [
-        1.0 + 0.35 * (max(levels[lane.serial].values(), default=-1) + 1) for lane in story.lanes
+        1.0 + 0.35 * (max(levels[_key(lane)].values(), default=-1) + 1) for lane in story.lanes
     ]
-    base: dict[int, float] = {}
+    base: dict[tuple[int, int], float] = {}
     y = 0.0
     for lane, height in zip(story.lanes, heights, strict=True):
-        base[lane.serial] = y + height - 0.5  # the state bar's centre, copies above it
+        base[_key(lane)] = y + height - 0.5  # the state bar's centre, copies above it
         y += height + 0.3
     fig, ax = plt.subplots(figsize=(11, min(2.2 + 0.55 * y, 40)), dpi=110)
     for lane in story.lanes:
-        centre = base[lane.serial]
+        centre = base[_key(lane)]
         for start, stop, state in lane.spans:
             bars = ax.broken_barh(
                 [(start, max(stop - start, least))],
@@ -254,9 +286,9 @@ def plot_story(story: Story, path: Path) -> None:
                 edgecolor="#a63603" if state == State.FINISHED_PENDING.value else "none",
                 zorder=2,
             )
-            bars.set_gid(f"lane-{lane.serial}")
+            bars.set_gid(f"lane-{_name(lane.segment, lane.serial)}")
         for copy in lane.copies:
-            cy = centre - 0.55 - 0.35 * levels[lane.serial][copy.op]
+            cy = centre - 0.55 - 0.35 * levels[_key(lane)][copy.op]
             stop = end if copy.end is None else copy.end
             colour = "#31a354" if copy.ok else "#d62728"
             (span,) = ax.plot(
@@ -268,9 +300,9 @@ def plot_story(story: Story, path: Path) -> None:
                 linestyle="-" if copy.end is not None else ":",
                 zorder=3,
             )
-            span.set_gid(f"copy-{copy.op}")
+            span.set_gid(f"copy-{_name(lane.segment, copy.op)}")
             label = ax.text(copy.start, cy - 0.06, str(copy.op), fontsize=7, va="bottom")
-            label.set_gid(f"copy-label-{copy.op}")
+            label.set_gid(f"copy-label-{_name(lane.segment, copy.op)}")
     refused = 0
     reasons_seen: dict[str, tuple[str, str, str]] = {}
     for lane in story.lanes:
@@ -279,7 +311,7 @@ def plot_story(story: Story, path: Path) -> None:
             reasons_seen[reason if reason in REFUSAL_MARKS else "other"] = (marker, colour, text)
             (point,) = ax.plot(
                 [t],
-                [base[lane.serial]],
+                [base[_key(lane)]],
                 marker,
                 color=colour,
                 markersize=9,
@@ -289,10 +321,10 @@ def plot_story(story: Story, path: Path) -> None:
             )
             point.set_gid(f"refused-{refused}")
             refused += 1
-    for n, (t, old, new) in enumerate(story.reuses):
+    for n, (t, segment, old, new) in enumerate(story.reuses):
         (line,) = ax.plot(
             [t, t],
-            [base[old], base[new]],
+            [base[segment, old], base[segment, new]],
             color=REUSE_COLOUR,
             linewidth=2,
             marker="o",
@@ -302,7 +334,7 @@ def plot_story(story: Story, path: Path) -> None:
         line.set_gid(f"reuse-{n}")
         ax.text(
             t - char,
-            base[new] + 0.45,
+            base[segment, new] + 0.45,
             f"#{new} takes the rid",
             color=REUSE_COLOUR,
             fontsize=7,
@@ -312,8 +344,8 @@ def plot_story(story: Story, path: Path) -> None:
     for late in story.late:
         arrow = ax.annotate(
             f"copy {late.op} completes #{late.ticket} (its ticket), not #{late.holder}",
-            xy=(late.t, base[late.ticket]),
-            xytext=(late.t + 2 * char, base[late.holder] + 0.45),
+            xy=(late.t, base[late.segment, late.ticket]),
+            xytext=(late.t + 2 * char, base[late.segment, late.holder] + 0.45),
             arrowprops={"arrowstyle": "-|>", "color": LATE_COLOUR, "linewidth": 1.8},
             color=LATE_COLOUR,
             fontsize=7,
@@ -321,13 +353,19 @@ def plot_story(story: Story, path: Path) -> None:
             va="top",
             zorder=7,
         )
-        arrow.set_gid(f"late-{late.op}")
-    for n, (t, serial, _) in enumerate(story.violations):
+        arrow.set_gid(f"late-{_name(late.segment, late.op)}")
+    for n, (t, segment, serial, _) in enumerate(story.violations):
         (point,) = ax.plot(
-            [t], [base[serial]], "D", color="red", markersize=9, markeredgecolor="black", zorder=8
+            [t],
+            [base[segment, serial]],
+            "D",
+            color="red",
+            markersize=9,
+            markeredgecolor="black",
+            zorder=8,
         )
         point.set_gid(f"violation-{n}")
-    ax.set_yticks([base[lane.serial] for lane in story.lanes])
+    ax.set_yticks([base[_key(lane)] for lane in story.lanes])
     segments = len({lane.segment for lane in story.lanes}) > 1
     ax.set_yticklabels(
         [
@@ -382,9 +420,22 @@ def plot_story(story: Story, path: Path) -> None:
         plt.close(fig)
 
 
+def _key(lane: Lane) -> tuple[int, int]:
+    return (lane.segment, lane.serial)
+
+
+def _name(segment: int, serial: int) -> str:
+    """An element id's lifecycle part: ``SERIAL``, or ``SEGMENT-SERIAL`` past segment 0."""
+    return f"{segment}-{serial}" if segment else str(serial)
+
+
 def _title(story: Story) -> str:
     lanes = len(story.lanes)
     parts = [f"rid {shortened(story.rid, 40)!r}: {lanes} lifecycle{'' if lanes == 1 else 's'}"]
+    if story.total > lanes:
+        parts[0] = (
+            f"rid {shortened(story.rid, 40)!r}: {lanes} of its {story.total} lifecycles drawn"
+        )
     if story.reuses:
         n = len(story.reuses)
         parts.append(f"{n} reuse{'' if n == 1 else 's'} of the rid while a lifecycle held it")

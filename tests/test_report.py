@@ -291,3 +291,28 @@ def test_unreadable_lines_are_named_by_file_and_line(browser: Any, tmp_path: Pat
     assert item.startswith("clean.jsonl:4: ")
     assert errors == []
     page.close()
+
+
+def test_the_story_of_a_hot_rid_draws_the_lifecycles_around_the_selected_one(
+    browser: Any, tmp_path: Path
+) -> None:
+    sink = JsonLinesSink(tmp_path / "hot.jsonl", fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    for _ in range(30):
+        req = Req("hot")
+        registry.complete(registry.start_offload(registry.register(req)))
+        registry.finish(req)
+    sink.close()
+    out = tmp_path / "page.html"
+    assert main(["audit", "report", str(tmp_path / "hot.jsonl"), "-o", str(out)]) == 0
+    errors: list[str] = []
+    page = _open(browser, out, errors, "#lc-0-25")
+    story = page.locator("#story")
+    assert story.locator("h2").text_content() == (
+        "Story of rid hot: 20 lifecycles of its 30, around #25"
+    )
+    lanes = story.locator("svg g[id^=lane-]")
+    assert lanes.count() == 20
+    assert lanes.first.get_attribute("id") == "lane-10"  # 20 lanes that end at the last one
+    assert errors == []
+    page.close()

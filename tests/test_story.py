@@ -27,8 +27,8 @@ def test_the_story_of_a_late_completion(tmp_path: Path) -> None:
     assert [c.op for c in new.copies] == [1]
     assert [s for _, _, s in old.spans] == ["allocated", "offloading", "finished_pending"]
     assert old.released is not None and new.released is not None
-    ((t, before, after),) = story.reuses
-    assert (before, after) == (0, 1) and t == new.registered
+    ((t, segment, before, after),) = story.reuses
+    assert (segment, before, after) == (0, 0, 1) and t == new.registered
     ((late,),) = [story.late]
     assert (late.op, late.ticket, late.holder) == (0, 0, 1)
     assert old.copies[0].start < t < late.t == old.copies[0].end
@@ -77,7 +77,7 @@ def test_a_violation_on_the_rid_is_a_mark(kind: str, tmp_path: Path) -> None:
     log = edited_log(clean_log(tmp_path / "clean.jsonl"), kind, tmp_path / f"{kind}.jsonl")
     story = build_story(read_audit(log), "r", checker=AuditChecker())
     assert story.violations, kind
-    assert any(kind in kinds for _, _, kinds in story.violations), story.violations
+    assert any(kind in kinds for _, _, _, kinds in story.violations), story.violations
     plot_story(story, tmp_path / "v.svg")
     assert "violation-0" in _ids((tmp_path / "v.svg").read_text())
 
@@ -99,3 +99,49 @@ def test_copies_and_labels_never_share_a_row_where_they_would_overlap() -> None:
 def test_a_rid_the_log_does_not_hold_is_a_lookup_error(tmp_path: Path) -> None:
     with pytest.raises(LookupError, match="no lifecycle of rid 'nope'"):
         build_story(read_audit(clean_log(tmp_path / "a.jsonl")), "nope")
+
+
+def _hot_rid(path: Path, lifecycles: int) -> Path:
+    """``lifecycles`` lifecycles of rid "hot", one after the other."""
+    sink = JsonLinesSink(path, fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    for _ in range(lifecycles):
+        req = Req("hot")
+        registry.complete(registry.start_offload(registry.register(req)))
+        registry.finish(req)
+    sink.close()
+    return path
+
+
+def test_a_hot_rid_draws_at_most_max_lanes_and_says_how_many_it_has(tmp_path: Path) -> None:
+    from kvlife.diagrams.story import MAX_LANES  # noqa: PLC0415
+
+    log = _hot_rid(tmp_path / "hot.jsonl", 30)
+    story = build_story(read_audit(log), "hot")
+    assert [lane.serial for lane in story.lanes] == list(range(MAX_LANES)) and story.total == 30
+    around = build_story(read_audit(log), "hot", around=(0, 25))
+    assert [lane.serial for lane in around.lanes] == list(range(10, 30))  # clipped at the end
+    middle = build_story(read_audit(log), "hot", around=(0, 15))
+    assert [lane.serial for lane in middle.lanes] == list(range(5, 25))
+    plot_story(story, tmp_path / "hot.svg")
+    assert "rid &#39;hot&#39;: 20 of its 30 lifecycles drawn" in (
+        tmp_path / "hot.svg"
+    ).read_text().replace("'", "&#39;")
+
+
+def test_each_segment_has_lanes_of_its_own(tmp_path: Path) -> None:
+    """Two writers of one log each hold rid "a" as serial 0: two lanes, two ids."""
+    path = tmp_path / "two.jsonl"
+    for _ in range(2):
+        sink = JsonLinesSink(path, fsync="never")
+        registry = LifecycleRegistry(sinks=[sink])
+        req = Req("a")
+        registry.complete(registry.start_offload(registry.register(req)))
+        registry.finish(req)
+        sink.close()
+    story = build_story(read_audit(path), "a")
+    assert [(lane.segment, lane.serial) for lane in story.lanes] == [(0, 0), (1, 0)]
+    assert story.reuses == [] and story.late == []  # one writer's serial 0 is not the other's
+    plot_story(story, tmp_path / "a.svg")
+    ids = _ids((tmp_path / "a.svg").read_text())
+    assert {"lane-0", "lane-1-0", "copy-0", "copy-1-0"} <= ids
