@@ -669,6 +669,13 @@ function showColumns() {
     box.append(dt, dd);
   }
 }
+// "... N more" under a list that holds only the first ones
+function more(box, left) {
+  if (left <= 0) return;
+  const p = document.createElement("p");
+  p.textContent = `... ${left} more`;
+  box.appendChild(p);
+}
 function showUnreadable() {
   if (!DATA.unreadable_count) return;
   const box = document.getElementById("unreadable");
@@ -683,11 +690,7 @@ function showUnreadable() {
     list.appendChild(li);
   }
   box.appendChild(list);
-  if (DATA.unreadable_count > DATA.unreadable.length) {
-    const p = document.createElement("p");
-    p.textContent = `... ${DATA.unreadable_count - DATA.unreadable.length} more`;
-    box.appendChild(p);
-  }
+  more(box, DATA.unreadable_count - DATA.unreadable.length);
 }
 function showViolations() {
   const box = document.getElementById("violations");
@@ -719,11 +722,7 @@ function showViolations() {
     table.appendChild(tr);
   }
   box.appendChild(table);
-  if (DATA.violation_count > DATA.violations.length) {
-    const p = document.createElement("p");
-    p.textContent = `... ${DATA.violation_count - DATA.violations.length} more`;
-    box.appendChild(p);
-  }
+  more(box, DATA.violation_count - DATA.violations.length);
 }
 for (const id of ["rid-filter", "outcome-filter", "refused-filter", "violation-filter",
                   "reused-filter"]) {

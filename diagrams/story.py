@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Final
 
 from kvlife.diagrams.dot import shortened
-from kvlife.diagrams.timeline import COLOURS, OTHER_REFUSAL, REFUSAL_MARKS, REUSE_COLOUR
+from kvlife.diagrams.timeline import (
+    COLOURS,
+    OTHER_REFUSAL,
+    REFUSAL_MARKS,
+    REUSE_COLOUR,
+    mark_handles,
+)
 from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
 from kvlife.fsm.audit.checker import fed, violations_by_record
 from kvlife.fsm.audit.explain import RidHistory, collect
@@ -385,24 +391,13 @@ def plot_story(story: Story, path: Path) -> None:
     )
     if any(not c.ok for lane in story.lanes for c in lane.copies):
         handles.append(Line2D([], [], color="#d62728", linewidth=3, label="failed copy"))
-    for marker, colour, text in reasons_seen.values():
-        handles.append(Line2D([], [], marker=marker, color=colour, linestyle="none", label=text))
-    if story.reuses:
-        handles.append(Line2D([], [], color=REUSE_COLOUR, marker="o", label="rid reused"))
     if story.late:
         handles.append(Line2D([], [], color=LATE_COLOUR, label="late completion -> its ticket"))
-    if story.violations:
-        handles.append(
-            Line2D(
-                [],
-                [],
-                marker="D",
-                color="red",
-                markeredgecolor="black",
-                linestyle="none",
-                label="violation",
-            )
-        )
+    handles += mark_handles(
+        reasons_seen.values(),
+        reuse="rid reused" if story.reuses else None,
+        violation=bool(story.violations),
+    )
     ax.legend(  # under the axis, never over a lane
         handles=handles,
         loc="upper left",

@@ -13,7 +13,7 @@ import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from kvlife.diagrams.dot import shortened
 from kvlife.fsm.audit import (
@@ -27,6 +27,9 @@ from kvlife.fsm.audit import (
     Segment,
 )
 from kvlife.fsm.table import State
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
 
 COLOURS: Final = {
     State.ALLOCATED.value: "#9ecae1",
@@ -263,8 +266,6 @@ def plot_timeline(
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.artist import Artist
-        from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ModuleNotFoundError as exc:  # pragma: no cover - the plot extra is installed in CI
         raise ModuleNotFoundError(
@@ -375,21 +376,10 @@ def plot_timeline(
     if report.violation_count:
         ax.title.set_color("red")
     handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
-    for text, (marker, colour) in reasons_seen.items():
-        handles.append(Line2D([], [], marker=marker, color=colour, linestyle="none", label=text))
-    handles.append(
-        Line2D([], [], color=REUSE_COLOUR, marker="o", label="rid reused: old row to new row")
-    )
-    handles.append(
-        Line2D(
-            [],
-            [],
-            marker="D",
-            color="red",
-            markeredgecolor="black",
-            linestyle="none",
-            label="violation",
-        )
+    handles += mark_handles(
+        [(marker, colour, text) for text, (marker, colour) in reasons_seen.items()],
+        reuse="rid reused: old row to new row",
+        violation=True,
     )
     # under the plot, never over a row
     ax.legend(
@@ -405,6 +395,35 @@ def plot_timeline(
     fig.savefig(path)
     plt.close(fig)
     return len(shown)
+
+
+def mark_handles(
+    reasons: Iterable[tuple[str, str, str]], *, reuse: str | None, violation: bool
+) -> list[Artist]:
+    """Legend entries for the marks the timeline and the story share: one per refusal
+    reason drawn ((marker, colour, text), as in ``REFUSAL_MARKS``), the rid reuse (labelled
+    ``reuse``; none when ``None``) and the violation diamond (when ``violation``)."""
+    from matplotlib.lines import Line2D
+
+    handles: list[Artist] = [
+        Line2D([], [], marker=marker, color=colour, linestyle="none", label=text)
+        for marker, colour, text in reasons
+    ]
+    if reuse is not None:
+        handles.append(Line2D([], [], color=REUSE_COLOUR, marker="o", label=reuse))
+    if violation:
+        handles.append(
+            Line2D(
+                [],
+                [],
+                marker="D",
+                color="red",
+                markeredgecolor="black",
+                linestyle="none",
+                label="violation",
+            )
+        )
+    return handles
 
 
 def _plural(n: int, noun: str) -> str:
