@@ -69,7 +69,7 @@ _START: Final = LIFECYCLE.rows[Trigger.START_OFFLOAD]
 _ACK: Final = LIFECYCLE.rows[Trigger.ACK]
 _FAIL: Final = LIFECYCLE.rows[Trigger.FAIL]
 # What finish and abort look up: (trigger, its name, its rows, the outcome). An enum
-# member's attribute costs about 100 ns in CPython 3.11: none is read on a hot path.
+# member read off its class costs about 70 ns in CPython 3.11: none is read on a hot path.
 _FINISH: Final = (Trigger.FINISH, "finish", LIFECYCLE.rows[Trigger.FINISH], "finished")
 _ABORT: Final = (Trigger.ABORT, "abort", LIFECYCLE.rows[Trigger.ABORT], "aborted")
 # Invariant: a lifecycle in one of these states has not finished; its rid and its request
