@@ -36,6 +36,7 @@ from typing import NoReturn, TypeVar
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.lifecycle import lifecycle_dot, lifecycle_mermaid
 from kvlife.diagrams.log_graph import log_graph
+from kvlife.diagrams.story import Story, plot_story, story_of
 from kvlife.fsm import __version__
 from kvlife.fsm.audit import (
     AuditChecker,
@@ -47,7 +48,7 @@ from kvlife.fsm.audit import (
     audit_files,
     segment_records,
 )
-from kvlife.fsm.audit.explain import explain, find_rid
+from kvlife.fsm.audit.explain import find_rid, read_story, tell
 from kvlife.fsm.cli_args import int_in
 
 
@@ -508,23 +509,26 @@ def _why(args: argparse.Namespace) -> int:
             )
     reader = _reader(args.logs)
     checker = _checker(args)
+    # one pass: the words and the picture tell the same records
+    history, marks = _reading(args.log, lambda: read_story(reader, rid, checker=checker))
     try:
-        text = _reading(
-            args.log,
-            lambda: explain(
-                reader,
-                rid,
-                serial=args.serial,
-                segment=args.segment,
-                checker=checker,
-                allow_lost=args.allow_lost,
-            ),
+        text = tell(
+            history,
+            marks,
+            serial=args.serial,
+            segment=args.segment,
+            checker=checker,
+            unreadable_lines=reader.problem_count,
+            allow_lost=args.allow_lost,
         )
     except LookupError as exc:
         raise UsageError(f"kvlife audit why: {args.log}: {exc}") from None
     print(text)
-    if args.output is not None:
-        _draw_story(args, rid)
+    if args.output is not None and not history.lifecycles:
+        print(f"\n{args.output}: not written: rid {rid!r} has no lifecycle in the log to draw")
+    elif args.output is not None:
+        around = None if args.serial is None else (args.segment, args.serial)
+        _draw_story(args.output, args.log, story_of(history, marks, around=around))
     return _verdict(args, checker.report, reader).exit_status
 
 
@@ -537,23 +541,18 @@ def _picture_name(view: str, output: str) -> None:
         raise UsageError(f"kvlife: {output} is a directory; give a file name")
 
 
-def _draw_story(args: argparse.Namespace, rid: str) -> None:
-    from kvlife.diagrams.story import build_story, plot_story
-
-    around = None if args.serial is None else (args.segment, args.serial)
-    story = _reading(
-        args.log,
-        lambda: build_story(_reader(args.logs), rid, checker=_checker(args), around=around),
-    )
+def _draw_story(output: str, log: str, story: Story) -> None:
     try:
-        _reading(args.log, lambda: plot_story(story, Path(args.output)), writes=args.output)
+        _reading(log, lambda: plot_story(story, Path(output)), writes=output)
     except ModuleNotFoundError as exc:
         raise UsageError(f"kvlife: {exc}") from None
     copies = sum(len(lane.copies) for lane in story.lanes)
+    lanes = _count(len(story.lanes), "lifecycle")
+    if story.total > len(story.lanes):
+        lanes += f" of {story.total}"
     print(
-        f"\n{args.output}: the story of rid {rid!r}: {_count(len(story.lanes), 'lifecycle')}"
-        + (f" of {story.total}" if story.total > len(story.lanes) else "")
-        + f", {copies} cop{'y' if copies == 1 else 'ies'}, {_count(len(story.reuses), 'reuse')}, "
+        f"\n{output}: the story of rid {story.rid!r}: {lanes}, "
+        f"{copies} cop{'y' if copies == 1 else 'ies'}, {_count(len(story.reuses), 'reuse')}, "
         f"{_count(len(story.late), 'late completion')}"
     )
 

@@ -21,7 +21,7 @@ Needs matplotlib (the ``plot`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -35,8 +35,8 @@ from kvlife.diagrams.timeline import (
     mark_handles,
 )
 from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
-from kvlife.fsm.audit.checker import fed, violations_by_record
-from kvlife.fsm.audit.explain import RidHistory, collect
+from kvlife.fsm.audit.checker import Violation
+from kvlife.fsm.audit.explain import RidHistory, read_story
 from kvlife.fsm.audit.records import REGISTER
 from kvlife.fsm.table import State
 
@@ -105,7 +105,7 @@ class Story:
 
 def story_of(
     history: RidHistory,
-    marks: dict[tuple[int, int], list[object]],
+    marks: Mapping[tuple[int, int], Sequence[Violation]],
     *,
     around: tuple[int, int] | None = None,
     max_lanes: int = MAX_LANES,
@@ -132,7 +132,7 @@ def story_of(
             end = max(end, t)
             found = marks.get((lc.segment, record.seq))
             if found:
-                kinds = tuple(str(getattr(v, "kind", "")) for v in found)
+                kinds = tuple(v.kind for v in found)
                 violations.append((t, lc.segment, lc.serial, kinds))
             if not record.ok:
                 lane.refusals.append((t, record.reason or "", record.op))
@@ -222,12 +222,9 @@ def build_story(
         LookupError: the log holds no lifecycle of ``rid``.
     """
     events = source.events() if isinstance(source, AuditLog) else source
-    history = collect(events if checker is None else fed(events, checker), rid)
+    history, marks = read_story(events, rid, checker=checker)
     if not history.lifecycles:
         raise LookupError(f"the log has no lifecycle of rid {rid!r}")
-    marks: dict[tuple[int, int], list[object]] = {}
-    if checker is not None:
-        marks = {key: list(found) for key, found in violations_by_record(checker.finish()).items()}
     return story_of(history, marks, around=around, max_lanes=max_lanes)
 
 

@@ -834,3 +834,20 @@ def test_why_refuses_an_output_it_cannot_write(
     log = clean_log(tmp_path / "a.jsonl")
     assert main(["audit", "why", str(log), "--rid", "r", "-o", str(tmp_path / output)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_why_draws_nothing_for_a_rid_with_no_lifecycle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "ghost.jsonl"
+    sink = JsonLinesSink(log, fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    with pytest.raises(LookupError):
+        registry.finish(Req("ghost"))  # refused: no lifecycle, audited under its rid
+    sink.close()
+    out = tmp_path / "ghost.svg"
+    assert main(["audit", "why", str(log), "--rid", "ghost", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1 call(s) that found none" in text
+    assert f"{out}: not written: rid 'ghost' has no lifecycle in the log to draw" in text
+    assert not out.exists()

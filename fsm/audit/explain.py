@@ -264,31 +264,39 @@ def _state_at(lc: LifecycleHistory, t_ns: int) -> str:
     return f"{state}, {inflight} in flight" if inflight else state
 
 
-def explain(
-    source: Iterable[Event],
-    rid: str,
-    *,
-    serial: int | None = None,
-    segment: int = 0,
-    checker: AuditChecker | None = None,
-    allow_lost: bool = False,
-) -> str:
-    """The story of every lifecycle of ``rid`` in the log (or of lifecycle ``serial`` of
-    ``segment`` only, with the others of its rid as context), as text.
-
-    With ``checker``, the whole log is fed to it in the same pass: records it finds wrong
-    are marked (``!! VIOLATION``) in the story, and the text ends with the verdict on the
-    log, [`Verdict`][kvlife.fsm.audit.checker.Verdict] (``allow_lost`` as for it; unreadable
-    lines are the source's ``problem_count`` when it has one), listing this rid's
-    violations. ``checker.finish()`` has been called when this returns.
-
-    Raises:
-        LookupError: the log holds no record of that rid (or serial).
-    """
+def read_story(
+    source: Iterable[Event], rid: str, *, checker: AuditChecker | None = None
+) -> tuple[RidHistory, dict[tuple[int, int], list[Violation]]]:
+    """Read ``source`` once: the records of ``rid`` and, with ``checker`` (fed the whole
+    log in the same pass and finished on return), its violations by (segment, seq). What
+    [`tell()`][kvlife.fsm.audit.explain.tell] tells, and what ``kvlife audit why -o``
+    draws, from one pass."""
     history = collect(source if checker is None else fed(source, checker), rid)
     marks: dict[tuple[int, int], list[Violation]] = {}
     if checker is not None:
         marks = violations_by_record(checker.finish())
+    return history, marks
+
+
+def tell(
+    history: RidHistory,
+    marks: dict[tuple[int, int], list[Violation]],
+    *,
+    serial: int | None = None,
+    segment: int = 0,
+    checker: AuditChecker | None = None,
+    unreadable_lines: int = 0,
+    allow_lost: bool = False,
+) -> str:
+    """The story of every lifecycle in ``history`` (or of lifecycle ``serial`` of
+    ``segment`` only, with the others of its rid as context), as text; with ``checker``
+    (finished), ending with the log's verdict. See
+    [`explain()`][kvlife.fsm.audit.explain.explain].
+
+    Raises:
+        LookupError: the history holds no record of that rid (or serial).
+    """
+    rid = history.rid
     stories = sorted(history.lifecycles.values(), key=lambda lc: (lc.segment, lc.serial))
     if serial is not None:
         stories = [lc for lc in stories if (lc.segment, lc.serial) == (segment, serial)]
@@ -318,9 +326,44 @@ def explain(
             lines.append(f"  {_ms(record.t_ns, history.t0)}  REFUSED {record.trigger}: {why}")
             _marked(lines, marks.get((seg, record.seq), []))
     if checker is not None:
-        problems = int(getattr(source, "problem_count", 0))
-        lines += ["", *verdict_lines(checker, problems, allow_lost=allow_lost, rid=rid)]
+        lines += [
+            "",
+            *verdict_lines(checker, unreadable_lines, allow_lost=allow_lost, rid=rid),
+        ]
     return "\n".join(lines)
+
+
+def explain(
+    source: Iterable[Event],
+    rid: str,
+    *,
+    serial: int | None = None,
+    segment: int = 0,
+    checker: AuditChecker | None = None,
+    allow_lost: bool = False,
+) -> str:
+    """The story of every lifecycle of ``rid`` in the log (or of lifecycle ``serial`` of
+    ``segment`` only, with the others of its rid as context), as text.
+
+    With ``checker``, the whole log is fed to it in the same pass: records it finds wrong
+    are marked (``!! VIOLATION``) in the story, and the text ends with the verdict on the
+    log, [`Verdict`][kvlife.fsm.audit.checker.Verdict] (``allow_lost`` as for it; unreadable
+    lines are the source's ``problem_count`` when it has one), listing this rid's
+    violations. ``checker.finish()`` has been called when this returns.
+
+    Raises:
+        LookupError: the log holds no record of that rid (or serial).
+    """
+    history, marks = read_story(source, rid, checker=checker)
+    return tell(
+        history,
+        marks,
+        serial=serial,
+        segment=segment,
+        checker=checker,
+        unreadable_lines=int(getattr(source, "problem_count", 0)),
+        allow_lost=allow_lost,
+    )
 
 
 MAX_LISTED = 20
@@ -359,5 +402,7 @@ __all__ = [
     "explain",
     "find_rid",
     "late_completion",
+    "read_story",
+    "tell",
     "verdict_lines",
 ]
