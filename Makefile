@@ -178,6 +178,7 @@ bench: venv
 # (docs/report.png), the story of the first rid the demo reused (docs/story.png), the
 # log's diagram (docs/audit-diagram.png) and its timeline (docs/timeline.png).
 screenshots: venv dot browser
+	mkdir -p build
 	$(VENV)/bin/kvlife demo --requests 60 --no-progress --out build/shot > build/shot.txt
 	$(VENV)/bin/kvlife audit report build/shot/audit.jsonl -o build/shot/report.html
 	rid=$$(sed -n 's/.*kvlife audit why .* --rid \([^ ]*\).*/\1/p' build/shot.txt | head -1); \
