@@ -36,7 +36,13 @@ from kvlife.diagrams.timeline import (
 )
 from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
 from kvlife.fsm.audit.checker import Violation
-from kvlife.fsm.audit.explain import RidHistory, read_story
+from kvlife.fsm.audit.explain import (
+    RidHistory,
+    held_at_registration,
+    read_story,
+    registrations,
+    reused_in_flight,
+)
 from kvlife.fsm.audit.records import REGISTER
 from kvlife.fsm.table import State
 
@@ -117,6 +123,9 @@ def story_of(
     t0 = history.t0 or 0
     lanes: list[Lane] = []
     violations: list[tuple[float, int, int, tuple[str, ...]]] = []
+    reuses: list[tuple[float, int, int, int]] = []
+    late: list[LateCompletion] = []
+    births = registrations(history)  # the rules are explain's: the words and the picture agree
     end = 0.0
 
     def ms(t_ns: int) -> float:
@@ -125,8 +134,13 @@ def story_of(
     for lc in sorted(history.lifecycles.values(), key=lambda h: (h.segment, h.serial)):
         registered = lc.registered_ns
         lane = Lane(lc.serial, lc.segment, None if registered is None else ms(registered))
+        if registered is not None:
+            reuses += [
+                (ms(registered), lc.segment, held.serial, lc.serial)
+                for held in held_at_registration(history, lc)
+            ]
         state, since = "", 0.0
-        started: dict[int, float] = {}
+        started: dict[int, int] = {}  # op -> t_ns
         for record in lc.records:
             t = ms(record.t_ns)
             end = max(end, t)
@@ -138,10 +152,14 @@ def story_of(
                 lane.refusals.append((t, record.reason or "", record.op))
                 continue
             if record.trigger == "start_offload" and record.op is not None:
-                started[record.op] = t
+                started[record.op] = record.t_ns
             elif record.trigger in ("ack", "fail") and record.op is not None:
-                begun = started.pop(record.op, t)
-                lane.copies.append(Copy(record.op, lc.serial, begun, t, ok=record.trigger == "ack"))
+                begun = started.pop(record.op, record.t_ns)
+                ok = record.trigger == "ack"
+                lane.copies.append(Copy(record.op, lc.serial, ms(begun), t, ok=ok))
+                newer = reused_in_flight(births.get(lc.segment, []), lc.serial, begun, record.t_ns)
+                if newer:  # late: completed lc, its ticket's, not the newest holder
+                    late.append(LateCompletion(record.op, t, lc.serial, max(newer), lc.segment))
             if record.trigger == REGISTER or record.dst != state:
                 if state:
                     lane.spans.append((since, t, state))
@@ -149,13 +167,12 @@ def story_of(
             if record.dst == State.RELEASED.value:
                 lane.released = t
                 state = ""
-        lane.copies += [Copy(op, lc.serial, t, None) for op, t in started.items()]
+        lane.copies += [Copy(op, lc.serial, ms(t_ns), None) for op, t_ns in started.items()]
         if state:
             lane.spans.append((since, -1.0, state))  # open: to the end of the log
         lanes.append(lane)
     for lane in lanes:
         lane.spans = [(a, end if b < 0 else b, s) for a, b, s in lane.spans]
-    reuses, late = _reuses_and_late(lanes)
     total = len(lanes)
     if total > max_lanes:
         keys = [(lane.segment, lane.serial) for lane in lanes]
@@ -167,42 +184,6 @@ def story_of(
         late = [x for x in late if (x.segment, x.ticket) in kept and (x.segment, x.holder) in kept]
         violations = [v for v in violations if (v[1], v[2]) in kept]
     return Story(history.rid, lanes, reuses, late, violations, end, total)
-
-
-def _reuses_and_late(
-    lanes: list[Lane],
-) -> tuple[list[tuple[float, int, int, int]], list[LateCompletion]]:
-    reuses: list[tuple[float, int, int, int]] = []
-    late: list[LateCompletion] = []
-    for lane in lanes:
-        if lane.registered is None:
-            continue
-        for older in lanes:
-            if older.segment != lane.segment or older.serial >= lane.serial:
-                continue
-            born = older.registered if older.registered is not None else -1.0
-            if born <= lane.registered and (
-                older.released is None or older.released > lane.registered
-            ):
-                reuses.append((lane.registered, lane.segment, older.serial, lane.serial))
-    for lane in lanes:
-        for copy in lane.copies:
-            if copy.end is None:
-                continue
-            newer = [
-                other
-                for other in lanes
-                if other.segment == lane.segment
-                and other.serial > lane.serial
-                and other.registered is not None
-                and copy.start <= other.registered <= copy.end
-            ]
-            if newer:
-                holder = max(newer, key=lambda other: other.serial)
-                late.append(
-                    LateCompletion(copy.op, copy.end, lane.serial, holder.serial, lane.segment)
-                )
-    return reuses, late
 
 
 def build_story(

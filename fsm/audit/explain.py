@@ -164,7 +164,17 @@ def _verdict(record: AuditRecord) -> str:
     return VIOLATION_MEANINGS[record.reason or ""] + (f" ({said})" if said else "")
 
 
-def _births(history: RidHistory) -> dict[int, list[tuple[int, int]]]:
+def held_at_registration(history: RidHistory, lc: LifecycleHistory) -> list[LifecycleHistory]:
+    """The older lifecycles of ``lc``'s rid (same segment) that still held it, unreleased,
+    when ``lc`` was registered (none when the log begins after its registration): the rid
+    reuses ``kvlife audit why`` tells and its picture draws."""
+    born = lc.registered_ns
+    if born is None:
+        return []
+    return [o for o in _others(history, lc, born) if o.serial < lc.serial]
+
+
+def registrations(history: RidHistory) -> dict[int, list[tuple[int, int]]]:
     """Per segment, (registration time, serial) of the rid's lifecycles, in time order: a
     late completion's "reused by" is a range of it, found by bisection."""
     births: dict[int, list[tuple[int, int]]] = {}
@@ -176,15 +186,27 @@ def _births(history: RidHistory) -> dict[int, list[tuple[int, int]]]:
     return births
 
 
+def reused_in_flight(
+    births: list[tuple[int, int]], serial: int, started_ns: int, done_ns: int
+) -> list[int]:
+    """The newer lifecycles (serials) that took the rid of lifecycle ``serial`` while one of
+    its copies was in flight, from ``started_ns`` to ``done_ns`` (``births``: the rid's
+    (registration time, serial), in time order, from
+    [`registrations()`][kvlife.fsm.audit.explain.registrations]). Not empty: the copy's
+    completion was late."""
+    since = bisect_left(births, (started_ns, -1))
+    until = bisect_right(births, (done_ns, sys.maxsize))
+    return [n for _, n in births[since:until] if n > serial]
+
+
 def late_completion(
     births: list[tuple[int, int]], serial: int, op: int, started_ns: int, done_ns: int
 ) -> str | None:
     """The sentence for a completion of copy ``op`` of lifecycle ``serial`` that arrived
-    after its rid was reused (``births``: the rid's (registration time, serial), in time
-    order), or ``None`` when no newer lifecycle took the rid while the copy was in flight."""
-    since = bisect_left(births, (started_ns, -1))
-    until = bisect_right(births, (done_ns, sys.maxsize))
-    newer = [n for _, n in births[since:until] if n > serial]
+    after its rid was reused (see
+    [`reused_in_flight()`][kvlife.fsm.audit.explain.reused_in_flight]), or ``None`` when no
+    newer lifecycle took the rid while the copy was in flight."""
+    newer = reused_in_flight(births, serial, started_ns, done_ns)
     if not newer:
         return None
     names = ", ".join(f"#{n}" for n in newer)
@@ -212,8 +234,7 @@ def _story(
     if born is None:
         lines.append("  the log begins after its registration: told from its first record")
     else:
-        held = [o for o in _others(history, lc, born) if o.serial < lc.serial]
-        for other in held:
+        for other in held_at_registration(history, lc):
             state = _state_at(other, born)
             lines.append(
                 f"  registered while #{other.serial} still held the rid ({state}): the rid "
@@ -309,7 +330,7 @@ def tell(
             f"rid {rid!r}: {len(history.lifecycles)} lifecycle(s) in the log"
             + (f", {len(history.unknown)} call(s) that found none" if history.unknown else "")
         )
-    births = _births(history)
+    births = registrations(history)
     for lc in stories[:MAX_STORIES]:
         lines += ["", *_story(history, lc, births, marks)]
     if len(stories) > MAX_STORIES:
@@ -401,8 +422,11 @@ __all__ = [
     "collect",
     "explain",
     "find_rid",
+    "held_at_registration",
     "late_completion",
     "read_story",
+    "registrations",
+    "reused_in_flight",
     "tell",
     "verdict_lines",
 ]
