@@ -35,7 +35,7 @@ from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.log_graph import log_graph
 from kvlife.diagrams.timeline import plot_timeline
 from kvlife.fsm.audit import AuditChecker, AuditReport, Event, Verdict, fed
-from kvlife.fsm.audit.explain import late_completion
+from kvlife.fsm.audit.explain import late_sentence, reused_in_flight
 from kvlife.fsm.audit.reader import segment_records
 from kvlife.fsm.table import State
 
@@ -66,6 +66,8 @@ class _Entry:
     history: list[list[object]] = field(default_factory=list)
     more: int = 0
     reused: str = ""  # "#3, #5": the unreleased lifecycles that held the rid at registration
+    held: list[int] = field(default_factory=list)  # their serials, for the story
+    late: list[list[int]] = field(default_factory=list)  # [copy, newest holder] per late one
     violations: int = 0
     started: dict[int, int] = field(default_factory=dict)  # copy -> t_ns of its start
 
@@ -104,6 +106,8 @@ class ReportData:
                 "history": e.history,
                 "more": e.more,
                 "reused": e.reused,
+                "held": e.held,
+                "late": e.late,
                 "violations": e.violations,
             }
             for e in self.lifecycles
@@ -189,6 +193,7 @@ def gather(
             if reuse:
                 complete = len(found.reuses) == found.reused_while_unreleased
                 previous = found.reuses[-1].previous if complete else ()
+                entry.held = list(previous)
                 entry.reused = ", ".join(f"#{n}" for n in previous) or "yes"
                 notes.insert(
                     0,
@@ -196,15 +201,15 @@ def gather(
                     f"{entry.reused}'s copies stay theirs",
                 )
         elif r.ok and r.op is not None and r.trigger in ("ack", "fail"):
-            late = late_completion(
+            newer = reused_in_flight(
                 births.get((segment, entry.rid), []),
                 r.serial,
-                r.op,
                 entry.started.pop(r.op, r.t_ns),
                 r.t_ns,
             )
-            if late is not None:
-                notes.insert(0, late)
+            if newer:
+                entry.late.append([r.op, max(newer)])
+                notes.insert(0, late_sentence(newer, r.serial, r.op))
         elif r.ok and r.op is not None and r.trigger == "start_offload":
             entry.started[r.op] = r.t_ns
         if len(entry.history) < MAX_HISTORY:
@@ -580,24 +585,20 @@ function drawStory(r) {
     }
     y = top + laneH + 16;
   }
+  // The reuses and late completions are the page's data (the checker's and `why`'s
+  // rules, applied when the page was written): drawn, not worked out again here.
   let reuses = 0;
   for (const lane of lanes) {
-    if (lane.registered === null) continue;
-    for (const older of lanes) {
-      const held = older.row.serial < lane.row.serial && older.row.start <= lane.registered &&
-        (older.row.end === null || older.row.end > lane.registered);
-      if (!held) continue;
+    for (const older of lane.row.held) {
+      if (lane.registered === null || !(older in base)) continue;
       const g = el("g", {id: `reuse-${reuses++}`}, svg);
-      el("line", {x1: x(lane.registered), x2: x(lane.registered), y1: base[older.row.serial],
+      el("line", {x1: x(lane.registered), x2: x(lane.registered), y1: base[older],
                   y2: base[lane.row.serial], stroke: "#6a3d9a", "stroke-width": 2}, g);
     }
   }
-  for (const lane of lanes) for (const c of lane.copies) {
-    if (c.end === null) continue;
-    const newer = lanes.filter(o => o.row.serial > lane.row.serial && o.registered !== null &&
-                                    c.start <= o.registered && o.registered <= c.end);
-    if (!newer.length) continue;
-    const holder = newer[newer.length - 1].row.serial;
+  for (const lane of lanes) for (const [op, holder] of lane.row.late) {
+    const c = lane.copies.find(copy => copy.op === op);
+    if (!c || !(holder in base)) continue;
     const g = el("g", {id: `late-${c.op}`}, svg);
     el("line", {x1: x(c.end) + 8, y1: base[holder], x2: x(c.end), y2: base[lane.row.serial] + 6,
                 stroke: "#e6550d", "stroke-width": 2}, g);

@@ -169,12 +169,13 @@ def test_the_reuse_column_lists_exactly_the_lifecycles_that_reused_a_held_rid(
     assert {e.serial for e in data.lifecycles if e.reused} == reused
     assert data.report.reused_while_unreleased == len(reused) and data.verdict.ok
     first = next(e for e in data.lifecycles if e.serial == 1)
-    assert first.reused == "#0"
+    assert first.reused == "#0" and first.held == [0]  # the story's reuse line: #0 to #1
     notes = [h[9] for h in first.history if h[9]]
     assert notes[0] == (
         "registered while #0 still held the rid: the rid was reused; #0's copies stay theirs"
     )
     old = next(e for e in data.lifecycles if e.serial == 0)
+    assert old.late == [[0, 1]]  # the story's arrow: copy 0, seen from #1, completed #0
     late = [h[9] for h in old.history if h[1] == "ack"]
     assert late == [
         "late: the rid was reused by #1 while copy 0 was in flight; its ticket named #0, so it "

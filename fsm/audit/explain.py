@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvlife.fsm.audit.checker import (
@@ -207,8 +207,12 @@ def late_completion(
     [`reused_in_flight()`][kvlife.fsm.audit.explain.reused_in_flight]), or ``None`` when no
     newer lifecycle took the rid while the copy was in flight."""
     newer = reused_in_flight(births, serial, started_ns, done_ns)
-    if not newer:
-        return None
+    return late_sentence(newer, serial, op) if newer else None
+
+
+def late_sentence(newer: Sequence[int], serial: int, op: int) -> str:
+    """What ``kvlife audit why`` says of copy ``op`` of lifecycle ``serial``, completed
+    after the lifecycles ``newer`` took its rid."""
     names = ", ".join(f"#{n}" for n in newer)
     return (
         f"late: the rid was reused by {names} while copy {op} was in flight; its ticket "
@@ -424,6 +428,7 @@ __all__ = [
     "find_rid",
     "held_at_registration",
     "late_completion",
+    "late_sentence",
     "read_story",
     "registrations",
     "reused_in_flight",
