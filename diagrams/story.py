@@ -32,6 +32,7 @@ from kvlife.diagrams.timeline import (
     OTHER_REFUSAL,
     REFUSAL_MARKS,
     REUSE_COLOUR,
+    legend_below,
     mark_handles,
 )
 from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
@@ -376,15 +377,7 @@ def plot_story(story: Story, path: Path) -> None:
         reuse="rid reused" if story.reuses else None,
         violation=bool(story.violations),
     )
-    ax.legend(  # under the axis, never over a lane
-        handles=handles,
-        loc="upper left",
-        bbox_to_anchor=(0, -0.6 / max(y, 1.0) - 0.04),
-        ncol=3,
-        fontsize=7,
-        frameon=False,
-    )
-    ax.grid(axis="x", alpha=0.3)
+    legend_below(ax, handles, drop=0.6 / max(y, 1.0) + 0.04, fontsize=7)
     fig.tight_layout()
     try:
         with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text

@@ -30,6 +30,7 @@ from kvlife.fsm.table import State
 
 if TYPE_CHECKING:
     from matplotlib.artist import Artist
+    from matplotlib.axes import Axes
 
 COLOURS: Final = {
     State.ALLOCATED.value: "#9ecae1",
@@ -382,15 +383,7 @@ def plot_timeline(
         violation=True,
     )
     # under the plot, never over a row
-    ax.legend(
-        handles=handles,
-        loc="upper left",
-        bbox_to_anchor=(0, -0.5 / max(height, 1.0) - 0.02),
-        ncol=3,
-        fontsize=8,
-        frameon=False,
-    )
-    ax.grid(axis="x", alpha=0.3)
+    legend_below(ax, handles, drop=0.5 / max(height, 1.0) + 0.02, fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -424,6 +417,21 @@ def mark_handles(
             )
         )
     return handles
+
+
+def legend_below(ax: Axes, handles: list[Artist], *, drop: float, fontsize: float) -> None:
+    """The legend under the plot (``drop``: how far below the axes, as a fraction of their
+    height), never over a row or a lane, and the time grid: how the timeline and the story
+    finish their axes."""
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(0, -drop),
+        ncol=3,
+        fontsize=fontsize,
+        frameon=False,
+    )
+    ax.grid(axis="x", alpha=0.3)
 
 
 def _plural(n: int, noun: str) -> str:
