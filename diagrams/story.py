@@ -127,24 +127,32 @@ def story_of(
     reuses: list[tuple[float, int, int, int]] = []
     late: list[LateCompletion] = []
     births = registrations(history)  # the rules are explain's: the words and the picture agree
-    end = 0.0
 
     def ms(t_ns: int) -> float:
         return (t_ns - t0) / 1e6
 
-    for lc in sorted(history.lifecycles.values(), key=lambda h: (h.segment, h.serial)):
+    ordered = sorted(history.lifecycles.values(), key=lambda h: (h.segment, h.serial))
+    total = len(ordered)
+    end = max((ms(h.records[-1].t_ns) for h in ordered if h.records), default=0.0)
+    if total > max_lanes:  # the lanes drawn are chosen first: nothing is worked out for others
+        keys = [(h.segment, h.serial) for h in ordered]
+        at = keys.index(around) if around in keys else 0
+        first = max(0, min(at - max_lanes // 2, total - max_lanes)) if around in keys else 0
+        ordered = ordered[first : first + max_lanes]
+    kept = {(h.segment, h.serial) for h in ordered}
+    for lc in ordered:
         registered = lc.registered_ns
         lane = Lane(lc.serial, lc.segment, None if registered is None else ms(registered))
         if registered is not None:
             reuses += [
                 (ms(registered), lc.segment, held.serial, lc.serial)
                 for held in held_at_registration(history, lc)
+                if (held.segment, held.serial) in kept
             ]
         state, since = "", 0.0
         started: dict[int, int] = {}  # op -> t_ns
         for record in lc.records:
             t = ms(record.t_ns)
-            end = max(end, t)
             found = marks.get((lc.segment, record.seq))
             if found:
                 kinds = tuple(v.kind for v in found)
@@ -159,7 +167,7 @@ def story_of(
                 ok = record.trigger == "ack"
                 lane.copies.append(Copy(record.op, lc.serial, ms(begun), t, ok=ok))
                 newer = reused_in_flight(births.get(lc.segment, []), lc.serial, begun, record.t_ns)
-                if newer:  # late: completed lc, its ticket's, not the newest holder
+                if newer and (lc.segment, max(newer)) in kept:  # late: completed lc, its ticket's
                     late.append(LateCompletion(record.op, t, lc.serial, max(newer), lc.segment))
             if record.trigger == REGISTER or record.dst != state:
                 if state:
@@ -174,16 +182,6 @@ def story_of(
         lanes.append(lane)
     for lane in lanes:
         lane.spans = [(a, end if b < 0 else b, s) for a, b, s in lane.spans]
-    total = len(lanes)
-    if total > max_lanes:
-        keys = [(lane.segment, lane.serial) for lane in lanes]
-        at = keys.index(around) if around in keys else 0
-        first = max(0, min(at - max_lanes // 2, total - max_lanes)) if around in keys else 0
-        lanes = lanes[first : first + max_lanes]
-        kept = {(lane.segment, lane.serial) for lane in lanes}
-        reuses = [r for r in reuses if (r[1], r[2]) in kept and (r[1], r[3]) in kept]
-        late = [x for x in late if (x.segment, x.ticket) in kept and (x.segment, x.holder) in kept]
-        violations = [v for v in violations if (v[1], v[2]) in kept]
     return Story(history.rid, lanes, reuses, late, violations, end, total)
 
 
