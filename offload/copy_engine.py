@@ -242,21 +242,10 @@ class CopyEngine:
         with ``error`` set (the fail path). Raises ``ValueError`` for bad arguments, before
         anything is launched.
         """
-        n = len(slots)
-        page_size = self.layout.page_size
         if pages.pool is not self.host:
             raise ValueError("the pages belong to another pool")
-        if n == 0 or n > len(pages) * page_size or n <= (len(pages) - 1) * page_size:
-            raise ValueError(f"{n} tokens do not fill {len(pages)} pages of {page_size}")
-        index = torch.as_tensor(slots, dtype=torch.long)
-        if index.dim() != 1:
-            raise ValueError("slots must be one-dimensional")
-        # Range-checking a device tensor would synchronize with the compute stream (a
-        # pipeline stall per offload): indices already on the GPU are the caller's word.
-        if index.device.type == "cpu" and (
-            int(index.min()) < 0 or int(index.max()) >= self.layout.slots
-        ):
-            raise ValueError(f"slot indices out of range [0, {self.layout.slots})")
+        index = self.check(slots, len(pages))
+        n = len(index)
         stream = self._next_stream
         self._next_stream = (stream + 1) % self.streams
         if self.cuda:
@@ -277,6 +266,31 @@ class CopyEngine:
         except Exception as exc:  # a failed copy is data: the fail path
             job.error = exc
         return job
+
+    def check(self, slots: torch.Tensor | Sequence[int], pages: int) -> torch.Tensor:
+        """``slots`` as the index tensor ``launch`` copies from, checked to fill
+        ``pages`` pages (the last may be partial) with slots of this engine's caches (a
+        CUDA tensor's range is not checked: see ``launch``). For a caller that must know a
+        copy will be launched before it commits to it.
+
+        Raises:
+            ValueError: the slots do not fill the pages, are not one-dimensional, or are
+                out of range.
+        """
+        n = len(slots)
+        page_size = self.layout.page_size
+        if n == 0 or n > pages * page_size or n <= (pages - 1) * page_size:
+            raise ValueError(f"{n} tokens do not fill {pages} pages of {page_size}")
+        index = torch.as_tensor(slots, dtype=torch.long)
+        if index.dim() != 1:
+            raise ValueError("slots must be one-dimensional")
+        # Range-checking a device tensor would synchronize with the compute stream (a
+        # pipeline stall per offload): indices already on the GPU are the caller's word.
+        if index.device.type == "cpu" and (
+            int(index.min()) < 0 or int(index.max()) >= self.layout.slots
+        ):
+            raise ValueError(f"slot indices out of range [0, {self.layout.slots})")
+        return index
 
     def _chunks(self, n: int, pages: HostPages) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(first token, tokens, page indices)`` per chunk of at most ``chunk_pages``."""

@@ -107,6 +107,11 @@ class HostPagePool:
         )
 
     @property
+    def allocator(self) -> PageAllocator:
+        """The pool's page accounting (shared with a planner that hands its pages out)."""
+        return self._pages
+
+    @property
     def capacity(self) -> int:
         """Pages in the pool."""
         return self._pages.capacity

@@ -21,6 +21,14 @@ to the pool, ``manager.host.free(...)``, when done with them, e.g. after a backu
 copy hook ([`on_copy()`][kvlife.offload.manager.OffloadManager.on_copy]) may instead take
 each copy's pages as it completes (a backup that starts at once, as SGLang's does).
 
+The manager is kvlife's two offload halves in one process: an
+[`OffloadPlanner`][kvlife.offload.planner.OffloadPlanner] in owner mode (the registry, each
+lifecycle's progress and kept copies, the host pages' account, the copies in flight) and
+an [`OffloadWorker`][kvlife.offload.worker.OffloadWorker] over the copy engine (the
+launches and, under tensor parallelism, the agreement of every rank on what is over).
+What the manager adds is the engine's side: tokens and pages (a partial last page at
+finish), page hashes, device slots and the hooks.
+
 Page hashes: each full page offloaded gets a prefix hash, ``H(previous page's hash, its
 token ids)``, so equal prefixes have equal hashes whichever request computed them. The
 hash function is pluggable ([`PageHasher`][kvlife.offload.manager.PageHasher]): an engine
@@ -30,19 +38,21 @@ whose storage is keyed by its own hash chain (SGLang's HiCache) passes its own.
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias, cast
 
 import torch
 
 from kvlife.fsm.hooks import FirstError, run_all
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import State, Trigger
-from kvlife.offload.completion import CompletionQueue
-from kvlife.offload.copy_engine import CopyEngine, CopyJob
+from kvlife.offload.copy_engine import CopyEngine
 from kvlife.offload.host_pool import HostPages
+from kvlife.offload.planner import OffloadPlanner, Order, PageAccount, Progress
+from kvlife.offload.worker import OffloadWorker
 
 
 class KVSource(Protocol):
@@ -150,17 +160,14 @@ class OffloadStats:
     copies_taken: int = 0
 
 
-@dataclass
-class _Progress:
-    """The manager's bookkeeping of one lifecycle (keyed by its serial, never its rid)."""
+class _Chain:
+    """What the manager keeps with a lifecycle's planner progress (``Progress.note``)."""
 
-    req: Any
-    start: int = 0  # tokens before it were stored elsewhere (register(start=...))
-    launched: int = 0  # tokens whose copy was launched (acked, failed or in flight)
-    prev_hash: PageHash | None = b""
-    inflight: dict[int, HostCopy] = field(default_factory=dict)  # op -> copy
-    acked: list[HostCopy] = field(default_factory=list)
-    failed_at: int | None = None  # first token of the earliest failed copy
+    __slots__ = ("end", "prev")
+
+    def __init__(self, prev: PageHash | None) -> None:
+        self.prev = prev  # the hash the next page chains from
+        self.end = 0  # tokens flushed at finish (the partial last page's end), else 0
 
 
 ReleaseHook = Callable[[Any, OffloadResult], None]
@@ -208,13 +215,16 @@ class OffloadManager:
         self.host = copier.host
         self.page_size = copier.layout.page_size
         self.stride_pages = stride_pages
-        self.registry = registry if registry is not None else LifecycleRegistry()
-        self.queue = CompletionQueue(copier.streams, group=group)
+        #: The scheduler half (owner mode, over the host pool's own page accounting).
+        self.planner = OffloadPlanner(
+            self.host.allocator, registry=registry, hand_over=self._released
+        )
+        self.registry = self.planner.registry
+        #: The worker half (the copies, and every rank's agreement under ``group``).
+        self.worker = OffloadWorker.over(copier, group=group)
         self.stats = OffloadStats()
-        self._progress: dict[int, _Progress] = {}
         self._hooks: list[ReleaseHook] = []
         self._copy_hooks: list[CopyHook] = []
-        self.registry.on_release(self._released)
 
     def on_release(self, hook: ReleaseHook) -> ReleaseHook:
         """Call ``hook(req, result)`` when a request's lifecycle is released (after kvlife
@@ -277,8 +287,8 @@ class OffloadManager:
             if len(ids) != start:
                 raise ValueError(f"token_ids gave {len(ids)} ids for {start} tokens")
             _, prev = self._hash_pages(prev, ids)
-        lc = self.registry.register(req, rid)
-        self._progress[lc.serial] = _Progress(req, start=start, launched=start, prev_hash=prev)
+        lc = self.planner.admit(req, rid, covered=start // self.page_size)
+        self.planner.progress(lc).note = _Chain(prev)
         return lc
 
     def step(self, req: Any) -> Ticket | None:
@@ -292,20 +302,20 @@ class OffloadManager:
             UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
                 as a refused ``start_offload``).
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
+            ValueError: the engine's answers (slots, token ids) do not fit the copy.
+                Nothing changed.
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.START_OFFLOAD)
         if lc.outcome is not None:  # finished or aborted: refused, audited, nothing changes
             self.registry.require(lc, Trigger.START_OFFLOAD)
-        progress = self._progress[lc.serial]
-        full_end = self.source.committed(req) // self.page_size * self.page_size
-        waiting = (full_end - progress.launched) // self.page_size
+        progress = self.planner.progress(lc)
+        full = self.source.committed(req) // self.page_size
+        waiting = full - progress.covered
         if waiting < self.stride_pages:
             return None
         if self.whole_strides:
-            full_end = progress.launched + (
-                waiting // self.stride_pages * self.stride_pages * self.page_size
-            )
-        return self._offload(lc, progress, full_end)
+            full = progress.covered + waiting // self.stride_pages * self.stride_pages
+        return self._offload(lc, progress, full * self.page_size)
 
     def finish(self, req: Any, *, flush: bool = True) -> Lifecycle:
         """Flush the rest of ``req``'s committed tokens (a partial last page included),
@@ -318,13 +328,14 @@ class OffloadManager:
             UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
                 as a refused ``finish``).
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
+            ValueError: the engine's answers do not fit the flush. Nothing changed.
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.FINISH)
         self.registry.require(lc, Trigger.FINISH)
         if flush:
-            progress = self._progress[lc.serial]
+            progress = self.planner.progress(lc)
             committed = self.source.committed(req)
-            if committed > progress.launched:
+            if committed > progress.covered * self.page_size:
                 self._offload(lc, progress, committed)
         return self.registry.finish(lc)
 
@@ -341,55 +352,73 @@ class OffloadManager:
     def poll(self) -> int:
         """Deliver every finished copy (agreed by all ranks under TP); return how many.
         With a process group, every rank must call ``poll`` the same number of times."""
-        return self.queue.poll()
+        first = FirstError()  # deliver the others first: they are done too
+        reports = self.worker.reports()
+        for op, ok in reports:
+            with first:
+                self._completed(op, ok)
+        first.reraise()
+        return len(reports)
 
     def drain(self, timeout_s: float = 60.0) -> int:
-        """Poll until no copy is in flight."""
-        return self.queue.drain(timeout_s=timeout_s)
+        """Poll until no copy is in flight.
+
+        Raises:
+            TimeoutError: copies are still in flight after ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        delivered = 0
+        while self.inflight:
+            delivered += self.poll()
+            if not self.inflight:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.inflight} copies still in flight after {timeout_s}s")
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        return delivered
 
     @property
     def inflight(self) -> int:
         """Copies launched and not yet delivered."""
-        return len(self.queue)
+        return self.planner.inflight
 
     @property
     def inflight_requests(self) -> Mapping[int, Any]:
-        """The copies in flight: copy number -> request (a read-only live view; its length
-        is ``inflight``, a lookup scans the live lifecycles)."""
-        return _InflightRequests(self)
+        """The copies in flight: copy number -> request (a read-only live view of the
+        planner's orders)."""
+        return _InflightRequests(self.planner)
 
     # ------------------------------------------------------------------ internals
 
-    def _offload(self, lc: Lifecycle, progress: _Progress, end: int) -> Ticket | None:
+    def _offload(self, lc: Lifecycle, progress: Progress, end: int) -> Ticket | None:
         self.registry.require(lc, Trigger.START_OFFLOAD)
-        start = progress.launched
+        chain: _Chain = progress.note
+        size = self.page_size
+        first_page = progress.covered
+        start = first_page * size
         tokens = end - start
-        n_pages = -(-tokens // self.page_size)
-        pages = self.host.alloc(n_pages)
-        if pages is None:
+        n_pages = -(-tokens // size)
+        req = progress.req
+        # everything the copy needs, read and checked before it is ordered: a bad answer
+        # from the engine raises here and changes nothing
+        slots = self.copier.check(self.source.slots(req, start, end), n_pages)
+        ids = self.source.token_ids(req, start, end)
+        if len(ids) != tokens:
+            raise ValueError(f"token_ids gave {len(ids)} ids for {tokens} tokens")
+        hashes, prev_hash = self._hash_pages(chain.prev, ids)
+        detail = {"tokens": tokens, "pages": n_pages, "first": start}
+        order = self.planner.store_owned(lc, first_page + n_pages, hashes, detail=detail)
+        if order is None:  # no host memory: nothing changed, tried again later
             self.stats.skipped_no_host_memory += 1
             return None
-        req = progress.req
-        try:
-            slots = self.source.slots(req, start, end)
-            ids = self.source.token_ids(req, start, end)
-            if len(ids) != tokens:
-                raise ValueError(f"token_ids gave {len(ids)} ids for {tokens} tokens")
-            hashes, prev_hash = self._hash_pages(progress.prev_hash, ids)
-            job = self.copier.launch(slots, pages)
-        except BaseException:
-            self.host.free(pages)  # nothing was launched: nothing changes
-            raise
-        # the copy's event is recorded (or the copy ran): only now issue its ticket
-        if self.registry.audited:
-            ticket = self.registry.start_offload(lc, tokens=tokens, pages=n_pages, first=start)
-        else:  # no record is built: no detail to build and check either
-            ticket = self.registry.start_offload(lc)
-        progress.launched = end
-        progress.prev_hash = prev_hash
-        progress.inflight[ticket.op] = HostCopy(start, tokens, pages, hashes)
+        chain.prev = prev_hash
+        if tokens % size:
+            chain.end = end
         self.stats.copies_launched += 1
-        self.queue.push(job, lambda job: self._completed(ticket, job))
+        ticket = self.planner.order(order.op).ticket
+        # the worker copies the checked token slots into the order's pages
+        self.worker.store([order._replace(slots=slots)])  # type: ignore[arg-type]
         return ticket
 
     def _hash_pages(
@@ -409,60 +438,46 @@ class OffloadManager:
             hashes.append(prev)
         return tuple(hashes), prev
 
-    def _completed(self, ticket: Ticket, job: CopyJob) -> None:
-        lc = ticket.lifecycle
-        progress = self._progress.get(lc.serial)
-        copy = progress.inflight.pop(ticket.op, None) if progress is not None else None
-        if progress is None or copy is None:  # pragma: no cover - a queue delivers once
+    def _copy(self, order: Order) -> HostCopy:
+        """The host copy a completed store made (its last page may be partial)."""
+        size = self.page_size
+        first = order.first * size
+        tokens = len(order.pages) * size
+        if order.hashes and order.hashes[-1] is None:  # the flush's partial last page
+            tokens = order.progress.note.end - first
+        hashes = cast("tuple[PageHash | None, ...]", order.hashes)
+        return HostCopy(first, tokens, self.host.pages(order.pages), hashes)
+
+    def _completed(self, op: int, ok: bool) -> None:
+        try:
+            order = self.planner.order(op)
+        except KeyError:  # pragma: no cover - a worker reports each copy once
             self.stats.refused_deliveries += 1
             return
-        ok = job.error is None
+        taken = False
         first = FirstError()  # the other hooks and the delivery still run
         if ok:
-            taken = False
+            copy = self._copy(order)
+            progress = order.progress
             for hook in list(self._copy_hooks):
                 with first:
-                    taken = bool(hook(progress.req, lc, copy)) or taken
+                    taken = bool(hook(progress.req, order.ticket.lifecycle, copy)) or taken
             if taken:
                 self.stats.copies_taken += 1
-            else:
-                progress.acked.append(copy)
             self.stats.copies_acked += 1
             self.stats.tokens_offloaded += copy.tokens
             self.stats.bytes_offloaded += copy.tokens * self.copier.layout.bytes_per_token
         else:
-            self.host.free(copy.pages)
             self.stats.copies_failed += 1
-            if progress.failed_at is None or copy.first_token < progress.failed_at:
-                progress.failed_at = copy.first_token
-        reason = self.registry.deliver(ticket, ok=ok)
-        if reason is not None:  # pragma: no cover - only if the registry was driven behind our back
-            self.stats.refused_deliveries += 1
+        with first:  # delivers the ticket; a release runs the release hooks from here
+            self.planner.report(op, ok, taken=taken)
         first.reraise()
 
-    def _released(self, lc: Lifecycle, req: Any) -> None:
-        progress = self._progress.pop(lc.serial, None)
-        if progress is None:  # a lifecycle this manager did not register
-            return
-        acked = sorted(progress.acked, key=lambda c: c.first_token)
-        kept: list[HostCopy] = []
-        if lc.outcome == "finished":
-            expected = progress.start
-            for copy in acked:
-                if copy.first_token != expected or (
-                    progress.failed_at is not None and copy.first_token > progress.failed_at
-                ):
-                    break
-                kept.append(copy)
-                expected += copy.tokens
-        for copy in acked[len(kept) :]:
-            self.host.free(copy.pages)
+    def _released(self, lc: Lifecycle, req: Any, kept: list[Order]) -> None:
+        """The planner's hand-over: ``lc`` released, ``kept`` its run of stores (ours)."""
+        copies = tuple(self._copy(order) for order in kept)
         result = OffloadResult(
-            lc.rid,
-            lc.serial,
-            lc.outcome or "",
-            sum(c.tokens for c in kept),
-            tuple(kept),
+            lc.rid, lc.serial, lc.outcome or "", sum(c.tokens for c in copies), copies
         )
         first = FirstError()  # the next hook may be the one that frees pages
         with first:
@@ -476,23 +491,26 @@ class OffloadManager:
         """The state of ``req``'s current lifecycle."""
         return self.registry.lifecycle(req).state
 
+    def account(self) -> PageAccount:
+        """Where the host pages are (see
+        [`OffloadPlanner.account()`][kvlife.offload.planner.OffloadPlanner.account]):
+        free, written by copies in flight, kept by live requests; the rest were handed to
+        the hooks."""
+        return self.planner.account()
+
 
 class _InflightRequests(Mapping[int, Any]):
     """[`OffloadManager.inflight_requests`][kvlife.offload.manager.OffloadManager.inflight_requests]:
-    read from the manager's own bookkeeping, nothing kept twice."""
+    read from the planner's orders, nothing kept twice."""
 
-    def __init__(self, manager: OffloadManager) -> None:
-        self._manager = manager
+    def __init__(self, planner: OffloadPlanner) -> None:
+        self._planner = planner
 
     def __len__(self) -> int:
-        return self._manager.inflight
+        return self._planner.inflight
 
     def __iter__(self) -> Iterator[int]:
-        for progress in list(self._manager._progress.values()):
-            yield from list(progress.inflight)
+        return iter(self._planner.ops())
 
     def __getitem__(self, op: int) -> Any:
-        for progress in self._manager._progress.values():
-            if op in progress.inflight:
-                return progress.req
-        raise KeyError(op)
+        return self._planner.order(op).progress.req

@@ -30,19 +30,30 @@ ticket's ``op``), device blocks and host pages; the worker half copies them and 
 each order's copy number back; [`report()`][kvlife.offload.planner.OffloadPlanner.report]
 delivers the ticket when every worker's report is in.
 
-A store copies only blocks the host cache does not hold: a block whose hash is cached is
-refreshed in the eviction order instead, and one that another order is storing right now
-is left to that order. A completed store's pages join the host cache at once (a block's
-hash names its content, whichever request computed it and however it ended); a failed
-store's pages are freed. Every page is in exactly one place of the account (free, cached,
-pinned by loads, or written by stores in flight), so
-[`account()`][kvlife.offload.planner.OffloadPlanner.account] sums to the capacity.
+*Owner mode* (``hand_over`` given; what
+[`OffloadManager`][kvlife.offload.manager.OffloadManager] composes): there is no host
+cache. Each lifecycle keeps the pages of its completed stores, every block is copied (the
+last one may be partial), and at release the lifecycle's pages are handed over: the
+longest run of consecutive stores from its first block, before any failed store, to
+``hand_over(lc, req, orders)``, which owns their pages from then on; the planner frees
+the rest. An order's ``slots`` are empty then: the owner reads the device slots from its
+engine as it launches the copy.
+
+In cache mode (the default), a store copies only blocks the host cache does not hold: a
+block whose hash is cached is refreshed in the eviction order instead, and one that
+another order is storing right now is left to that order. A completed store's pages join
+the host cache at once (a block's hash names its content, whichever request computed it
+and however it ended); a failed store's pages are freed. Every page is in exactly one
+place of the account (free, cached, pinned by loads, written by stores in flight, or kept
+by a live lifecycle in owner mode), so
+[`account()`][kvlife.offload.planner.OffloadPlanner.account] sums to the capacity, less
+the pages handed over in owner mode.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -129,7 +140,8 @@ class LoadOrder(NamedTuple):
 
 @dataclass(frozen=True)
 class PageAccount:
-    """Where every host page is now. ``free + cached + pinned + storing == capacity``.
+    """Where every host page is now. ``free + cached + pinned + storing + kept ==
+    capacity`` (in owner mode, less the pages handed over).
 
     Attributes:
         capacity: host pages in all.
@@ -137,6 +149,8 @@ class PageAccount:
         cached: pages of the host cache that no load reads (evictable).
         pinned: pages of the host cache that loads read now.
         storing: pages that stores in flight write.
+        kept: pages of completed stores that live lifecycles keep (owner mode; 0 in
+            cache mode).
     """
 
     capacity: int
@@ -144,11 +158,13 @@ class PageAccount:
     cached: int
     pinned: int
     storing: int
+    kept: int = 0
 
     @property
     def balanced(self) -> bool:
-        """Whether the four places hold every page exactly once."""
-        return self.free + self.cached + self.pinned + self.storing == self.capacity
+        """Whether the five places hold every page exactly once (in owner mode: whether
+        no page is handed over now)."""
+        return self.free + self.cached + self.pinned + self.storing + self.kept == self.capacity
 
 
 COUNTERS = (
@@ -173,14 +189,23 @@ refused (late or repeated reports, stale instances)."""
 
 
 @dataclass(slots=True)
-class _Order:
+class Order:
+    """An order the planner made, as it keeps it. Read it, never change it."""
+
+    #: The ticket of its copy (``ticket.op`` is its copy number).
     ticket: Ticket
+    #: The device blocks it reads or writes (empty in owner mode).
     slots: tuple[Slot, ...]
+    #: The host pages it writes or reads.
     pages: tuple[int, ...]
-    hashes: tuple[Hashable, ...]  # one per page (stores); empty for loads
+    #: A store's block hashes, one per page (``None`` for a partial block); empty for loads.
+    hashes: tuple[Hashable, ...]
+    #: Whether it is a load.
     load: bool
-    first: int  # the index of its first block among the request's
-    progress: Progress  # its lifecycle's
+    #: The index of its first block among the request's.
+    first: int
+    #: Its lifecycle's progress.
+    progress: Progress
     reported: int = 0
     failed: int = 0
     keep: bool = True  # a store's pages join the cache when it is done (not after a reset)
@@ -202,41 +227,65 @@ class Progress:
     ops: set[int] = field(default_factory=set)
     #: The last lookup's (first block, pages), until a load takes it.
     hit: tuple[int, list[int]] | None = None
+    #: The first block this planner stores for it (``admit(covered=...)``).
+    start: int = 0
+    #: Owner mode: its completed stores whose pages it keeps.
+    kept: list[Order] = field(default_factory=list)
+    #: Owner mode: the first block of its earliest failed store.
+    failed_at: int | None = None
+    #: Whatever the planner's owner keeps with the lifecycle (the manager: its page-hash
+    #: chain); the planner never reads it.
+    note: Any = None
+
+
+HandOver = Callable[[Lifecycle, Any, list[Order]], None]
+"""Owner mode's release hook: ``hand_over(lc, req, orders)`` (see the module's docstring)."""
 
 
 class OffloadPlanner:
     """The scheduler half: plans stores and loads, takes the workers' reports.
 
     Args:
-        pages: host pages the workers hold (one block of every layer each).
+        pages: host pages the workers hold (one block of every layer each), or the
+            [`PageAllocator`][kvlife.offload.pages.PageAllocator] of a pool that holds
+            them (so that pages freed through the pool and through the planner are one
+            account).
         registry: the lifecycle registry (a new one if ``None``); the planner adds a
             release hook to it.
         reporters: workers that must report each order before it is over (the tensor
             parallel world size).
         events: keep a [`CacheEvent`][kvlife.offload.planner.CacheEvent] for every
             change of what the host cache holds, for ``take_events`` (off: none kept).
+        hand_over: owner mode (see the module's docstring): no host cache; each released
+            lifecycle's kept stores go to ``hand_over(lc, req, orders)``.
 
     Raises:
         ValueError: ``pages`` or ``reporters`` is not a positive int.
+        TypeError: ``hand_over`` is not callable.
     """
 
     def __init__(
         self,
-        pages: int,
+        pages: int | PageAllocator,
         *,
         registry: LifecycleRegistry | None = None,
         reporters: int = 1,
         events: bool = False,
+        hand_over: HandOver | None = None,
     ) -> None:
         if not isinstance(reporters, int) or isinstance(reporters, bool) or reporters <= 0:
             raise ValueError(f"reporters must be a positive int, got {reporters!r}")
-        self.allocator = PageAllocator(pages)
+        if hand_over is not None and not callable(hand_over):
+            raise TypeError(f"hand_over needs a callable, got {hand_over!r}")
+        self.allocator = pages if isinstance(pages, PageAllocator) else PageAllocator(pages)
+        self._hand_over = hand_over
+        self._kept_pages = 0
         self.cache = HostPrefixCache()
         self.registry = registry if registry is not None else LifecycleRegistry()
         self.reporters = reporters
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._progress: dict[int, Progress] = {}  # by lifecycle serial
-        self._orders: dict[int, _Order] = {}  # in flight, by copy number
+        self._orders: dict[int, Order] = {}  # in flight, by copy number
         # Invariant: a hash is in _storing while exactly that order writes its page.
         self._storing: dict[Hashable, int] = {}
         self._storing_pages = 0
@@ -250,12 +299,19 @@ class OffloadPlanner:
 
     # ------------------------------------------------------------------ requests
 
-    def admit(self, req: object, rid: str | None = None) -> Lifecycle:
+    def admit(self, req: object, rid: str | None = None, *, covered: int = 0) -> Lifecycle:
         """Register ``req`` (see
         [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]);
-        its errors leave nothing registered."""
+        its errors leave nothing registered. ``covered``: its first blocks that are
+        stored elsewhere already (not stored by this planner).
+
+        Raises:
+            ValueError: ``covered`` is not a non-negative int. Nothing registered.
+        """
+        if not isinstance(covered, int) or isinstance(covered, bool) or covered < 0:
+            raise ValueError(f"covered must be a non-negative int, got {covered!r}")
         lc = self.registry.register(req, rid)
-        self._progress[lc.serial] = Progress(req)
+        self._progress[lc.serial] = Progress(req, covered=covered, start=covered)
         return lc
 
     def progress(self, lc: Lifecycle) -> Progress:
@@ -407,6 +463,54 @@ class OffloadPlanner:
             used += run
         return orders
 
+    def store_owned(
+        self,
+        lc: Lifecycle,
+        full: int,
+        hashes: Sequence[Hashable | None],
+        *,
+        detail: Mapping[str, int | float | str | bool | None] | None = None,
+    ) -> StoreOrder | None:
+        """Owner mode: plan the store of ``lc``'s blocks from the first not stored yet
+        up to ``full`` (the last may be partial: no more are stored after it), named by
+        ``hashes`` (one per block, ``None`` for a partial one). Every block is copied
+        (there is no host cache to hold one). ``detail`` is the audit detail of the
+        store's record (``blocks`` and ``first_block`` if ``None``). Returns ``None``
+        when nothing waits, or when the host pages are too few: then nothing changed
+        (counted as a skipped store) and the blocks are tried again at the next call.
+
+        Raises:
+            RuntimeError: the planner is not in owner mode. Nothing changed.
+            ValueError: ``hashes`` does not name each block once. Nothing changed.
+            KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+            InvalidTransitionError: the state refuses a copy (the registry's refusal,
+                counted and audited). Nothing else changed.
+        """
+        if self._hand_over is None:
+            raise RuntimeError("store_owned needs an owner-mode planner (hand_over)")
+        progress = self._progress[lc.serial]
+        first = progress.covered
+        count = full - first
+        if len(hashes) != max(count, 0):
+            raise ValueError(
+                f"{len(hashes)} hashes for blocks {first}..{full - 1} of {lc!r}: one each"
+            )
+        if count <= 0:
+            return None
+        if not LIFECYCLE.permits(lc.state, _START_OFFLOAD):
+            self.registry.require(lc, _START_OFFLOAD)  # refused: counted, audited, raised
+        pages = self.allocator.alloc(count)
+        if pages is None:
+            self._counts["skipped_stores"] += 1
+            return None
+        try:
+            order = self._order_store(lc, progress, first, pages, hashes, 0, detail)
+        except BaseException:  # the registry refused (another thread): nothing changes
+            self.allocator.free(pages)
+            raise
+        progress.covered = full
+        return order
+
     def _order_store(
         self,
         lc: Lifecycle,
@@ -415,24 +519,28 @@ class OffloadPlanner:
         pages: tuple[int, ...],
         keys: Sequence[Hashable],
         offset: int,
+        detail: Mapping[str, int | float | str | bool | None] | None = None,
     ) -> StoreOrder:
         """One store of blocks ``start ..`` (``len(pages)`` of them) whose hashes are
         ``keys[offset ..]``."""
         count = len(pages)
         slots = tuple(progress.slots[start : start + count])
         names = tuple(keys[offset : offset + count])
-        if self.registry.audited:
-            ticket = self.registry.start_offload(lc, blocks=count, first_block=start)
-        else:  # no record is built: no detail to build and check either
+        if not self.registry.audited:  # no record is built: no detail to build and check
             ticket = self.registry.start_offload(lc)
+        elif detail is None:
+            ticket = self.registry.start_offload(lc, blocks=count, first_block=start)
+        else:
+            ticket = self.registry.start_offload(lc, **detail)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, pages, names, False, start, progress)
+        self._orders[op] = Order(ticket, slots, pages, names, False, start, progress)
         progress.ops.add(op)
         if slots and type(slots[0]) is tuple:  # rows: fenced while read, request running or not
             fences = self._fences
             for block in block_ids(slots):
                 fences.setdefault(block, set()).add(op)
-        self._storing.update(dict.fromkeys(names, op))
+        if self._hand_over is None:  # owner mode: no cache, nothing to store only once
+            self._storing.update(dict.fromkeys(names, op))
         self._storing_pages += count
         return StoreOrder(op, slots, pages, start)
 
@@ -481,19 +589,22 @@ class OffloadPlanner:
         progress.hit = None
         self.cache.pin(taken)
         op = ticket.op
-        self._orders[op] = _Order(ticket, slots, taken, (), True, first, progress)
+        self._orders[op] = Order(ticket, slots, taken, (), True, first, progress)
         progress.ops.add(op)
         progress.covered = max(progress.covered, first + count)  # already on the host
         return LoadOrder(op, slots, taken, first)
 
     # ------------------------------------------------------------------ reports
 
-    def report(self, op: int, ok: bool = True, count: int = 1) -> bool:
+    def report(self, op: int, ok: bool = True, count: int = 1, *, taken: bool = False) -> bool:
         """``count`` workers reported order ``op`` over (``ok``) or failed. When every
         worker reported it, its ticket is delivered (failed if any worker failed) and the
         order's pages go where they belong. Returns whether the order ended now. A report
         for an order already over is delivered again: the registry refuses, counts and
         audits it, and nothing else changes.
+
+        ``taken`` (owner mode): the caller took the pages of the store that ends now
+        (a copy hook that backs them up); the lifecycle does not keep them.
 
         Raises:
             UnknownOrderError: no order ``op`` was made (or it was forgotten). Nothing
@@ -516,10 +627,22 @@ class OffloadPlanner:
         self._over[op] = order.ticket
         if len(self._over) > MAX_REMEMBERED_ORDERS:
             self._over.popitem(last=False)
-        self._ended(op, order)
+        self._ended(op, order, taken)
         return True
 
-    def _ended(self, op: int, order: _Order) -> None:
+    def order(self, op: int) -> Order:
+        """The order ``op`` in flight (read it, never change it).
+
+        Raises:
+            KeyError: no order ``op`` is in flight.
+        """
+        return self._orders[op]
+
+    def ops(self) -> list[int]:
+        """The copy numbers of the orders in flight, oldest first."""
+        return list(self._orders)
+
+    def _ended(self, op: int, order: Order, taken: bool = False) -> None:
         order.progress.ops.discard(op)
         counts, failed = self._counts, order.failed > 0
         if order.load:
@@ -533,24 +656,35 @@ class OffloadPlanner:
             if self._fences:
                 self._lift_fences(op, block_ids(order.slots))
             self._storing_pages -= len(order.pages)
-            storing = self._storing
-            for key in order.hashes:
-                if storing.get(key) == op:
-                    del storing[key]
+            owner = self._hand_over is not None
+            if not owner:
+                storing = self._storing
+                for key in order.hashes:
+                    if storing.get(key) == op:
+                        del storing[key]
             if failed:  # the host copy is incomplete: its pages back
                 counts["store_failures"] += 1
                 self.allocator.free(order.pages)
+                if owner:
+                    progress = order.progress
+                    if progress.failed_at is None or order.first < progress.failed_at:
+                        progress.failed_at = order.first
             else:
                 counts["stores"] += 1
                 counts["stored_blocks"] += len(order.pages)
-                if order.keep:
-                    spare = self.cache.insert_all(order.hashes, order.pages)
-                    if self._events is not None:
-                        self._stored(order, spare)
-                else:  # ordered before a reset: the cache does not take it
-                    spare = list(order.pages)
-                if spare:  # the same content was cached meanwhile
-                    self.allocator.free(spare)
+                if owner:
+                    if not taken:  # the lifecycle keeps them until it is released
+                        order.progress.kept.append(order)
+                        self._kept_pages += len(order.pages)
+                else:
+                    if order.keep:
+                        spare = self.cache.insert_all(order.hashes, order.pages)
+                        if self._events is not None:
+                            self._stored(order, spare)
+                    else:  # ordered before a reset: the cache does not take it
+                        spare = list(order.pages)
+                    if spare:  # the same content was cached meanwhile
+                        self.allocator.free(spare)
         if self.registry.audited:
             self.registry.deliver(order.ticket, not failed, job=op)
         else:
@@ -566,11 +700,27 @@ class OffloadPlanner:
                     del fences[slot]
 
     def _released(self, lc: Lifecycle, req: Any) -> None:
-        self._progress.pop(lc.serial, None)
+        progress = self._progress.pop(lc.serial, None)
+        hand_over = self._hand_over
+        if progress is None or hand_over is None:
+            return
+        kept = sorted(progress.kept, key=lambda order: order.first)
+        self._kept_pages -= sum(len(order.pages) for order in kept)
+        run: list[Order] = []
+        if lc.outcome == "finished":  # the consecutive stores from its first block
+            expected, failed_at = progress.start, progress.failed_at
+            for order in kept:
+                if order.first != expected or (failed_at is not None and order.first > failed_at):
+                    break
+                run.append(order)
+                expected += len(order.pages)
+        for order in kept[len(run) :]:
+            self.allocator.free(order.pages)
+        hand_over(lc, req, run)
 
     # ------------------------------------------------------------------ events
 
-    def _stored(self, order: _Order, spare: list[int]) -> None:
+    def _stored(self, order: Order, spare: list[int]) -> None:
         events = self._events
         assert events is not None
         self._removed()  # what left the cache before these joined it comes first
@@ -652,6 +802,7 @@ class OffloadPlanner:
             cached=len(self.cache) - pinned,
             pinned=pinned,
             storing=self._storing_pages,
+            kept=self._kept_pages,
         )
 
     def counters(self) -> dict[str, int]:

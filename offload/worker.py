@@ -9,6 +9,12 @@ streams and CUDA events on a GPU, synchronous on the CPU) and tells, when polled
 orders are over and which failed, by copy number: the reports the planner counts (it waits
 for every worker's).
 
+Tensor parallelism: a worker given a ``torch.distributed`` group reports a store only
+when it is over on every rank of the group (a
+[`CompletionQueue`][kvlife.offload.completion.CompletionQueue] agrees on it), so every
+rank tells the same reports in the same poll; every rank must then take the same orders
+in the same order and poll as often.
+
 A load must land before the forward pass reads its blocks: on the CPU the copy is done
 when ``load`` returns; on CUDA the current stream waits for the copy's event (a wait
 enqueued on the stream: "only future operations are affected", the host does not block).
@@ -18,10 +24,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import cast
+from functools import partial
+from typing import Any, cast
 
 import torch
 
+from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import KVLayout
@@ -31,9 +39,10 @@ logger = logging.getLogger(__name__)
 
 
 def _blocks(order: StoreOrder | LoadOrder) -> Sequence[int]:
-    """An order's device blocks: block numbers, for one worker (an engine with several KV
-    cache groups splits its rows into one order per group first). Not checked here, on
-    the copy path: the copy engine refuses anything else, and the order fails."""
+    """An order's device blocks (or, for a worker over a token layout, token slots), for
+    one worker (an engine with several KV cache groups splits its rows into one order
+    per group first). Not checked here, on the copy path: the copy engine refuses
+    anything else, and the order fails."""
     return cast("Sequence[int]", order.slots)
 
 
@@ -44,21 +53,37 @@ class OffloadWorker:
         views: the device caches as one ``[blocks, *block]`` view per component (see
             [`block_views()`][kvlife.offload.layout.block_views]).
         pages: host pages (one block of every component each); pinned on CUDA.
+        group: a ``torch.distributed`` group whose ranks must all finish a store before
+            it is reported (see the module's docstring); ``None``: this worker alone.
 
     Raises:
         LayoutError: the views do not make one block layout (nothing allocated).
     """
 
-    def __init__(self, views: list[torch.Tensor], pages: int) -> None:
+    def __init__(self, views: list[torch.Tensor], pages: int, *, group: Any = None) -> None:
         first = views[0]
-        self.layout = KVLayout.blocks(
-            len(views), first.shape[0], tuple(first.shape[1:]), first.dtype
-        )
-        self.host = HostPagePool(self.layout, pages, pin_memory=first.is_cuda)
-        self.copier = CopyEngine(self.layout, views, self.host)
+        layout = KVLayout.blocks(len(views), first.shape[0], tuple(first.shape[1:]), first.dtype)
+        host = HostPagePool(layout, pages, pin_memory=first.is_cuda)
+        self._start(CopyEngine(layout, views, host), group)
+
+    @classmethod
+    def over(cls, copier: CopyEngine, *, group: Any = None) -> OffloadWorker:
+        """A worker over a copy engine (and its host pool) its caller built: an order's
+        ``slots`` are then whatever that engine's ``launch`` copies (token slots for
+        [`OffloadManager`][kvlife.offload.manager.OffloadManager]'s)."""
+        worker = cls.__new__(cls)
+        worker._start(copier, group)
+        return worker
+
+    def _start(self, copier: CopyEngine, group: Any) -> None:
+        self.layout = copier.layout
+        self.host = copier.host
+        self.copier = copier
+        self.queue = CompletionQueue(copier.streams, group=group)
         self._stores: dict[int, CopyJob] = {}  # in flight, by copy number
         self._loads: dict[int, CopyJob] = {}
-        self._failed: set[int] = set()  # refused or failed since the last poll
+        self._over: list[tuple[int, bool]] = []  # stores the queue delivered, in order
+        self._failed: set[int] = set()  # refused since the last poll
         self._load_errors: set[int] = set()  # device blocks a failed load left unwritten
 
     @property
@@ -69,13 +94,21 @@ class OffloadWorker:
     def store(self, orders: Iterable[StoreOrder]) -> None:
         """Launch each order's copy of device blocks into host pages. An order that cannot
         be launched is reported failed by the next ``poll`` (logged with its reason)."""
-        copier, host = self.copier, self.host
+        copier, host, queue = self.copier, self.host, self.queue
         for order in orders:
+            op = order.op
             try:
-                self._stores[order.op] = copier.launch(_blocks(order), host.pages(order.pages))
+                job = copier.launch(_blocks(order), host.pages(order.pages))
             except Exception:  # reported as failed; the planner frees the pages
-                logger.exception("kvlife: store %d could not be launched", order.op)
-                self._failed.add(order.op)
+                logger.exception("kvlife: store %d could not be launched", op)
+                self._failed.add(op)
+                continue
+            self._stores[op] = job
+            queue.push(job, partial(self._stored, op))
+
+    def _stored(self, op: int, job: CopyJob) -> None:
+        del self._stores[op]
+        self._over.append((op, job.error is None))
 
     def load(self, orders: Iterable[LoadOrder]) -> None:
         """Copy each order's host pages into its device blocks, ordered before whatever
@@ -105,18 +138,31 @@ class OffloadWorker:
             if job is not None and job.event is not None:
                 job.event.synchronize()
 
+    def reports(self) -> list[tuple[int, bool]]:
+        """``(copy number, ok)`` of each order over since the last call (each reported
+        once): refused orders, then loads, then stores in the order they completed (on
+        every rank of the group)."""
+        over = [(op, False) for op in sorted(self._failed)]
+        self._failed = set()
+        loads = self._loads
+        for op, job in list(loads.items()):
+            if job.query():
+                del loads[op]
+                job.release_resources()
+                over.append((op, job.error is None))
+        self.queue.poll()  # the stores over (on every rank): into self._over
+        if self._over:
+            over += self._over
+            self._over = []
+        return over
+
     def poll(self) -> tuple[list[int], list[int]]:
         """The copy numbers of the orders over since the last poll, and of those that
-        failed (each reported once)."""
+        failed (each reported once; see ``reports``)."""
         done: list[int] = []
-        failed = sorted(self._failed)
-        self._failed = set()
-        for jobs in (self._loads, self._stores):
-            for op, job in list(jobs.items()):
-                if job.query():
-                    del jobs[op]
-                    job.release_resources()
-                    (done if job.error is None else failed).append(op)
+        failed: list[int] = []
+        for op, ok in self.reports():
+            (done if ok else failed).append(op)
         return done, failed
 
     def take_load_errors(self) -> set[int]:

@@ -25,7 +25,7 @@ from kvlife.fsm import (
     UnknownRequestError,
     check_audit,
 )
-from kvlife.offload import Blake2bPageHasher, KVLayout, OffloadResult
+from kvlife.offload import Blake2bPageHasher, KVLayout, OffloadResult, PageAccount
 from tests.cuda_gate import StreamGate
 from tests.engine import FakeEngine, host_matches
 from tests.strategies import EqByRid, Req
@@ -576,3 +576,33 @@ def test_a_copy_hook_that_raises_takes_nothing_and_delivery_goes_on() -> None:
     assert lc.state is R and seen == [6]  # delivered, released, the next hook ran
     [(_, result)] = engine.results
     assert result.tokens == 6 and engine.manager.stats.copies_taken == 0  # still the manager's
+
+
+def test_the_manager_is_the_two_halves_and_its_page_account_is_public() -> None:
+    """The planner (owner mode, over the pool's own page accounting) and the worker
+    (over the engine's copy engine) are the manager's; its account shows where every
+    host page is: free, written by copies in flight, kept by live requests, or handed to
+    the hooks (the rest)."""
+    engine = FakeEngine(SMALL, defer=True, stride_pages=1, host_pages=8)
+    manager = engine.manager
+    assert manager.planner.allocator is engine.host.allocator
+    assert manager.worker.copier is engine.copier and manager.registry is manager.planner.registry
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 8)
+    ticket = manager.step(req)
+    assert ticket is not None and manager.planner.inflight_of(lc) == {ticket.op}
+    assert manager.account() == PageAccount(8, free=6, cached=0, pinned=0, storing=2, kept=0)
+    assert dict(manager.inflight_requests) == {ticket.op: req}
+    engine.run_all()
+    assert manager.poll() == 1 and manager.account().kept == 2
+    engine.decode(req, 1)
+    manager.finish(req)  # the partial last page: a copy of one page
+    assert manager.account().storing == 1
+    engine.run_all()
+    manager.poll()
+    [(_, result)] = engine.results
+    assert [(c.first_token, c.tokens) for c in result.copies] == [(0, 8), (8, 1)]
+    account = manager.account()
+    assert (account.free, account.storing, account.kept) == (5, 0, 0)  # 3 with the hook
+    assert account.capacity - account.free == sum(len(p) for p in result.pages)

@@ -120,7 +120,7 @@ class ManagerModel(RuleBasedStateMachine):
         if len(self.engine.jobs) == before:
             return
         job = self.engine.jobs[-1][0]
-        op = next(reversed(self.manager._progress[inst.serial].inflight))
+        op = max(self.manager.planner.ops())  # the newest order is the one just made
         self.copies.append(Copy(job, _TICKETS[op], inst.serial))
         inst.inflight += 1
         inst.state = (
@@ -323,11 +323,14 @@ class ManagerModel(RuleBasedStateMachine):
 
     @invariant()
     def host_pages_have_exactly_one_owner(self) -> None:  # design §7.2
+        planner = self.manager.planner
         owners: list[tuple[int, ...]] = [p.indices for p in self.hog + self.kept]
-        for progress in self.manager._progress.values():
-            owners += [c.pages.indices for c in progress.acked]
-            owners += [c.pages.indices for c in progress.inflight.values()]
-        owned = [i for pages in owners for i in pages]
+        managed = [planner.order(op).pages for op in planner.ops()]  # copies in flight
+        for lc in self.manager.registry.lifecycles():
+            managed += [order.pages for order in planner.progress(lc).kept]
+        account = self.manager.account()
+        assert sum(map(len, managed)) == account.storing + account.kept
+        owned = [i for pages in owners + managed for i in pages]
         assert len(owned) == len(set(owned)), "a host page has two owners"
         host = self.engine.host
         assert len(owned) + host.available == host.capacity, "a host page leaked"

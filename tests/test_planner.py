@@ -11,7 +11,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlife.fsm import Lifecycle, LifecycleRegistry, State
+from kvlife.fsm import InvalidTransitionError, Lifecycle, LifecycleRegistry, State
 from kvlife.offload.planner import (
     LoadOrder,
     OffloadPlanner,
@@ -341,3 +341,94 @@ class PlannerModel(RuleBasedStateMachine):
 
 
 test_planner_model = PlannerModel.TestCase
+
+
+# --- owner mode: what OffloadManager composes --------------------------------------------
+
+
+def _owner(pages: int = 8, **kwargs: object) -> tuple[OffloadPlanner, list[tuple[str, list]]]:
+    handed: list[tuple[str, list]] = []
+
+    def hand_over(lc: Lifecycle, req: object, orders: list) -> None:
+        handed.append((lc.rid, [(o.first, o.pages, o.hashes) for o in orders]))
+
+    return OffloadPlanner(pages, hand_over=hand_over, **kwargs), handed  # type: ignore[arg-type]
+
+
+def test_an_owner_copies_every_block_and_hands_its_pages_over_at_release() -> None:
+    planner, handed = _owner()
+    a, b = planner.admit(Req("a"), "a"), planner.admit(Req("b"), "b")
+    first = planner.store_owned(a, 2, ["h0", "h1"])
+    same = planner.store_owned(b, 2, ["h0", "h1"])  # equal content: copied all the same
+    assert first is not None and same is not None
+    assert (first.slots, first.pages, same.pages) == ((), (0, 1), (2, 3))
+    tail = planner.store_owned(a, 3, [None])  # a partial last block
+    assert tail is not None and tail.pages == (4,)
+    for op in (first.op, same.op, tail.op):
+        planner.report(op)
+    assert planner.account() == PageAccount(8, free=3, cached=0, pinned=0, storing=0, kept=5)
+    planner.end(a)
+    assert handed == [("a", [(0, (0, 1), ("h0", "h1")), (2, (4,), (None,))])]
+    assert planner.account().kept == 2 and planner.allocator.available == 3  # a's are out
+    planner.end(b, aborted=True)  # an aborted lifecycle hands nothing over: freed here
+    assert handed[-1] == ("b", []) and planner.allocator.available == 5
+
+
+def test_an_owner_hands_over_the_run_before_the_first_failed_store() -> None:
+    planner, handed = _owner()
+    lc = planner.admit(Req("a"), "a", covered=1)  # block 0 was stored elsewhere
+    orders = [planner.store_owned(lc, n, [f"h{n}"]) for n in (2, 3, 4)]
+    ops = [order.op for order in orders if order is not None]
+    assert [order.first for order in orders if order is not None] == [1, 2, 3]
+    planner.report(ops[2])
+    planner.report(ops[1], ok=False)  # its pages go back at once
+    planner.report(ops[0])
+    assert planner.account().kept == 2 and planner.allocator.available == 6
+    planner.end(lc)
+    assert handed == [("a", [(1, (0,), ("h2",))])]  # block 3 follows the failed block 2
+    assert planner.allocator.available == 7  # block 3's page was freed, block 1's handed
+
+
+def test_an_owner_store_a_caller_took_is_not_kept() -> None:
+    planner, handed = _owner()
+    lc = planner.admit(Req("a"), "a")
+    order = planner.store_owned(lc, 1, ["h0"])
+    assert order is not None
+    planner.report(order.op, taken=True)
+    assert planner.account().kept == 0 and planner.allocator.available == 7
+    planner.end(lc)
+    assert handed == [("a", [])] and planner.allocator.available == 7  # still the caller's
+
+
+def test_owner_stores_that_cannot_be_made_change_nothing() -> None:
+    planner, _ = _owner(pages=2)
+    lc = planner.admit(Req("a"), "a")
+    with pytest.raises(ValueError, match="one each"):
+        planner.store_owned(lc, 2, ["h0"])
+    assert planner.store_owned(lc, 3, ["h0", "h1", "h2"]) is None  # 3 pages of 2
+    assert planner.counters()["skipped_stores"] == 1
+    assert planner.progress(lc).covered == 0 and planner.allocator.available == 2
+    assert planner.store_owned(lc, 0, []) is None
+    planner.end(lc)
+    with pytest.raises(KeyError):
+        planner.store_owned(lc, 1, ["h0"])
+    with pytest.raises(RuntimeError, match="owner-mode"):
+        OffloadPlanner(2).store_owned(lc, 1, ["h0"])
+    with pytest.raises(TypeError, match="hand_over"):
+        OffloadPlanner(2, hand_over="not callable")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="covered"):
+        planner.admit(Req("b"), "b", covered=-1)
+    assert planner.allocator.available == 2 and "b" not in {
+        x.rid for x in planner.registry.lifecycles()
+    }
+
+
+def test_an_owner_store_the_state_refuses_takes_no_page() -> None:
+    planner, _ = _owner()
+    lc = planner.admit(Req("a"), "a")
+    first = planner.store_owned(lc, 1, ["h0"])
+    assert first is not None
+    planner.end(lc)  # finished, its store still in flight
+    with pytest.raises(InvalidTransitionError):
+        planner.store_owned(lc, 2, ["h1"])
+    assert planner.allocator.available == 7 and planner.progress(lc).covered == 1

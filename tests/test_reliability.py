@@ -85,7 +85,7 @@ class World:
             self.engine.host.available,
             tuple(self.engine.host.is_allocated(i) for i in range(self.engine.host.capacity)),
             self.engine.manager.stats,
-            len(self.engine.manager.queue),
+            self.engine.manager.inflight,
             len(self.engine.free_slots),
         )
 

@@ -6,7 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlife.offload import LayoutError, LoadOrder, OffloadWorker, StoreOrder, block_views
+from kvlife.offload import (
+    CopyEngine,
+    CopyJob,
+    HostPagePool,
+    KVLayout,
+    LayoutError,
+    LoadOrder,
+    OffloadWorker,
+    StoreOrder,
+    block_views,
+)
 
 BLOCKS = 8
 
@@ -95,3 +105,31 @@ def test_a_row_of_several_groups_given_to_one_worker_fails_that_order_only() -> 
     done, failed = worker.poll()
     assert (done, failed) == ([2], [1])
     assert all(torch.equal(caches[n], before[n]) for n in caches)
+
+
+def test_a_worker_over_a_token_copy_engine_reports_each_streams_stores_in_order() -> None:
+    """What OffloadManager composes: a worker over the engine's own copy engine (token
+    slots into pages of 4 tokens). A store is reported only once the stores launched
+    before it on its stream are over, each once, with its outcome."""
+    layout = KVLayout.mla(layers=1, slots=16, latent_dim=2, dtype=torch.float32, page_size=4)
+    cache = torch.arange(16 * 2, dtype=torch.float32).reshape(16, 2)
+    host = HostPagePool(layout, 4, pin_memory=False)
+    copier = CopyEngine(layout, [cache], host, defer=True)
+    jobs: list[CopyJob] = []
+    launch = copier.launch
+
+    def recording_launch(slots: object, pages: object) -> CopyJob:
+        job = launch(slots, pages)  # type: ignore[arg-type]
+        jobs.append(job)
+        return job
+
+    copier.launch = recording_launch  # type: ignore[method-assign]
+    worker = OffloadWorker.over(copier)
+    assert worker.host is host and worker.layout is layout
+    worker.store([StoreOrder(7, (0, 1, 2, 3), (0,), 0), StoreOrder(8, (4, 5), (1,), 1)])
+    assert worker.inflight == 2 and worker.reports() == []
+    jobs[1].run()  # the later copy ran first: not reported before the earlier one
+    assert worker.reports() == []
+    jobs[0].run()
+    assert worker.reports() == [(7, True), (8, True)] and worker.inflight == 0
+    assert torch.equal(host.read_tokens([1], 2)[0], cache[4:6])
