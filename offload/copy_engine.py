@@ -231,7 +231,9 @@ class CopyEngine:
         (``fired`` and ``waiting`` count them); ``None`` with polling."""
         return self._callbacks
 
-    def launch(self, slots: torch.Tensor | Sequence[int], pages: HostPages) -> CopyJob:
+    def launch(
+        self, slots: torch.Tensor | Sequence[int], pages: HostPages, *, checked: bool = False
+    ) -> CopyJob:
         """Copy the KV of ``slots`` (token order) into ``pages`` (filled in order).
 
         ``slots`` on the CPU (a list or CPU tensor) are range-checked; a CUDA tensor is
@@ -240,11 +242,15 @@ class CopyEngine:
         Returns the job once its completion event is recorded (CUDA), its copy ran (CPU),
         or it is deferred. A copy that raises while running is returned as a finished job
         with ``error`` set (the fail path). Raises ``ValueError`` for bad arguments, before
-        anything is launched.
+        anything is launched. ``checked``: ``slots`` is what ``check`` returned for these
+        pages (not checked again).
         """
         if pages.pool is not self.host:
             raise ValueError("the pages belong to another pool")
-        index = self.check(slots, len(pages))
+        if checked and isinstance(slots, torch.Tensor):
+            index = slots
+        else:
+            index = self.check(slots, len(pages))
         n = len(index)
         stream = self._next_stream
         self._next_stream = (stream + 1) % self.streams

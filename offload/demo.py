@@ -90,8 +90,10 @@ class DemoEngine:
         """Record which slots each copy reads until it finishes."""
         launch = copier.launch
 
-        def watched(slots: Sequence[int] | torch.Tensor, pages: HostPages) -> CopyJob:
-            job = launch(slots, pages)
+        def watched(
+            slots: Sequence[int] | torch.Tensor, pages: HostPages, *, checked: bool = False
+        ) -> CopyJob:
+            job = launch(slots, pages, checked=checked)
             self.jobs[id(job)] = job
             self.reading[id(job)] = [int(s) for s in slots]
             return job

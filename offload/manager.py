@@ -418,7 +418,7 @@ class OffloadManager:
         self.stats.copies_launched += 1
         ticket = self.planner.order(order.op).ticket
         # the worker copies the checked token slots into the order's pages
-        self.worker.store([order._replace(slots=slots)])  # type: ignore[arg-type]
+        self.worker.store([order._replace(slots=slots)], checked=True)  # type: ignore[arg-type]
         return ticket
 
     def _hash_pages(

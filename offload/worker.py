@@ -91,14 +91,16 @@ class OffloadWorker:
         """Copies launched and not yet reported by ``poll``."""
         return len(self._stores) + len(self._loads)
 
-    def store(self, orders: Iterable[StoreOrder]) -> None:
+    def store(self, orders: Iterable[StoreOrder], *, checked: bool = False) -> None:
         """Launch each order's copy of device blocks into host pages. An order that cannot
-        be launched is reported failed by the next ``poll`` (logged with its reason)."""
+        be launched is reported failed by the next ``poll`` (logged with its reason).
+        ``checked``: each order's ``slots`` is the tensor the copy engine's ``check``
+        returned for it (not checked again)."""
         copier, host, queue = self.copier, self.host, self.queue
         for order in orders:
             op = order.op
             try:
-                job = copier.launch(_blocks(order), host.pages(order.pages))
+                job = copier.launch(_blocks(order), host.pages(order.pages), checked=checked)
             except Exception:  # reported as failed; the planner frees the pages
                 logger.exception("kvlife: store %d could not be launched", op)
                 self._failed.add(op)

@@ -59,8 +59,8 @@ class FakeEngine:
         self.jobs: list[tuple[CopyJob, list[int]]] = []
         launch = self.copier.launch
 
-        def recording_launch(slots: Any, pages: HostPages) -> CopyJob:
-            job = launch(slots, pages)
+        def recording_launch(slots: Any, pages: HostPages, **how: Any) -> CopyJob:
+            job = launch(slots, pages, **how)
             self.jobs.append((job, [int(s) for s in slots]))
             return job
 

@@ -118,8 +118,8 @@ def test_a_worker_over_a_token_copy_engine_reports_each_streams_stores_in_order(
     jobs: list[CopyJob] = []
     launch = copier.launch
 
-    def recording_launch(slots: object, pages: object) -> CopyJob:
-        job = launch(slots, pages)  # type: ignore[arg-type]
+    def recording_launch(slots: object, pages: object, **how: bool) -> CopyJob:
+        job = launch(slots, pages, **how)  # type: ignore[arg-type]
         jobs.append(job)
         return job
 

@@ -462,8 +462,8 @@ class JobRecorder:
         self.jobs: list[Any] = []
         launch = manager.copier.launch
 
-        def recording(slots: Any, pages: Any) -> Any:
-            job = launch(slots, pages)
+        def recording(slots: Any, pages: Any, **how: Any) -> Any:
+            job = launch(slots, pages, **how)
             self.jobs.append(job)
             return job
 
