@@ -98,15 +98,29 @@ class CompletionQueue:
         return delivered
 
     def drain(self, *, timeout_s: float = 60.0) -> int:
-        """Poll until nothing is in flight (synchronizing CUDA between polls)."""
-        deadline = time.monotonic() + timeout_s
-        delivered = 0
-        while len(self):
-            delivered += self.poll()
-            if not len(self):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(self)} copies still in flight after {timeout_s}s")
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        return delivered
+        """Poll until nothing is in flight (see
+        [`poll_until_idle()`][kvlife.offload.completion.poll_until_idle])."""
+        return poll_until_idle(self.poll, self.__len__, timeout_s)
+
+
+def poll_until_idle(
+    poll: Callable[[], int], inflight: Callable[[], int], timeout_s: float = 60.0
+) -> int:
+    """Call ``poll`` until ``inflight()`` is 0, synchronizing CUDA between polls; return
+    the sum of what the polls returned.
+
+    Raises:
+        TimeoutError: copies are still in flight after ``timeout_s`` seconds (the
+            deliveries made until then stay made).
+    """
+    deadline = time.monotonic() + timeout_s
+    delivered = 0
+    while inflight():
+        delivered += poll()
+        if not inflight():
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{inflight()} copies still in flight after {timeout_s}s")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return delivered

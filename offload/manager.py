@@ -38,7 +38,6 @@ whose storage is keyed by its own hash chain (SGLang's HiCache) passes its own.
 from __future__ import annotations
 
 import hashlib
-import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ import torch
 from kvlife.fsm.hooks import FirstError, run_all
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import State, Trigger
+from kvlife.offload.completion import poll_until_idle
 from kvlife.offload.copy_engine import CopyEngine
 from kvlife.offload.host_pool import HostPages
 from kvlife.offload.planner import OffloadPlanner, Order, PageAccount, Progress
@@ -366,17 +366,7 @@ class OffloadManager:
         Raises:
             TimeoutError: copies are still in flight after ``timeout_s`` seconds.
         """
-        deadline = time.monotonic() + timeout_s
-        delivered = 0
-        while self.inflight:
-            delivered += self.poll()
-            if not self.inflight:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.inflight} copies still in flight after {timeout_s}s")
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        return delivered
+        return poll_until_idle(self.poll, lambda: self.planner.inflight, timeout_s)
 
     @property
     def inflight(self) -> int:
