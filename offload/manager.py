@@ -382,7 +382,8 @@ class OffloadManager:
     # ------------------------------------------------------------------ internals
 
     def _offload(self, lc: Lifecycle, progress: Progress, end: int) -> Ticket | None:
-        self.registry.require(lc, Trigger.START_OFFLOAD)
+        # step and finish let only a lifecycle that may start a copy get here (the
+        # planner's store refuses any other, audited)
         chain: _Chain = progress.note
         size = self.page_size
         first_page = progress.covered
@@ -397,7 +398,9 @@ class OffloadManager:
         if len(ids) != tokens:
             raise ValueError(f"token_ids gave {len(ids)} ids for {tokens} tokens")
         hashes, prev_hash = self._hash_pages(chain.prev, ids)
-        detail = {"tokens": tokens, "pages": n_pages, "first": start}
+        detail = (
+            {"tokens": tokens, "pages": n_pages, "first": start} if self.registry.audited else None
+        )
         order = self.planner.store_owned(lc, first_page + n_pages, hashes, detail=detail)
         if order is None:  # no host memory: nothing changed, tried again later
             self.stats.skipped_no_host_memory += 1
@@ -428,15 +431,17 @@ class OffloadManager:
             hashes.append(prev)
         return tuple(hashes), prev
 
+    def _tokens(self, order: Order) -> int:
+        """The tokens a store copies (its last page may be the flush's partial one)."""
+        if order.hashes[-1] is None:  # the flush's partial last page
+            return int(order.progress.note.end) - order.first * self.page_size
+        return len(order.pages) * self.page_size
+
     def _copy(self, order: Order) -> HostCopy:
-        """The host copy a completed store made (its last page may be partial)."""
-        size = self.page_size
-        first = order.first * size
-        tokens = len(order.pages) * size
-        if order.hashes and order.hashes[-1] is None:  # the flush's partial last page
-            tokens = order.progress.note.end - first
+        """The host copy a completed store made."""
         hashes = cast("tuple[PageHash | None, ...]", order.hashes)
-        return HostCopy(first, tokens, self.host.pages(order.pages), hashes)
+        pages = self.host.pages(order.pages)
+        return HostCopy(order.first * self.page_size, self._tokens(order), pages, hashes)
 
     def _completed(self, op: int, ok: bool) -> None:
         try:
@@ -447,16 +452,18 @@ class OffloadManager:
         taken = False
         first = FirstError()  # the other hooks and the delivery still run
         if ok:
-            copy = self._copy(order)
-            progress = order.progress
-            for hook in list(self._copy_hooks):
-                with first:
-                    taken = bool(hook(progress.req, order.ticket.lifecycle, copy)) or taken
+            if self._copy_hooks:  # the host copy is built for the hooks only
+                copy = self._copy(order)
+                req, lc = order.progress.req, order.ticket.lifecycle
+                for hook in list(self._copy_hooks):
+                    with first:
+                        taken = bool(hook(req, lc, copy)) or taken
             if taken:
                 self.stats.copies_taken += 1
+            tokens = self._tokens(order)
             self.stats.copies_acked += 1
-            self.stats.tokens_offloaded += copy.tokens
-            self.stats.bytes_offloaded += copy.tokens * self.copier.layout.bytes_per_token
+            self.stats.tokens_offloaded += tokens
+            self.stats.bytes_offloaded += tokens * self.copier.layout.bytes_per_token
         else:
             self.stats.copies_failed += 1
         with first:  # delivers the ticket; a release runs the release hooks from here
