@@ -4,7 +4,8 @@ Subcommands::
 
     kvlife demo [--seed N] [--requests N] [--device cpu|cuda] [--out DIR]
     kvlife diagram [--format dot|svg|png|mermaid] [--from-log LOG] [-o FILE]
-    kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--accept-table D]
+    kvlife audit check LOG [--json] [--expect-released] [--allow-lost] [--overdue-fails]
+                       [--accept-table D]
     kvlife audit stats LOG [--json]
     kvlife audit why LOG (--rid RID | --serial N [--segment INDEX|ID]) [-o STORY.svg|.png]
     kvlife audit report LOG -o FILE.html [--accept-table D]
@@ -205,6 +206,11 @@ def _verdict_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="records a failing sink reported as lost do not fail the verdict",
     )
+    parser.add_argument(
+        "--overdue-fails",
+        action="store_true",
+        help="every ticket written as overdue is a violation, even one that completed later",
+    )
 
 
 def _checker(args: argparse.Namespace) -> AuditChecker:
@@ -212,6 +218,7 @@ def _checker(args: argparse.Namespace) -> AuditChecker:
     return AuditChecker(
         expect_released=getattr(args, "expect_released", False),
         accept_tables=getattr(args, "accept_table", ()),
+        overdue_fails=getattr(args, "overdue_fails", False),
     )
 
 
@@ -650,6 +657,7 @@ def _audit(args: argparse.Namespace) -> int:
     checker = AuditChecker(
         expect_released=args.audit_command == "check" and args.expect_released,
         accept_tables=getattr(args, "accept_table", ()),
+        overdue_fails=args.audit_command == "check" and args.overdue_fails,
     )
     report = _check(args.log, reader, checker)
     if args.audit_command == "check":
@@ -707,6 +715,8 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
                         for m in report.lost
                     ],
                     "violation_count": report.violation_count,
+                    "overdue": report.overdue,
+                    "overdue_completed": report.overdue_completed,
                     "violations": [vars(v) | {"meaning": v.meaning} for v in report.violations],
                     "live": [vars(i) for i in report.live[:1000]],
                     "live_count": len(report.live),
@@ -737,6 +747,13 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
         print(v.line())
     if report.violation_count > 50:
         print(f"... {report.violation_count - 50} more violations")
+    if report.overdue:
+        late = report.overdue_completed
+        counted = "" if not late or args.overdue_fails else " (not violations: --overdue-fails)"
+        print(
+            f"overdue: {report.overdue} ticket(s) open longer than their limit while the log "
+            f"was written, {late} of them completed later{counted}"
+        )
     print(verdict)
     return result.exit_status
 

@@ -41,6 +41,7 @@ from kvlife.fsm.errors import (
     UnknownRequestError,
     WrongThreadError,
 )
+from kvlife.fsm.overdue import DEFAULT_OVERDUE_S, OverdueWatch
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, RegistryStatistics, Ticket
 from kvlife.fsm.table import LIFECYCLE, LIFECYCLE_EDGES, Edge, Guard, State, Trigger
 
@@ -68,6 +69,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DEFAULT_OVERDUE_S",
     "LIFECYCLE",
     "LIFECYCLE_EDGES",
     "AuditChecker",
@@ -88,6 +90,7 @@ __all__ = [
     "LoggingSink",
     "LostRecords",
     "MemorySink",
+    "OverdueWatch",
     "ProtocolViolationError",
     "Reason",
     "RegistryStatistics",

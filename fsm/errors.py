@@ -36,15 +36,18 @@ Reason = Literal[
     "stray_report",
     "connector_raised",
     "event_mismatch",
+    "overdue",
 ]
 """Why a transition was refused. The audit log's ``reason`` field uses exactly these strings.
 
-The first six are the registry's own refusals. The last three are verdicts on a component
+The first six are the registry's own refusals. The last four are verdicts on a component
 kvlife watches (see [`ProtocolViolationError`][kvlife.fsm.errors.ProtocolViolationError]):
-``kvlife audit check`` counts them as violations."""
+``kvlife audit check`` counts the first three as violations, and ``overdue`` (a ticket open
+longer than its limit, see [`OverdueWatch`][kvlife.fsm.overdue.OverdueWatch]) as one only
+when the ticket never completed afterwards (or when asked to count every one)."""
 
 PROTOCOL_REASONS: frozenset[Reason] = frozenset(
-    ("stray_report", "connector_raised", "event_mismatch")
+    ("stray_report", "connector_raised", "event_mismatch", "overdue")
 )
 """The reasons that are verdicts on a watched component, not refusals of the registry."""
 

@@ -208,6 +208,11 @@ class Ticket(metaclass=NoPublicConstructor):
         return self._lc._rid
 
     @property
+    def done(self) -> bool:
+        """Whether its completion (``ack`` or ``fail``) was applied."""
+        return not self._open
+
+    @property
     def serial(self) -> int:
         """The serial of the ticket's lifecycle."""
         return self._lc._serial

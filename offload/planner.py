@@ -57,6 +57,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvlife.fsm.overdue import OverdueWatch
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 from kvlife.offload.pages import PageAllocator, page_runs
@@ -258,9 +259,12 @@ class OffloadPlanner:
             change of what the host cache holds, for ``take_events`` (off: none kept).
         hand_over: owner mode (see the module's docstring): no host cache; each released
             lifecycle's kept stores go to ``hand_over(lc, req, orders)``.
+        overdue: an [`OverdueWatch`][kvlife.fsm.overdue.OverdueWatch] over ``registry``
+            that every store and load ticket is handed to (its owner calls ``check``).
 
     Raises:
-        ValueError: ``pages`` or ``reporters`` is not a positive int.
+        ValueError: ``pages`` or ``reporters`` is not a positive int, or ``overdue``
+            watches another registry.
         TypeError: ``hand_over`` is not callable.
     """
 
@@ -272,6 +276,7 @@ class OffloadPlanner:
         reporters: int = 1,
         events: bool = False,
         hand_over: HandOver | None = None,
+        overdue: OverdueWatch | None = None,
     ) -> None:
         if not isinstance(reporters, int) or isinstance(reporters, bool) or reporters <= 0:
             raise ValueError(f"reporters must be a positive int, got {reporters!r}")
@@ -282,6 +287,9 @@ class OffloadPlanner:
         self._kept_pages = 0
         self.cache = HostPrefixCache()
         self.registry = registry if registry is not None else LifecycleRegistry()
+        if overdue is not None and overdue.registry is not self.registry:
+            raise ValueError("the overdue watch must watch the planner's registry")
+        self.overdue = overdue
         self.reporters = reporters
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._progress: dict[int, Progress] = {}  # by lifecycle serial
@@ -533,6 +541,8 @@ class OffloadPlanner:
         else:
             ticket = self.registry.start_offload(lc, **detail)
         op = ticket.op
+        if self.overdue is not None:
+            self.overdue.opened(ticket, "store")
         self._orders[op] = Order(ticket, slots, pages, names, False, start, progress)
         progress.ops.add(op)
         if slots and type(slots[0]) is tuple:  # rows: fenced while read, request running or not
@@ -589,6 +599,8 @@ class OffloadPlanner:
         progress.hit = None
         self.cache.pin(taken)
         op = ticket.op
+        if self.overdue is not None:
+            self.overdue.opened(ticket, "load")
         self._orders[op] = Order(ticket, slots, taken, (), True, first, progress)
         progress.ops.add(op)
         progress.covered = max(progress.covered, first + count)  # already on the host
@@ -810,7 +822,8 @@ class OffloadPlanner:
         [`COUNTERS`][kvlife.offload.planner.COUNTERS])."""
         counts = dict(self._counts)
         counts["evictions"] = self.cache.stats.evictions
-        counts["refusals"] = sum(self.registry.refusals.values())
+        refusals = self.registry.refusals
+        counts["refusals"] = sum(refusals.values()) - refusals["overdue"]  # not a refusal
         return counts
 
     def __repr__(self) -> str:

@@ -186,6 +186,7 @@ AT = {
     "illegal_transition": 2,
     "inflight_mismatch": 4,
     "leaked": None,
+    "overdue": 6,
     "seq_gap": 5,
     "serial_reused": 7,
     "state_mismatch": 6,

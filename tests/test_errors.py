@@ -62,8 +62,9 @@ def test_each_reason_belongs_to_exactly_one_error_class() -> None:
         "stray_report",
         "connector_raised",
         "event_mismatch",
+        "overdue",
     )
-    assert {"stray_report", "connector_raised", "event_mismatch"} == PROTOCOL_REASONS
+    assert {"stray_report", "connector_raised", "event_mismatch", "overdue"} == PROTOCOL_REASONS
 
 
 def test_a_protocol_violation_carries_its_own_reason() -> None:

@@ -84,6 +84,28 @@ def _unreported(lines: list[Line]) -> list[Line]:
     return [header | {"witness": "ExampleConnector"}, *records[:-2]]
 
 
+def _overdue(lines: list[Line]) -> list[Line]:
+    """Copy 1 of #1 written down as overdue while it was open, then never completed: its
+    ack and the finish after it are cut."""
+    *kept, _, _ = lines
+    return [
+        *kept,
+        dict(kept[-1])
+        | {
+            "seq": kept[-1]["seq"] + 1,
+            "serial": 1,
+            "trigger": "ack",
+            "src": "offloading",
+            "dst": None,
+            "ok": False,
+            "reason": "overdue",
+            "op": 1,
+            "inflight": 1,
+            "detail": {"kind": "store", "age_s": 130.5, "limit_s": 120.0},
+        },
+    ]
+
+
 #: One edit of the clean log per violation kind (``leaked`` needs ``--expect-released``).
 EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
     "seq_gap": _drop(4),
@@ -105,6 +127,7 @@ EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
     ),
     "event_mismatch": _verdict("event_mismatch", event="BlockStored", why="tokens"),
     "unreported": _unreported,
+    "overdue": _overdue,
 }
 #: The kinds that are about no record (they are in the verdict's list only).
 UNRECORDED = frozenset({"leaked", "unreported"})

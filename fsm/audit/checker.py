@@ -10,7 +10,10 @@ Verdicts on a watched component (a log written by a wrapper around a vLLM connec
 a refused record whose reason is one of
 [`PROTOCOL_REASONS`][kvlife.fsm.errors.PROTOCOL_REASONS] is a violation of that name, and in a
 segment whose header names a ``witness`` every ticket still open at the segment's end is
-one (``unreported``).
+one (``unreported``). An ``overdue`` record (a ticket open longer than its limit, written
+while the engine ran) is a violation only when the ticket never completed in its segment
+afterwards, unless the checker is asked to count every one (``overdue_fails``); the others
+are counted in ``report.overdue_completed``.
 
 Rules, per segment (each segment is its own serial and ``seq`` space): ``seq`` is
 gap-free, except where a [`LostRecords`][kvlife.fsm.audit.records.LostRecords] marker says a failing
@@ -54,6 +57,7 @@ ViolationKind = Literal[
     "connector_raised",
     "event_mismatch",
     "unreported",
+    "overdue",
 ]
 
 
@@ -113,6 +117,7 @@ VIOLATION_MEANINGS: Final[dict[str, str]] = {
     "connector_raised": "the watched component raised while handling this lifecycle",
     "event_mismatch": "an event the watched component published contradicts what the engine holds",
     "unreported": "a ticket of the watched component was still open when its log ended",
+    "overdue": "a ticket stayed open longer than its limit (and never completed afterwards)",
 }
 
 
@@ -175,6 +180,11 @@ class AuditReport:
     reused_while_unreleased: int = 0
     #: The first [`MAX_REUSES`][kvlife.fsm.audit.checker.MAX_REUSES] of them, in log order.
     reuses: list[RidReuse] = field(default_factory=list)
+    #: Tickets written down as overdue while the log was written.
+    overdue: int = 0
+    #: Of those, the ones that completed later in their segment (not violations unless
+    #: the check counts every overdue ticket).
+    overdue_completed: int = 0
 
     @property
     def ok(self) -> bool:
@@ -278,6 +288,7 @@ class _SegmentState:
         "lost",
         "op_owner",
         "ops",
+        "overdue",
         "partial",
         "previous_seq",
         "serials",
@@ -291,6 +302,8 @@ class _SegmentState:
         self.serials = _Marks()
         self.ops = _Marks()
         self.op_owner: dict[int, int] = {}  # copies in flight: op -> serial
+        # overdue copies not completed yet: op -> (seq, serial, rid, message)
+        self.overdue: dict[int, tuple[int, int | None, str | None, str]] = {}
         self.lost: list[tuple[int, int]] = []
         self.previous_seq: int | None = None
         self.partial = False  # the segment's history before some record is unknown
@@ -320,6 +333,8 @@ class AuditChecker:
             except uncertain ones (their release may be among lost records).
         accept_tables: table digests to replay as if they were this kvlife's table.
         keep_instances: keep every instance's final state in ``report.instances``.
+        overdue_fails: every ``overdue`` record is a violation, even when its ticket
+            completed later.
     """
 
     def __init__(
@@ -328,8 +343,10 @@ class AuditChecker:
         expect_released: bool = False,
         accept_tables: Iterable[str] = (),
         keep_instances: bool = False,
+        overdue_fails: bool = False,
     ) -> None:
         self.expect_released = expect_released
+        self.overdue_fails = overdue_fails
         self.accept_tables = frozenset(accept_tables) | {LIFECYCLE.digest}
         self.keep_instances = keep_instances
         self.report = AuditReport()
@@ -425,7 +442,9 @@ class AuditChecker:
         if not r.ok:
             reason = r.reason or "?"
             report.refusals[reason] = report.refusals.get(reason, 0) + 1
-            if reason in PROTOCOL_REASONS:
+            if reason == "overdue":
+                self._overdue(seg, r)
+            elif reason in PROTOCOL_REASONS:
                 said = " ".join(f"{k}={v}" for k, v in r.detail.items())
                 self._bad(
                     reason,  # type: ignore[arg-type]  # the protocol reasons are kinds too
@@ -510,6 +529,18 @@ class AuditChecker:
         if inst.state == _RELEASED:
             self._release(seg, inst, serial)
 
+    def _overdue(self, seg: _SegmentState, r: AuditRecord) -> None:
+        self.report.overdue += 1
+        detail = r.detail
+        message = (
+            f"{detail.get('kind', 'ticket')} (copy {r.op}) open {detail.get('age_s', '?')} s, "
+            f"longer than {detail.get('limit_s', '?')} s"
+        )
+        if self.overdue_fails or r.op is None or seg.ops.get(r.op) == _DONE:
+            self._bad("overdue", r.seq, r.serial, message, rid=r.rid)
+        else:
+            seg.overdue[r.op] = (r.seq, r.serial, r.rid, message)
+
     def _register(self, seg: _SegmentState, r: AuditRecord, serial: int) -> None:
         report = self.report
         if serial in seg.live or seg.serials.get(serial):
@@ -573,6 +604,8 @@ class AuditChecker:
             self._bad("unknown_op", r.seq, serial, f"{r.trigger} without a copy number", rid=r.rid)
             return
         owner = seg.op_owner.pop(op, None)
+        if seg.overdue and seg.overdue.pop(op, None) is not None:
+            self.report.overdue_completed += 1
         if owner is None:
             if seg.ops.get(op) == _DONE:
                 self._bad(
@@ -620,6 +653,8 @@ class AuditChecker:
         seg = self._segment
         if seg is None:
             return
+        for seq, serial, rid, message in seg.overdue.values():
+            self._bad("overdue", seq, serial, f"{message}; never completed", rid=rid)
         if seg.witness:
             open_ops: dict[int, list[int]] = {}
             for op, owner in seg.op_owner.items():
@@ -696,6 +731,7 @@ def check_audit(
     expect_released: bool = False,
     accept_tables: Iterable[str] = (),
     keep_instances: bool = False,
+    overdue_fails: bool = False,
 ) -> AuditReport:
     """Replay an audit log (a reader, a log read into memory, or records) against the
     transition table. See [`AuditChecker`][kvlife.fsm.audit.checker.AuditChecker] for the arguments.
@@ -708,6 +744,7 @@ def check_audit(
         expect_released=expect_released,
         accept_tables=accept_tables,
         keep_instances=keep_instances,
+        overdue_fails=overdue_fails,
     )
     events = source.events() if isinstance(source, AuditLog) else source
     feed = checker.feed

@@ -248,6 +248,10 @@ def _story(
     for record in lc.records:
         when = _ms(record.t_ns, t0)
         op = f" copy {record.op}" if record.op is not None else ""
+        if record.reason == "overdue":
+            lines.append(f"  {when}  OVERDUE{op}: {overdue_sentence(record, lc, t0)}")
+            _marked(lines, marks.get((lc.segment, record.seq), []))
+            continue
         if not record.ok:
             lines.append(
                 f"  {when}  REFUSED {record.trigger}{op}: {record.reason}: {_refusal(record, lc)}"
@@ -277,6 +281,22 @@ def _story(
     if lc.released_ns is None:
         lines.append("  not released at the end of the log")
     return lines
+
+
+def overdue_sentence(record: AuditRecord, lc: LifecycleHistory, t0: int | None) -> str:
+    """What an ``overdue`` record says: the ticket's kind, age and limit, and whether (and
+    when) it completed later in ``lc``'s records."""
+    detail = record.detail
+    kind = detail.get("kind", "ticket")
+    said = (
+        f"the {kind} ticket had been open {detail.get('age_s', '?')} s, longer than the "
+        f"{detail.get('limit_s', '?')} s limit (told while the engine ran)"
+    )
+    for later in lc.records:
+        if later.ok and later.op == record.op and later.trigger in ("ack", "fail"):
+            how = "completed" if later.trigger == "ack" else "failed"
+            return f"{said}; it {how} later, at {_ms(later.t_ns, t0).strip()}"
+    return f"{said}; it never completed in the log"
 
 
 def _state_at(lc: LifecycleHistory, t_ns: int) -> str:
@@ -429,6 +449,7 @@ __all__ = [
     "held_at_registration",
     "late_completion",
     "late_sentence",
+    "overdue_sentence",
     "read_story",
     "registrations",
     "reused_in_flight",

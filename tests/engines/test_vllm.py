@@ -950,3 +950,31 @@ def test_outside_an_engine_core_process_no_signal_handler_changes(tmp_path: Any)
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     Engine(audit_log=str(tmp_path / "kvlife.jsonl")).connector.shutdown()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+def test_a_store_held_back_past_audit_overdue_s_is_written_and_counted(tmp_path: Any) -> None:
+    import time  # noqa: PLC0415
+
+    audit = tmp_path / "kvlife.jsonl"
+    engine = Engine(audit_log=str(audit), audit_overdue_s=0.05, stats_interval_s=0)
+    handed: list[dict[str, Any]] = []
+    take = engine.connector.get_kv_connector_stats
+
+    def hook() -> Any:
+        stats = take()
+        if stats is not None:
+            handed.append(stats.reduce())
+        return stats
+
+    engine.connector.get_kv_connector_stats = hook
+    (op, *_) = engine.prefill_holding_its_store(make_request("a", prompt=40, max_tokens=30))
+    time.sleep(0.1)
+    engine.step()  # the next step tells it: the store is still in flight
+    (said,) = [r for r in read_audit(audit).records if r.reason == "overdue"]
+    assert (said.rid, said.op, said.detail["kind"]) == ("a", op, "store")
+    assert handed[-1]["tickets_overdue_open"] == 1 and handed[-1]["overdue_tickets"] == 1
+    engine.run_until_idle()  # reported late: no violation, the watch forgets it
+    assert handed[-1]["tickets_overdue_open"] == 0
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and (report.overdue, report.overdue_completed) == (1, 1)
+    assert not check_audit(AuditReader(audit), overdue_fails=True).ok

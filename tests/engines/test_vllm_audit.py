@@ -6,6 +6,7 @@ played by the test, which reports what each connector waits for after random del
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from vllm.v1.request import RequestStatus
 from kvlife.fsm import check_audit, read_audit
 from kvlife.fsm.audit import AuditReport
 from kvlife.offload.engines.vllm import KVLifeAuditConnector
+from kvlife.offload.engines.vllm.audit import WrappedConnectorStats
 from tests.engines.vllm_harness import TOKEN, make_request, make_scheduler, step
 
 KVLIFE = "kvlife.offload.engines.vllm"
@@ -43,6 +45,7 @@ def _scheduler(
     hma: bool = False,
     alone: bool = False,
     kv_events: bool = False,
+    **settings: Any,
 ) -> Any:
     """vLLM's scheduler with the connector ``wrapped`` alone, or wrapped by kvlife."""
     assert wrapped is not None
@@ -53,7 +56,7 @@ def _scheduler(
             wrapped.get("kv_connector_extra_config"),
             kv_events=kv_events,
         )
-    extra: dict[str, Any] = {"connector": wrapped, "mode": mode}
+    extra: dict[str, Any] = {"connector": wrapped, "mode": mode, **settings}
     if audit is not None:
         extra["audit_log"] = str(audit)
     name = "KVLifeAuditConnectorHMA" if hma else "KVLifeAuditConnector"
@@ -230,6 +233,76 @@ def test_a_delayed_free_never_reported_is_unreported_at_the_end(tmp_path: Path) 
     assert [(v.kind, v.rid) for v in report.violations] == [("unreported", play.faulty)]
 
 
+def test_a_delayed_free_never_reported_is_told_overdue_while_vllm_runs(tmp_path: Path) -> None:
+    """The leak is told while the engine runs: the overdue record is in the file before
+    shutdown, the stats hook and /metrics carry it, and the check names the rid (the
+    other tickets, reported in time or late, are no violation)."""
+    path = tmp_path / "a.jsonl"
+    extra = {"audit_overdue_s": 0.05, "stats_interval_s": 0}
+    scheduler = _scheduler(_play_config(), path, **extra)
+    handed: list[dict[str, Any]] = []  # what vLLM's stats hook was given, step by step
+    take = scheduler.connector.get_kv_connector_stats
+
+    def hook() -> Any:
+        stats = take()
+        if stats is not None:
+            handed.append(stats.data.get("kvlife") or {})
+        return stats
+
+    scheduler.connector.get_kv_connector_stats = hook
+    play = Play(scheduler, seed=2, fault="never_reported")
+    play.run(40)
+    play.drain()
+    assert play.faulty in scheduler.requests  # vLLM holds its blocks for ever
+    time.sleep(0.1)
+    play.step(arrivals=False)  # vLLM keeps stepping while it holds a finished request
+    live = [r for r in read_audit(path).records if r.reason == "overdue"]
+    assert play.faulty in {r.rid for r in live}  # in the file, the engine still running
+    (said,) = [r for r in live if r.rid == play.faulty]
+    assert said.detail["kind"] == "delayed_free" and said.detail["age_s"] >= 0.05
+    assert handed[-1]["tickets_overdue_open"] == 1
+    assert handed[-1]["oldest_open_ticket_seconds"] >= 0.1
+    assert sum(h.get("overdue_tickets", 0) for h in handed) == len(live)
+    scheduler.shutdown()
+    report = _check(path)
+    assert sorted((v.kind, v.rid) for v in report.violations) == [
+        ("overdue", play.faulty),
+        ("unreported", play.faulty),
+    ]
+    assert report.overdue == len(live) and report.overdue_completed == len(live) - 1
+
+
+def test_the_wrappers_overdue_stats_reach_prometheus(tmp_path: Path) -> None:
+    from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
+
+    from tests.engines.test_vllm import _Metric  # noqa: PLC0415
+
+    scheduler = _scheduler(_play_config(), tmp_path / "a.jsonl")
+    prom = KVLifeAuditConnector.build_prom_metrics(
+        scheduler.vllm_config,
+        {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},
+        ["engine", "model_name"],
+        {0: ["0", "m"]},
+    )
+    assert prom is not None
+    for grown, age in ((2, 130.0), (1, 250.0)):
+        stats = WrappedConnectorStats.of(
+            type(scheduler.connector.wrapped),
+            None,
+            {
+                "overdue_tickets": grown,
+                "tickets_overdue_open": 3,
+                "oldest_open_ticket_seconds": age,
+            },
+        )
+        assert stats is not None
+        prom.observe(stats.data, engine_idx=0)
+    made = _Metric.made
+    assert made["vllm:kvlife_audit_overdue_tickets"].values == {("0", "m"): 3}
+    assert made["vllm:kvlife_audit_tickets_overdue_open"].values == {("0", "m"): 3}
+    assert made["vllm:kvlife_audit_oldest_open_ticket_seconds"].values == {("0", "m"): 250.0}
+
+
 def test_a_wrapped_connector_that_raises_has_it_written_before_it_goes_on(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
     scheduler = _scheduler(_play_config(raise_on="b", delay_free=False), path)
@@ -323,6 +396,25 @@ def test_kv_events_are_checked_against_vllms_block_hashes(tmp_path: Path) -> Non
         assert [(v.kind, v.rid) for v in report.violations] == expect, kind
     (said,) = [r for r in read_audit(path).records if r.reason == "event_mismatch"]
     assert said.detail["why"] == "tokens" and said.detail["event"] == "BlockStored"
+
+
+def test_a_block_hash_stored_twice_may_be_removed_twice(tmp_path: Path) -> None:
+    """Two requests with one prefix store the same block hash twice (vLLM's block pool
+    keeps several blocks under one hash too): two removals are right, a third is not."""
+    for kind, expect in (("shared", []), ("shared_extra", [("event_mismatch", "b")])):
+        path = tmp_path / f"{kind}.jsonl"
+        config = _play_config(stored_events=kind, delay_free=False, async_load_tokens=0)
+        scheduler = _scheduler(config, path, kv_events=True)
+        for rid in ("a", "b"):
+            scheduler.add_request(make_request(rid, max_tokens=1, first=100))
+            for _ in range(3):
+                step(scheduler)
+        scheduler.shutdown()
+        report = _check(path)
+        assert [(v.kind, v.rid) for v in report.violations] == expect, kind
+        if expect:
+            (said,) = [r for r in read_audit(path).records if r.reason == "event_mismatch"]
+            assert said.detail["why"] == "never_stored" and said.detail["event"] == "BlockRemoved"
 
 
 def test_the_wrapper_relays_every_method_of_the_connector_api() -> None:

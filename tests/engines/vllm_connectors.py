@@ -11,6 +11,8 @@ the test, which reads what each connector is waiting for (``sending``, ``loading
 - ``stored_events``: publish a ``BlockStored`` for each finished request's first block;
   ``"wrong"`` pairs it with the tokens of the request finished before it, ``"removed"``
   also publishes a ``BlockRemoved`` for its second block, which was never stored;
+  ``"shared"`` publishes one ``BlockRemoved`` per store once a first block was stored twice
+  (two requests with one prefix: allowed), ``"shared_extra"`` one more than that;
 - ``delay_while_loading``: delay the free of a request whose load is still in flight too
   (vLLM holds such a request's blocks itself and frees them at ``finished_recving``).
 
@@ -45,6 +47,7 @@ class PlayConnector(KVConnectorBase_V1):
         self.receiving: set[str] = set()  # loads not reported yet: vLLM frees those itself
         self.events: list[Any] = []
         self._previous: Any = None  # the request finished before, for "wrong" events
+        self._stored: list[Any] = []  # first-block hashes published, for "shared" events
 
     # worker side: the tests play it
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -115,6 +118,11 @@ class PlayConnector(KVConnectorBase_V1):
             )
         )
 
+        key = maybe_convert_block_hash(request.block_hashes[0])
+        self._stored.append(key)
+        if self.stored_events in ("shared", "shared_extra") and self._stored.count(key) == 2:
+            removals = 3 if self.stored_events == "shared_extra" else 2
+            self.events += [BlockRemoved(block_hashes=[key], medium="CPU")] * removals
         if self.stored_events == "removed" and len(request.block_hashes) > 1:
             self.events.append(
                 BlockRemoved(

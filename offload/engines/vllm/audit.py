@@ -34,6 +34,11 @@ connector publishes is checked against the block hashes vLLM computed for its re
 (``event_mismatch``). The log's header names the wrapped connector, so ``kvlife audit
 check`` also counts every ticket still open when the log ended (``unreported``).
 
+A ticket open longer than ``audit_overdue_s`` (default 120 s) is written down as ``overdue``
+(rid, kind, age) when it crosses the limit, once, and counted in vLLM's ``/metrics``
+(``vllm:kvlife_audit_overdue_tickets_total``, ``vllm:kvlife_audit_tickets_overdue_open``,
+``vllm:kvlife_audit_oldest_open_ticket_seconds``).
+
 ``"mode": "refuse"`` removes a stray report from the worker output before the wrapped
 connector's scheduler side and vLLM's scheduler see it, so it no longer kills the engine
 core; ``"observe"`` (the default) changes nothing.
@@ -47,6 +52,7 @@ import copy
 import functools
 import importlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -68,9 +74,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
-from kvlife.fsm import Lifecycle, LifecycleError, Ticket, Trigger
+from kvlife.fsm import Lifecycle, LifecycleError, OverdueWatch, Ticket, Trigger
 from kvlife.offload.engines.vllm.config import ConnectorConfig, audit_path
-from kvlife.offload.engines.vllm.scheduler import CoreLog
+from kvlife.offload.engines.vllm.scheduler import CoreLog, overdue_line
+from kvlife.offload.engines.vllm.stats import (
+    OVERDUE_COUNTERS,
+    OVERDUE_GAUGES,
+    KVLifePromMetrics,
+    overdue_gauges,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +96,15 @@ logger = logging.getLogger("vllm.kvlife")
 MODES = ("observe", "refuse")
 """What the wrapper does with a report the lifecycle refuses: write it down only, or also
 remove it before vLLM acts on it."""
-AUDIT_KEYS = ("audit_log", "audit_flush_s", "audit_fsync", "audit_max_bytes", "audit_backups")
+AUDIT_KEYS = (
+    "audit_log",
+    "audit_flush_s",
+    "audit_fsync",
+    "audit_max_bytes",
+    "audit_backups",
+    "audit_overdue_s",
+    "stats_interval_s",
+)
 """The audit log's keys, checked as ``KVLifeConnector`` checks them."""
 INDEXED_BLOCKS = 1 << 18
 """Block hashes kept to check KV events against (the newest; older ones are forgotten,
@@ -182,29 +202,55 @@ def _load_class(path: str) -> Any:
     return target
 
 
+def _merge_kvlife(
+    mine: dict[str, Any] | None, theirs: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The wrapper's own stats of two intervals: counters add up, gauges are the later."""
+    if not mine or not theirs:
+        return dict(theirs or mine or {}) or None
+    merged = {**mine, **theirs}
+    for key in OVERDUE_COUNTERS:
+        merged[key] = mine.get(key, 0) + theirs.get(key, 0)
+    return merged
+
+
 @dataclass
 class WrappedConnectorStats(KVConnectorStats):
     """The wrapped connector's statistics, carried with its class so that vLLM's front
     end (which knows only the wrapper's class) hands them to that class to log and
-    export. ``data`` is ``{"connector": "module:Class", "data": <its data>}``."""
+    export, and the wrapper's own (its overdue tickets). ``data`` is ``{"connector":
+    "module:Class", "data": <its data or None>, "kvlife": <the wrapper's, when it has
+    any>}``."""
 
     def _inner(self) -> KVConnectorStats | None:
         inner: KVConnectorStats | None = self.__dict__.get("_inner_stats")
         if inner is not None:  # made in this process: the wrapped connector's own object
             return inner
         path = self.data.get("connector")
-        if not path:
+        if not path or self.data.get("data") is None:
             return None
         inner = _load_class(path).build_kv_connector_stats(data=self.data.get("data"))
         self.__dict__["_inner_stats"] = inner
         return inner
 
     @classmethod
-    def of(cls, connector: type, stats: KVConnectorStats | None) -> WrappedConnectorStats | None:
-        if stats is None:
+    def of(
+        cls,
+        connector: type,
+        stats: KVConnectorStats | None,
+        kvlife: dict[str, Any] | None = None,
+    ) -> WrappedConnectorStats | None:
+        if stats is None and not kvlife:
             return None
-        wrapped = cls(data={"connector": _class_path(connector), "data": stats.data})
-        wrapped.__dict__["_inner_stats"] = stats
+        data: dict[str, Any] = {
+            "connector": _class_path(connector),
+            "data": None if stats is None else stats.data,
+        }
+        if kvlife:
+            data["kvlife"] = kvlife
+        wrapped = cls(data=data)
+        if stats is not None:
+            wrapped.__dict__["_inner_stats"] = stats
         return wrapped
 
     def reset(self) -> None:
@@ -212,35 +258,75 @@ class WrappedConnectorStats(KVConnectorStats):
         if inner is not None:
             inner.reset()
             self.data["data"] = inner.data
+        self.data.pop("kvlife", None)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        mine, theirs = self._inner(), WrappedConnectorStats(data=dict(other.data))._inner()
-        if mine is None or theirs is None:
-            return self if theirs is None else other
-        return WrappedConnectorStats(
-            data={"connector": self.data["connector"], "data": mine.aggregate(theirs).data}
+        theirs_all = (
+            other
+            if isinstance(other, WrappedConnectorStats)
+            else WrappedConnectorStats(data=dict(other.data))
         )
+        mine, theirs = self._inner(), theirs_all._inner()
+        inner = (
+            mine.aggregate(theirs) if mine is not None and theirs is not None else mine or theirs
+        )
+        data: dict[str, Any] = {
+            "connector": self.data.get("connector") or theirs_all.data.get("connector"),
+            "data": None if inner is None else inner.data,
+        }
+        kvlife = _merge_kvlife(self.data.get("kvlife"), theirs_all.data.get("kvlife"))
+        if kvlife:
+            data["kvlife"] = kvlife
+        merged = WrappedConnectorStats(data=data)
+        if inner is not None:
+            merged.__dict__["_inner_stats"] = inner
+        return merged
 
     def reduce(self) -> dict[str, int | float]:
         inner = self._inner()
-        return {} if inner is None else inner.reduce()
+        reduced = {} if inner is None else inner.reduce()
+        return reduced | dict(self.data.get("kvlife") or {})
 
     def is_empty(self) -> bool:
         inner = self._inner()
-        return inner is None or inner.is_empty()
+        return (inner is None or inner.is_empty()) and not self.data.get("kvlife")
 
 
 class _WrappedPromMetrics(KVConnectorPromMetrics):
-    """The wrapped connector's Prometheus metrics, fed its own statistics."""
+    """The wrapped connector's Prometheus metrics (when it has any), fed its own
+    statistics, and the wrapper's own (``vllm:kvlife_audit_*``)."""
 
-    def __init__(self, inner: KVConnectorPromMetrics, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(
+        self,
+        inner: KVConnectorPromMetrics | None,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.inner = inner
+        self.kvlife = KVLifePromMetrics(
+            vllm_config,
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+            counters=OVERDUE_COUNTERS,
+            gauges=OVERDUE_GAUGES,
+            prefix="vllm:kvlife_audit_",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        if "connector" in transfer_stats_data:
-            transfer_stats_data = transfer_stats_data.get("data") or {}
-        self.inner.observe(transfer_stats_data, engine_idx)
+        if "connector" not in transfer_stats_data:  # not the wrapper's: the inner's own
+            if self.inner is not None:
+                self.inner.observe(transfer_stats_data, engine_idx)
+            return
+        kvlife = transfer_stats_data.get("kvlife")
+        if kvlife:
+            self.kvlife.observe(kvlife, engine_idx)
+        inner_data = transfer_stats_data.get("data")
+        if self.inner is not None and inner_data is not None:
+            self.inner.observe(inner_data, engine_idx)
 
 
 def _rids(args: Iterable[Any]) -> list[str]:
@@ -274,6 +360,12 @@ class _Watch:
         self.written = self.log.written
         self.registry = self.log.registry
         self.registry.on_release(self._released)
+        #: Tickets open longer than ``audit_overdue_s``, told at each step.
+        self.overdue = OverdueWatch(self.registry, config.audit.audit_overdue_s)
+        self.stats_interval_s = config.audit.stats_interval_s
+        self._stats_at = -float("inf")
+        self._overdue_reported = 0
+        self._gauges: dict[str, float] = {}
         self.refuse = config.mode == "refuse"
         self.witness = witness
         self.events = events
@@ -290,7 +382,9 @@ class _Watch:
         # KV event checks: external block hash -> (rid, parent hash, digest of its tokens)
         self.index: OrderedDict[Any, tuple[str, Any, int]] = OrderedDict()
         self.indexed: dict[int, int] = {}  # lifecycle serial -> its block hashes indexed
-        self.held: dict[tuple[str | None, Any], str] = {}  # (medium, hash) -> rid
+        # (medium, hash) -> stores not removed yet: vLLM's block pool (and a connector
+        # storing one prefix for two requests) may hold one hash several times
+        self.held: dict[tuple[str | None, Any], int] = {}
 
     # ------------------------------------------------------------------ lifecycles
 
@@ -328,7 +422,30 @@ class _Watch:
         except LifecycleError:  # refused (a second finish, say): audited, nothing opened
             return None
         (self.loads if kind == "load" else self.frees).setdefault(lc.rid, []).append(ticket)
+        self.overdue.opened(ticket, kind)
         return ticket
+
+    def check_overdue(self) -> None:
+        """Write down the tickets that crossed ``audit_overdue_s`` (once each) and warn."""
+        if self.overdue.check():
+            logger.warning("kvlife: %s: %s", self.witness, overdue_line(self.overdue))
+            self.written()
+
+    def stats(self) -> dict[str, Any] | None:
+        """The overdue counter's growth since it was last handed over, and the gauges
+        now; ``None`` within ``stats_interval_s`` of the last hand-over, or when nothing
+        changed."""
+        now = time.monotonic()
+        if now - self._stats_at < self.stats_interval_s:
+            return None
+        self._stats_at = now
+        watch = self.overdue
+        grown = watch.overdue_total - self._overdue_reported
+        gauges = overdue_gauges(watch)
+        if not grown and gauges == self._gauges:
+            return None
+        self._overdue_reported, self._gauges = watch.overdue_total, gauges
+        return {"overdue_tickets": grown, **gauges}
 
     def end(self, request: Request) -> None:
         self.claims.discard(id(request))  # claimed a load, but never allocated
@@ -484,8 +601,14 @@ class _Watch:
             if isinstance(event, BlockStored):
                 self._stored(event)
             elif isinstance(event, BlockRemoved):
+                held = self.held
                 for key in event.block_hashes:
-                    if self.held.pop((event.medium, key), None) is None:
+                    count = held.get((event.medium, key), 0)
+                    if count > 1:
+                        held[(event.medium, key)] = count - 1
+                    elif count == 1:
+                        del held[(event.medium, key)]
+                    else:  # no store of this hash on this medium is left to remove
                         known = self.index.get(key)  # whose block it is, if any
                         rid = known[0] if known is not None else None
                         self._mismatch(rid, "BlockRemoved", key, "never_stored")
@@ -504,7 +627,8 @@ class _Watch:
             elif known[2] != digest:
                 self._mismatch(known[0], "BlockStored", key, "tokens")
             else:
-                self.held[(event.medium, key)] = known[0]
+                held = self.held
+                held[(event.medium, key)] = held.get((event.medium, key), 0) + 1
             parent = key
 
     def _mismatch(self, rid: str | None, event: str, key: Any, why: str) -> None:
@@ -635,6 +759,8 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         watch.written()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        if self.watch is not None:  # once a step, even while nothing else changes
+            self.watch.check_overdue()
         return self._call("build_connector_meta", scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -676,7 +802,10 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         return events
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return WrappedConnectorStats.of(self.wrapped_class, self.wrapped.get_kv_connector_stats())
+        kvlife = self.watch.stats() if self.watch is not None else None
+        return WrappedConnectorStats.of(
+            self.wrapped_class, self.wrapped.get_kv_connector_stats(), kvlife
+        )
 
     # ------------------------------------------------------------------ both sides
 
@@ -753,8 +882,6 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         prom = wrapped_cls.build_prom_metrics(
             inner, metric_types, labelnames, per_engine_labelvalues
         )
-        if prom is None:
-            return None
         return _WrappedPromMetrics(
             prom, vllm_config, metric_types, labelnames, per_engine_labelvalues
         )

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvlife.fsm import DEFAULT_OVERDUE_S
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -40,6 +42,10 @@ class ConnectorConfig:
         audit_fsync: ``"never"``, ``"batch"`` (default) or ``"record"``.
         audit_max_bytes: rotate the log past this size (default: never).
         audit_backups: rotated files kept (default 5).
+        audit_overdue_s: seconds a ticket (a store, a load, a delayed free) may stay open
+            before it is written to the log as ``overdue`` and counted in ``/metrics``
+            (default [`DEFAULT_OVERDUE_S`][kvlife.fsm.overdue.DEFAULT_OVERDUE_S], 120; 0:
+            never).
         stats_interval_s: most often, in seconds, the connector hands its counters to
             vLLM's stats hook (default 0.5; 0: at every step). Counts of the steps in
             between are not lost: they are in the next interval's growth.
@@ -53,6 +59,7 @@ class ConnectorConfig:
     audit_fsync: str = "batch"
     audit_max_bytes: int | None = None
     audit_backups: int = 5
+    audit_overdue_s: float = DEFAULT_OVERDUE_S
     stats_interval_s: float = 0.5
 
     @classmethod
@@ -93,6 +100,15 @@ class ConnectorConfig:
             or not 0 <= interval < float("inf")
         ):
             raise ValueError(f"kvlife: stats_interval_s must be a number >= 0, got {interval!r}")
+        overdue = extra.get("audit_overdue_s", DEFAULT_OVERDUE_S)
+        if (
+            not isinstance(overdue, (int, float))
+            or isinstance(overdue, bool)
+            or not 0 <= overdue < float("inf")
+        ):
+            raise ValueError(
+                f"kvlife: audit_overdue_s must be a number >= 0 (0: never), got {overdue!r}"
+            )
         flush = extra.get("audit_flush_s", 1.0)
         if (
             not isinstance(flush, (int, float))
@@ -113,6 +129,7 @@ class ConnectorConfig:
                 **extra,
                 "stride_blocks": extra.get("stride_blocks") or 1,
                 "audit_flush_s": float(flush),
+                "audit_overdue_s": float(overdue),
                 "stats_interval_s": float(interval),
             }
         )

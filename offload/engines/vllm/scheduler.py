@@ -21,13 +21,21 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
-from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleRegistry, Trigger, UnknownRequestError
+from kvlife.fsm import (
+    JsonLinesSink,
+    Lifecycle,
+    LifecycleRegistry,
+    OverdueWatch,
+    Trigger,
+    UnknownRequestError,
+)
 from kvlife.offload.engines.vllm.config import ConnectorConfig
 from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLifeWorkerMetadata
 from kvlife.offload.engines.vllm.stats import (
     KVLifeConnectorStats,
     account_stats,
     lifecycle_stats,
+    overdue_gauges,
 )
 from kvlife.offload.planner import (
     COUNTERS,
@@ -133,6 +141,15 @@ class CoreLog:
             self.sink.close()
 
 
+def overdue_line(watch: OverdueWatch) -> str:
+    """The warning vLLM's log gets when tickets cross the limit."""
+    return (
+        f"{watch.open_overdue()} ticket(s) open longer than {watch.limit_s:g} s "
+        f"(audit_overdue_s), the oldest {watch.oldest_age():.1f} s; their rids are in the "
+        "audit log (kvlife audit check)"
+    )
+
+
 class SchedulerSide:
     """The planner, its audit log, and the requests vLLM holds under each id now.
 
@@ -173,7 +190,11 @@ class SchedulerSide:
         #: The end of a connector call: see ``CoreLog.written``.
         self.written = self.log.written
         registry = self.log.registry
-        self.planner = OffloadPlanner(pages, registry=registry, reporters=workers, events=kv_events)
+        #: Stores and loads open longer than ``audit_overdue_s``, told at each step.
+        self.overdue = OverdueWatch(registry, config.audit_overdue_s)
+        self.planner = OffloadPlanner(
+            pages, registry=registry, reporters=workers, events=kv_events, overdue=self.overdue
+        )
         self.kv_events = kv_events
         self.bytes_per_block = bytes_per_block
         self.registry = registry
@@ -184,7 +205,8 @@ class SchedulerSide:
         # the lifecycle (and its progress) of the request vLLM holds under an id now
         self.requests: dict[str, tuple[Lifecycle, Progress]] = {}
         self._reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # given to vLLM so far
-        self._gauges: dict[str, int] = {}  # the gauges vLLM was last given
+        self._overdue_reported = 0
+        self._gauges: dict[str, float] = {}  # the gauges vLLM was last given
         self._stats_at = -float("inf")  # when vLLM was last given them
         self.stats_interval_s = config.stats_interval_s
         self._pending_loads: KVLifeConnectorMetadata = KVLifeConnectorMetadata()
@@ -201,6 +223,8 @@ class SchedulerSide:
         return self.planner.find(request)  # shown, but no longer held under its id
 
     def build_meta(self, out: SchedulerOutput) -> KVLifeConnectorMetadata:
+        if self.overdue.check():
+            logger.warning("kvlife: %s", overdue_line(self.overdue))
         meta, self._pending_loads = self._pending_loads, KVLifeConnectorMetadata()
         planner, live = self.planner, self.requests
         size, stride, stores, wait = self.block_size, self.stride, meta.stores, meta.wait_jobs
@@ -359,12 +383,17 @@ class SchedulerSide:
         self._stats_at = now
         counts, reported = self.planner.counters(), self._reported
         delta: dict[str, Any] = {key: counts[key] - reported[key] for key in COUNTERS}
-        gauges = account_stats(self.planner.account()) | lifecycle_stats(
-            self.registry.statistics().live
+        watch = self.overdue
+        delta["overdue_tickets"] = watch.overdue_total - self._overdue_reported
+        gauges = (
+            account_stats(self.planner.account())
+            | lifecycle_stats(self.registry.statistics().live)
+            | overdue_gauges(watch)
         )
         if not any(delta.values()) and gauges == self._gauges:
             return None
         self._reported, self._gauges = counts, gauges
+        self._overdue_reported = watch.overdue_total
         delta["stored_bytes"] = delta["stored_blocks"] * self.bytes_per_block
         delta["loaded_bytes"] = delta["loaded_blocks"] * self.bytes_per_block
         return KVLifeConnectorStats(data=delta | gauges)

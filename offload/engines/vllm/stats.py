@@ -10,14 +10,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvlife.fsm import State
+from kvlife.fsm import OverdueWatch, State
 from kvlife.offload.planner import COUNTERS as PLANNER_COUNTERS
 from kvlife.offload.planner import PageAccount
 
-COUNTERS = (*PLANNER_COUNTERS, "stored_bytes", "loaded_bytes")
+OVERDUE_COUNTERS = ("overdue_tickets",)
+"""Tickets written to the audit log as overdue (see
+[`OverdueWatch`][kvlife.fsm.overdue.OverdueWatch]); kvlife's own connector and the audit
+wrapper both report it."""
+OVERDUE_GAUGES = ("tickets_overdue_open", "oldest_open_ticket_seconds")
+"""Overdue tickets still open, and the age of the oldest open ticket (0 when none is)."""
+
+COUNTERS = (*PLANNER_COUNTERS, "stored_bytes", "loaded_bytes", *OVERDUE_COUNTERS)
 """The counters the connector reports (each interval's growth): the planner's
-([`COUNTERS`][kvlife.offload.planner.COUNTERS]) and the bytes its stores and loads
-moved, over every worker (blocks x vLLM's block bytes x workers)."""
+([`COUNTERS`][kvlife.offload.planner.COUNTERS]), the bytes its stores and loads
+moved, over every worker (blocks x vLLM's block bytes x workers), and its overdue
+tickets."""
 
 GAUGES = (
     "host_pages",
@@ -28,11 +36,13 @@ GAUGES = (
     "lifecycles_allocated",
     "lifecycles_offloading",
     "lifecycles_finished_pending",
+    *OVERDUE_GAUGES,
 )
 """Values at the end of the interval: the host pages' account (see
 [`PageAccount`][kvlife.offload.planner.PageAccount]: capacity, free, cached (evictable),
 pinned by loads, written by stores in flight; the last four sum to the first) and the
-lifecycles live in each state."""
+lifecycles live in each state, and the overdue gauges
+([`OVERDUE_GAUGES`][kvlife.offload.engines.vllm.stats.OVERDUE_GAUGES])."""
 
 STAT_KEYS = COUNTERS + GAUGES
 """Every key the connector reports."""
@@ -59,6 +69,9 @@ _HELP = {
     "lifecycles_allocated": "kvlife lifecycles live in state allocated.",
     "lifecycles_offloading": "kvlife lifecycles live in state offloading.",
     "lifecycles_finished_pending": "kvlife lifecycles live in state finished_pending.",
+    "overdue_tickets": "Tickets (stores, loads, delayed frees) open longer than audit_overdue_s.",
+    "tickets_overdue_open": "Overdue tickets still open.",
+    "oldest_open_ticket_seconds": "Age of the oldest open ticket (0 when none is open).",
 }
 
 
@@ -68,6 +81,14 @@ def lifecycle_stats(live: dict[State, int] | Any) -> dict[str, int]:
         "lifecycles_allocated": int(live.get(State.ALLOCATED, 0)),
         "lifecycles_offloading": int(live.get(State.OFFLOADING, 0)),
         "lifecycles_finished_pending": int(live.get(State.FINISHED_PENDING, 0)),
+    }
+
+
+def overdue_gauges(watch: OverdueWatch) -> dict[str, float]:
+    """The overdue gauges now (rounded to milliseconds)."""
+    return {
+        "tickets_overdue_open": watch.open_overdue(),
+        "oldest_open_ticket_seconds": round(watch.oldest_age(), 3),
     }
 
 
@@ -85,7 +106,8 @@ def account_stats(account: PageAccount) -> dict[str, int]:
 class KVLifePromMetrics(KVConnectorPromMetrics):
     """kvlife's stats in vLLM's Prometheus ``/metrics``, with vLLM's labels (engine,
     model): a counter ``vllm:kvlife_<key>`` per counter (exposed with ``_total``) and a
-    gauge ``vllm:kvlife_<key>`` per gauge of the stats."""
+    gauge ``vllm:kvlife_<key>`` per gauge of the stats (``counters`` and ``gauges``: the
+    keys, every one of the connector's by default; ``prefix`` replaces ``vllm:kvlife_``)."""
 
     def __init__(
         self,
@@ -93,22 +115,25 @@ class KVLifePromMetrics(KVConnectorPromMetrics):
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
+        counters: tuple[str, ...] = COUNTERS,
+        gauges: tuple[str, ...] = GAUGES,
+        prefix: str = "vllm:kvlife_",
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             key: self._counter_cls(
-                name=f"vllm:kvlife_{key}", documentation=_HELP[key], labelnames=labelnames
+                name=f"{prefix}{key}", documentation=_HELP[key], labelnames=labelnames
             )
-            for key in COUNTERS
+            for key in counters
         }
         self._gauges = {
             key: self._gauge_cls(
-                name=f"vllm:kvlife_{key}",
+                name=f"{prefix}{key}",
                 documentation=_HELP[key],
                 labelnames=labelnames,
                 multiprocess_mode="mostrecent",
             )
-            for key in GAUGES
+            for key in gauges
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -1,0 +1,182 @@
+"""Tickets open too long, told while the engine runs.
+
+A ticket that never completes is a leak (a delayed free vLLM never frees, a load a
+request waits on for ever). After the fact, ``kvlife audit check`` finds it open at the
+end of the log (``unreported``); an operator needs it while the engine runs.
+[`OverdueWatch`][kvlife.fsm.overdue.OverdueWatch] keeps the open tickets of one registry
+in the order they were opened and, at each
+[`check()`][kvlife.fsm.overdue.OverdueWatch.check], writes an ``overdue`` record (rid,
+kind, age, limit; the ticket's copy number as ``op``) for every ticket that crossed the
+limit since the last check and is still open, once per ticket.
+
+The limit is one number for every ticket, so deadlines come in the order tickets were
+opened: the queue is a FIFO (a deque), and a check looks only at its head. A check with
+nothing due costs one clock read and one comparison; completed tickets are dropped when
+they reach the head, and the queue is compacted when it holds more than twice the open
+tickets it held at the last compaction (amortized O(1) per ticket).
+
+In the log, ``overdue`` is a protocol reason: a refused record that changes nothing. The
+checker counts it as a violation only if the ticket never completed afterwards (or with
+``overdue_fails``); ``why`` tells it on the ticket's lifecycle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+from kvlife.fsm.registry import LifecycleRegistry, Ticket
+from kvlife.fsm.table import Trigger
+
+DEFAULT_OVERDUE_S: Final = 120.0
+"""The default limit: a quarter of NIXL's own abort timeout in vLLM
+(``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s), so a stuck hand-over is told before NIXL gives
+up on it; far above what a healthy store or load to host memory takes (milliseconds) or a
+delayed free waits for a decode server under load (seconds)."""
+
+_COMPACT_MIN: Final = 4096
+
+
+class OverdueWatch:
+    """The open tickets of ``registry``, and the ``overdue`` records of those open longer
+    than ``limit_s``.
+
+    Args:
+        registry: the registry the tickets belong to (records are written through it,
+            from its owner thread).
+        limit_s: seconds a ticket may stay open; ``None`` or ``0`` turns the watch off
+            (``opened`` and ``check`` then do nothing).
+        clock: seconds, monotonic (``time.monotonic``; tests pass their own).
+
+    Raises:
+        ValueError: ``limit_s`` is negative or not a number.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_compact_at",
+        "_late",
+        "_queue",
+        "limit_s",
+        "overdue_total",
+        "registry",
+    )
+
+    def __init__(
+        self,
+        registry: LifecycleRegistry,
+        limit_s: float | None = DEFAULT_OVERDUE_S,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if limit_s is not None and (
+            isinstance(limit_s, bool) or not isinstance(limit_s, (int, float)) or limit_s < 0
+        ):
+            raise ValueError(f"limit_s must be a number >= 0 or None, got {limit_s!r}")
+        self.registry = registry
+        #: Seconds a ticket may stay open (``None``: the watch is off).
+        self.limit_s: float | None = float(limit_s) if limit_s else None
+        self._clock = clock
+        # (deadline, opened at, ticket, kind), in the order opened: deadlines ascend
+        self._queue: deque[tuple[float, float, Ticket, str]] = deque()
+        # the overdue tickets not completed yet: (opened at, ticket), oldest first
+        self._late: list[tuple[float, Ticket]] = []
+        self._compact_at = _COMPACT_MIN
+        #: Tickets written as overdue so far.
+        self.overdue_total = 0
+
+    def opened(self, ticket: Ticket, kind: str) -> None:
+        """Watch ``ticket`` (just returned by ``start_offload``), of ``kind`` (``store``,
+        ``load``, ``delayed_free``, ...)."""
+        limit = self.limit_s
+        if limit is None:
+            return
+        now = self._clock()
+        queue = self._queue
+        queue.append((now + limit, now, ticket, kind))
+        if len(queue) > self._compact_at:
+            self._compact()
+
+    def _compact(self) -> None:
+        queue = self._queue
+        kept = [entry for entry in queue if not entry[2].done]
+        queue.clear()
+        queue.extend(kept)
+        self._compact_at = max(_COMPACT_MIN, 2 * len(kept))
+
+    def check(self, now: float | None = None) -> int:
+        """Write an ``overdue`` record for each open ticket that crossed the limit since
+        the last check; return how many. Call it from the registry's owner thread (a
+        connector call, a scheduler step).
+
+        Raises:
+            WrongThreadError: called from a thread other than the registry's owner
+                (nothing written).
+        """
+        queue = self._queue
+        if not queue:
+            return 0
+        if now is None:
+            now = self._clock()
+        if queue[0][0] > now:
+            return 0
+        found = 0
+        record = self.registry.record_violation
+        while queue and queue[0][0] <= now:
+            _, opened_at, ticket, kind = queue[0]
+            if not ticket.done:
+                age = now - opened_at
+                lc = ticket.lifecycle
+                record(
+                    "overdue",
+                    Trigger.ACK,
+                    f"{kind} ticket (copy {ticket.op}) of {lc.rid!r} open {age:.1f} s, "
+                    f"longer than {self.limit_s:g} s",
+                    lifecycle=lc,
+                    op=ticket.op,
+                    kind=kind,
+                    age_s=round(age, 3),
+                    limit_s=self.limit_s,
+                )
+                self._late.append((opened_at, ticket))
+                found += 1
+            queue.popleft()
+        self.overdue_total += found
+        return found
+
+    def _late_open(self) -> list[tuple[float, Ticket]]:
+        late = self._late
+        if late and any(ticket.done for _, ticket in late):
+            late[:] = [entry for entry in late if not entry[1].done]
+        return late
+
+    def open_overdue(self) -> int:
+        """Tickets written as overdue that are still open now."""
+        return len(self._late_open())
+
+    def oldest_age(self, now: float | None = None) -> float:
+        """Seconds the oldest ticket still open has been open (0.0 when none is)."""
+        if now is None:
+            now = self._clock()
+        late = self._late_open()
+        if late:
+            return now - late[0][0]
+        queue = self._queue
+        while queue and queue[0][2].done:
+            queue.popleft()
+        return now - queue[0][1] if queue else 0.0
+
+    def __len__(self) -> int:
+        """Tickets watched (open ones, and completed ones not yet dropped)."""
+        return len(self._queue) + len(self._late)
+
+    def __repr__(self) -> str:
+        return (
+            f"<OverdueWatch limit_s={self.limit_s} watched={len(self)} "
+            f"overdue_total={self.overdue_total}>"
+        )
+
+
+__all__ = ["DEFAULT_OVERDUE_S", "OverdueWatch"]
