@@ -16,7 +16,7 @@ import pytest
 
 from kvlife.diagrams.audit_bench import write_workload
 from kvlife.diagrams.cli import main
-from kvlife.fsm import JsonLinesSink, LifecycleRegistry, MemorySink
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry, MemorySink, OverdueWatch
 from kvlife.fsm._version import __version__
 from kvlife.fsm.audit import encode_lines, make_header
 from kvlife.offload.bench import token_count
@@ -851,3 +851,30 @@ def test_why_draws_nothing_for_a_rid_with_no_lifecycle(
     assert "1 call(s) that found none" in text
     assert f"{out}: not written: rid 'ghost' has no lifecycle in the log to draw" in text
     assert not out.exists()
+
+
+def test_check_counts_an_overdue_ticket_that_completed_and_fails_it_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "a.jsonl"
+    sink = JsonLinesSink(log, fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    now = [0.0]
+    watch = OverdueWatch(registry, 10, clock=lambda: now[0])
+    req = Req("slow")
+    registry.register(req)
+    ticket = registry.start_offload(req)
+    watch.opened(ticket, "store")
+    now[0] = 11.0
+    watch.check()
+    registry.complete(ticket)
+    registry.finish(req)
+    sink.close()
+    assert main(["audit", "check", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "overdue: 1 ticket(s)" in out and "1 of them completed later" in out
+    assert main(["audit", "check", str(log), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert (said["overdue"], said["overdue_completed"]) == (1, 1)
+    assert main(["audit", "check", str(log), "--overdue-fails"]) == 1
+    assert "VIOLATION overdue" in capsys.readouterr().out

@@ -251,3 +251,42 @@ def test_every_documented_kv_transfer_config_is_json_naming_a_real_connector() -
             if config.get("kv_connector_module_path") == "kvlife.offload.engines.vllm":
                 assert f'"{config["kv_connector"]}"' in exported, (page.name, config)
     assert found >= 2
+
+
+def _command_lines(block: Block) -> list[str]:
+    """The ``kvlife ...`` command lines of a block (continuations joined)."""
+    text = block.body.replace("\\\n", " ")
+    return [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip().startswith("kvlife ") and block.lang == "sh"
+    ]
+
+
+def test_every_kvlife_command_line_in_the_docs_parses() -> None:
+    """Every ``kvlife ...`` line of a code block in the README and the manual, skipped
+    blocks included, is accepted by the command's own parser: a block that only shows a
+    command (it needs a vLLM run's log) cannot rot unseen."""
+    import shlex  # noqa: PLC0415
+
+    from kvlife.diagrams.cli import UsageError, _parser  # noqa: PLC0415
+
+    parser = _parser()
+    checked, wrong = 0, []
+    for page in PAGES:
+        for block in blocks(page):
+            for line in _command_lines(block):
+                lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+                lexer.whitespace_split = True
+                words = list(lexer)
+                ends = [i for i, word in enumerate(words) if set(word) <= set("|&;<>()")]
+                args = words[1 : ends[0] if ends else len(words)]
+                try:
+                    parser.parse_args(args)
+                except UsageError as exc:
+                    wrong.append(f"{_id(block)}: {line} ({exc})")
+                except SystemExit as exc:  # --help, --version
+                    if exc.code not in (0, None):
+                        wrong.append(f"{_id(block)}: {line}")
+                checked += 1
+    assert checked >= 20 and not wrong, wrong
