@@ -218,7 +218,7 @@ class Progress:
     planner's methods do (an adapter may keep it beside the lifecycle to ask, without a
     call, whether a store is due: ``full - covered >= stride``)."""
 
-    #: The request object.
+    #: The request object (``None`` once its lifecycle is released: nothing holds it then).
     req: Any
     #: The device blocks the request holds, as the engine told (slots: blocks or rows).
     slots: list[Slot] = field(default_factory=list)
@@ -713,9 +713,18 @@ class OffloadPlanner:
 
     def _released(self, lc: Lifecycle, req: Any) -> None:
         progress = self._progress.pop(lc.serial, None)
-        hand_over = self._hand_over
-        if progress is None or hand_over is None:
+        if progress is None:
             return
+        try:
+            if self._hand_over is not None:
+                self._hand(lc, req, progress, self._hand_over)
+        finally:
+            # Released means released: each kept Order points back at its Progress, a
+            # cycle that would hold the request until the cyclic collector ran.
+            progress.kept = []
+            progress.req = None
+
+    def _hand(self, lc: Lifecycle, req: Any, progress: Progress, hand_over: HandOver) -> None:
         kept = sorted(progress.kept, key=lambda order: order.first)
         self._kept_pages -= sum(len(order.pages) for order in kept)
         run: list[Order] = []

@@ -4,10 +4,12 @@ parallel agreement over gloo."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
 import sys
+import weakref
 from array import array
 from pathlib import Path
 from typing import Any
@@ -606,3 +608,24 @@ def test_the_manager_is_the_two_halves_and_its_page_account_is_public() -> None:
     account = manager.account()
     assert (account.free, account.storing, account.kept) == (5, 0, 0)  # 3 with the hook
     assert account.capacity - account.free == sum(len(p) for p in result.pages)
+
+
+def test_a_released_request_is_dropped_at_once() -> None:
+    """Released means released: with the cyclic collector off, nothing of the manager
+    (its planner's kept stores, their orders) holds the request after its release."""
+    engine = FakeEngine(LAYOUTS["per_layer"], stride_pages=1, host_pages=16)
+    req = Req("a")
+    engine.admit(req)
+    engine.decode(req, 20)
+    assert engine.manager.step(req) is not None
+    gc.collect()
+    gc.disable()
+    try:
+        engine.manager.finish(req)
+        engine.manager.poll()
+        engine.results.clear()  # the engine's own hook kept (req, result)
+        gone = weakref.ref(req)
+        del req
+        assert gone() is None, gc.get_referrers(gone())
+    finally:
+        gc.enable()

@@ -4,8 +4,11 @@ to the capacity."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import strategies as st
@@ -432,3 +435,36 @@ def test_an_owner_store_the_state_refuses_takes_no_page() -> None:
     with pytest.raises(InvalidTransitionError):
         planner.store_owned(lc, 2, ["h1"])
     assert planner.allocator.available == 7 and planner.progress(lc).covered == 1
+
+
+@pytest.fixture
+def no_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic collector off: what is still reachable only through a cycle stays."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("no_cyclic_gc")
+def test_a_released_request_is_dropped_at_once_in_either_mode() -> None:
+    """Released means released: no reference to the request is left once its lifecycle
+    is, not even one a cycle holds until the cyclic collector runs."""
+    for owner in (False, True):
+        planner = _owner()[0] if owner else OffloadPlanner(8)
+        req = Req("a")
+        lc = planner.admit(req, "a")
+        planner.add_slots(lc, range(3))
+        if owner:
+            orders = [planner.store_owned(lc, 2, ["h0", "h1"]), planner.store_owned(lc, 3, [None])]
+        else:
+            orders = planner.store(lc, 3, ["h0", "h1", "h2"])
+        for order in orders:
+            assert order is not None
+            planner.report(order.op)
+        gone = weakref.ref(req)
+        planner.end(lc)
+        del req, orders, order
+        assert lc.released and gone() is None, f"owner={owner}: {gc.get_referrers(gone())}"

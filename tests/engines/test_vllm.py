@@ -978,3 +978,25 @@ def test_a_store_held_back_past_audit_overdue_s_is_written_and_counted(tmp_path:
     report = check_audit(AuditReader(audit), expect_released=True)
     assert report.ok and (report.overdue, report.overdue_completed) == (1, 1)
     assert not check_audit(AuditReader(audit), overdue_fails=True).ok
+
+
+def test_a_released_request_is_dropped_at_once() -> None:
+    """Released means released: with the cyclic collector off, nothing of the connector
+    holds a finished request (whose store completed) once vLLM freed it."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    engine = Engine()
+    request = make_request("a", prompt=40, max_tokens=3)
+    engine.scheduler.add_request(request)
+    gone = weakref.ref(request)
+    del request
+    gc.collect()
+    gc.disable()
+    try:
+        engine.run_until_idle()
+        assert engine.stores and not engine.scheduler.requests
+        engine.stores.clear()
+        assert gone() is None, [type(r) for r in gc.get_referrers(gone())]
+    finally:
+        gc.enable()
