@@ -398,9 +398,14 @@ class OffloadManager:
         if len(ids) != tokens:
             raise ValueError(f"token_ids gave {len(ids)} ids for {tokens} tokens")
         hashes, prev_hash = self._hash_pages(chain.prev, ids)
-        detail = (
-            {"tokens": tokens, "pages": n_pages, "first": start} if self.registry.audited else None
-        )
+        detail: dict[str, int | str] | None = None
+        if self.registry.audited:
+            detail = {
+                "kind": "store",
+                "tokens": tokens,
+                "blocks": n_pages,
+                "first_block": first_page,
+            }
         order = self.planner.store_owned(lc, first_page + n_pages, hashes, detail=detail)
         if order is None:  # no host memory: nothing changed, tried again later
             self.stats.skipped_no_host_memory += 1

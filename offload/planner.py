@@ -483,7 +483,8 @@ class OffloadPlanner:
         up to ``full`` (the last may be partial: no more are stored after it), named by
         ``hashes`` (one per block, ``None`` for a partial one). Every block is copied
         (there is no host cache to hold one). ``detail`` is the audit detail of the
-        store's record (``blocks`` and ``first_block`` if ``None``). Returns ``None``
+        store's record (``kind``, ``blocks`` and ``first_block`` if ``None``: see
+        [`TICKET_DETAIL`][kvlife.fsm.audit.records.TICKET_DETAIL]). Returns ``None``
         when nothing waits, or when the host pages are too few: then nothing changed
         (counted as a skipped store) and the blocks are tried again at the next call.
 
@@ -537,7 +538,7 @@ class OffloadPlanner:
         if not self.registry.audited:  # no record is built: no detail to build and check
             ticket = self.registry.start_offload(lc)
         elif detail is None:
-            ticket = self.registry.start_offload(lc, blocks=count, first_block=start)
+            ticket = self.registry.start_offload(lc, kind="store", blocks=count, first_block=start)
         else:
             ticket = self.registry.start_offload(lc, **detail)
         op = ticket.op

@@ -432,7 +432,7 @@ def test_audit_detail_is_built_only_when_a_sink_is_attached() -> None:
     engine.decode(req, 4)
     engine.manager.step(req)
     [start] = [r for r in sink.records() if r.trigger == "start_offload"]
-    assert start.detail == {"tokens": 4, "pages": 1, "first": 0}
+    assert start.detail == {"kind": "store", "tokens": 4, "blocks": 1, "first_block": 0}
     quiet = FakeEngine(SMALL, stride_pages=1)
     assert not quiet.manager.registry.audited
     calls: list[dict[str, Any]] = []

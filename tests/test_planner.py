@@ -14,7 +14,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlife.fsm import InvalidTransitionError, Lifecycle, LifecycleRegistry, State
+from kvlife.fsm import InvalidTransitionError, Lifecycle, LifecycleRegistry, MemorySink, State
+from kvlife.fsm.audit import TICKET_DETAIL
 from kvlife.offload.planner import (
     LoadOrder,
     OffloadPlanner,
@@ -468,3 +469,20 @@ def test_a_released_request_is_dropped_at_once_in_either_mode() -> None:
         planner.end(lc)
         del req, orders, order
         assert lc.released and gone() is None, f"owner={owner}: {gc.get_referrers(gone())}"
+
+
+def test_store_and_load_records_speak_the_one_ticket_vocabulary() -> None:
+    sink = MemorySink()
+    planner = OffloadPlanner(8, registry=LifecycleRegistry(sinks=[sink]))
+    a = _admitted(planner, "a", 3)
+    _done(planner, planner.store(a, 3, _hashes("p", 3)))
+    planner.end(a)
+    b = planner.admit(Req("b"), "b")
+    planner.lookup(b, 1, _hashes("p", 3)[1:3])
+    planner.load(b, 2, [20, 21, 22, 23])
+    started = [r.detail for r in sink.records() if r.trigger == "start_offload"]
+    assert started == [
+        {"kind": "store", "blocks": 3, "first_block": 0},
+        {"kind": "load", "blocks": 2, "first_block": 1},
+    ]
+    assert all(set(detail) <= set(TICKET_DETAIL) for detail in started)

@@ -216,10 +216,19 @@ def make_header(segment: str | None = None, part: int = 0, witness: str = "") ->
     )
 
 
+TICKET_DETAIL: Final = ("kind", "tokens", "blocks", "first_block")
+"""The one vocabulary of a ticket's ``start_offload`` detail, whoever writes it (the
+offload planner, the manager, the vLLM connector, the audit wrapper), so that the checker,
+``why`` and the pictures read one: ``kind`` (``store``, ``load`` or ``delayed_free``),
+``tokens`` (where the writer counts them), ``blocks`` (the blocks, or host pages of one
+block each, the copy moves) and ``first_block`` (the index of its first block among the
+request's). A writer may add keys of its own (the wrapper's ``cut_by`` on a completion)."""
+
 __all__ = [
     "RECORD_FIELDS",
     "REGISTER",
     "SCHEMA_VERSION",
+    "TICKET_DETAIL",
     "AuditHeader",
     "AuditRecord",
     "AuditSchemaError",
