@@ -355,6 +355,7 @@ def _server(
     port = _free_port()
     # no timed flush during the run: what is in the file is what each call wrote out
     extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 3600}
+    extra["stats_interval_s"] = 0  # stats at every step: tests wait for them, never sleep
     env = {
         **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
@@ -436,24 +437,68 @@ async def _complete(
     return tokens
 
 
-async def _traffic(url: str, model: Path, audit: Path) -> dict[str, Any]:
+async def _traffic(url: str, model: Path, audit: Path, log: Path) -> dict[str, Any]:
     import openai  # noqa: PLC0415
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     try:
-        return await _requests(client, url, model, audit)
+        return await _requests(client, url, model, audit, log)
     finally:
         await client.close()
 
 
-async def _requests(client: Any, url: str, model: Path, audit: Path) -> dict[str, Any]:
+def _post(url: str) -> None:
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30) as r:
+        assert r.status == 200, url
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """``/metrics``: engine 0's value of each sample, by name."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        line.split("{")[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if not line.startswith("#") and 'engine="0"' in line
+    }
+
+
+async def _until(what: str, ready: Any, timeout: float = 120) -> Any:
+    """Poll ``ready()`` (off the event loop) until it returns something true; fail
+    naming ``what`` after ``timeout`` seconds. No fixed sleep decides a test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await asyncio.to_thread(ready)
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.2)
+
+
+def _registered(audit: Path) -> int:
+    return sum(r.trigger == "register" for r in read_audit(audit).records)
+
+
+def _loads_logged(log: Path) -> int:
+    lines = [line for line in log.read_text().splitlines() if "KV Transfer metrics" in line]
+    return sum(int(line.split("loads=")[1].split(",")[0]) for line in lines)
+
+
+async def _requests(client: Any, url: str, model: Path, audit: Path, log: Path) -> dict[str, Any]:
     seen: dict[str, Any] = {}
-    # 24 concurrent streams on a 64-block KV cache (preemptions), every fourth client
-    # disconnecting after three chunks while its stores are in flight
+    # 24 concurrent streams on a 64-block KV cache, every fourth client disconnecting
+    # after three chunks while its stores are in flight. vLLM is paused while they
+    # arrive (each is registered, in the audit log, as vLLM adds it) and resumed with
+    # all 24 waiting: 15 hold 60 of the 63 usable blocks and each needs a fifth at its
+    # 129th token, so vLLM must preempt, however slowly the requests came in
+    await asyncio.to_thread(_post, f"{url}/pause?mode=keep")
     cuts = {i: 3 for i in range(0, len(SERVED), 4)}
-    seen["first"] = await asyncio.gather(
+    first = asyncio.gather(
         *(_complete(client, model, p, cut_after=cuts.get(i)) for i, p in enumerate(SERVED))
     )
+    await _until("every request added", lambda: _registered(audit) >= len(SERVED))
+    await asyncio.to_thread(_post, f"{url}/resume")
+    seen["first"] = await first
     await asyncio.sleep(0.5)  # no traffic now: the log must still be current
     seen["live"] = check_audit(AuditReader(audit))
     # the same request id again as soon as vLLM has finished the last one, five times
@@ -463,15 +508,13 @@ async def _requests(client: Any, url: str, model: Path, audit: Path) -> dict[str
     with urllib.request.urlopen(reset, timeout=30) as response:
         assert response.status == 200
     seen["shared"] = await asyncio.gather(*(_complete(client, model, p) for p in SHARED))
-    await asyncio.sleep(1.5)  # vLLM logs the last interval's metrics (every second here)
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        metrics = response.read().decode()
-    seen["metrics"] = metrics
-    seen["preemptions"] = sum(
-        float(line.split()[-1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:num_preemptions_total")
+    # kvlife hands its stats over at every step here (stats_interval_s 0); vLLM's log
+    # line comes at its next interval (every second here): both are waited for, not slept
+    seen["metrics"] = await _until(
+        "kvlife's loads in /metrics",
+        lambda: (m := _scrape(url)).get("vllm:kvlife_loaded_blocks_total", 0) >= 1 and m,
     )
+    seen["loads_logged"] = await _until("kvlife's loads in vLLM's log", lambda: _loads_logged(log))
     return seen
 
 
@@ -481,7 +524,7 @@ def test_an_openai_server_with_kvlife_under_load(
     audit, log = tmp_path / "kvlife.jsonl", tmp_path / "server.log"
     expected = reference["S"]
     with _server(model, audit, log) as url:
-        seen = asyncio.run(asyncio.wait_for(_traffic(url, model, audit), timeout=300))
+        seen = asyncio.run(asyncio.wait_for(_traffic(url, model, audit, log), timeout=300))
     output = log.read_text()
     for i, tokens in enumerate(seen["first"]):
         assert tokens is None or tokens == expected[i], i
@@ -490,22 +533,15 @@ def test_an_openai_server_with_kvlife_under_load(
     assert seen["shared"] == expected[len(SERVED) :]
     running = output.split("[shutdown]")[0]  # (vLLM may log its own teardown errors)
     assert "Traceback" not in running and "EngineDeadError" not in running, running[-4000:]
-    assert seen["preemptions"] > 0  # the small KV cache made vLLM preempt requests
+    assert seen["metrics"]["vllm:num_preemptions_total"] > 0  # certain: see _requests
     # while the server ran, every request of the first wave was in the file already
     assert seen["live"].ok and seen["live"].lifecycles == len(SERVED)
     assert "kvlife 0.1.0 connector active" in output
     # vLLM's own metrics log carries kvlife's counters; host-cache loads happened (the
     # shared prefix after the reset, and whatever preemptions evicted from vLLM's cache)
-    metrics = [line for line in output.splitlines() if "KV Transfer metrics" in line]
-    loads = sum(int(line.split("loads=")[1].split(",")[0]) for line in metrics)
-    assert metrics and loads >= 1, metrics
+    assert seen["loads_logged"] >= 1
     # and vLLM's Prometheus /metrics, with vLLM's labels (engine, model)
-    exported = {
-        line.split("{")[0]: float(line.split()[-1])
-        for line in seen["metrics"].splitlines()
-        if line.startswith("vllm:kvlife_") and 'engine="0"' in line
-    }
-    print("\n".join(line for line in seen["metrics"].splitlines() if "kvlife_" in line))
+    exported = seen["metrics"]
     assert exported["vllm:kvlife_stores_total"] > 0, exported
     assert exported["vllm:kvlife_loaded_blocks_total"] >= 1
     assert exported["vllm:kvlife_stored_bytes_total"] > 0
