@@ -37,17 +37,29 @@ Reason = Literal[
     "connector_raised",
     "event_mismatch",
     "overdue",
+    "credited_elsewhere",
+    "inherited_state",
 ]
 """Why a transition was refused. The audit log's ``reason`` field uses exactly these strings.
 
-The first six are the registry's own refusals. The last four are verdicts on a component
+The first six are the registry's own refusals. The others are verdicts on a component
 kvlife watches (see [`ProtocolViolationError`][kvlife.fsm.errors.ProtocolViolationError]):
-``kvlife audit check`` counts the first three as violations, and ``overdue`` (a ticket open
-longer than its limit, see [`OverdueWatch`][kvlife.fsm.overdue.OverdueWatch]) as one only
-when the ticket never completed afterwards (or when asked to count every one)."""
+``kvlife audit check`` counts them as violations, except ``overdue`` (a ticket open longer
+than its limit, see [`OverdueWatch`][kvlife.fsm.overdue.OverdueWatch]), a violation only
+when the ticket never completed afterwards (or when asked to count every one).
+``credited_elsewhere``: a copy's completion credited to another request object than the
+one it was issued for; ``inherited_state``: a request whose state in the component belongs
+to another request object with the same id."""
 
 PROTOCOL_REASONS: frozenset[Reason] = frozenset(
-    ("stray_report", "connector_raised", "event_mismatch", "overdue")
+    (
+        "stray_report",
+        "connector_raised",
+        "event_mismatch",
+        "overdue",
+        "credited_elsewhere",
+        "inherited_state",
+    )
 )
 """The reasons that are verdicts on a watched component, not refusals of the registry."""
 
@@ -175,7 +187,9 @@ class ProtocolViolationError(LifecycleError):
     ``reason`` is one of ``"stray_report"`` (a completion report that no open ticket
     explains), ``"connector_raised"`` (the component raised while handling the
     lifecycle), ``"event_mismatch"`` (an event it published contradicts what the engine
-    holds). Returned, not raised, by the registry: the caller decides what to do. Nothing
+    holds), ``"overdue"`` (a ticket open longer than its limit), ``"credited_elsewhere"``
+    and ``"inherited_state"`` (see [`Reason`][kvlife.fsm.errors.Reason]). Returned, not
+    raised, by the registry: the caller decides what to do. Nothing
     changed but the refusal counter and the audit log.
     """
 

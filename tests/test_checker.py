@@ -181,6 +181,8 @@ def test_an_open_ticket_at_the_end_is_unreported_only_in_a_watchers_log() -> Non
 AT = {
     "after_release": 8,
     "connector_raised": 8,
+    "credited_elsewhere": 8,
+    "inherited_state": 8,
     "duplicate_completion": 7,
     "event_mismatch": 8,
     "illegal_transition": 2,

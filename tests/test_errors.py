@@ -63,8 +63,17 @@ def test_each_reason_belongs_to_exactly_one_error_class() -> None:
         "connector_raised",
         "event_mismatch",
         "overdue",
+        "credited_elsewhere",
+        "inherited_state",
     )
-    assert {"stray_report", "connector_raised", "event_mismatch", "overdue"} == PROTOCOL_REASONS
+    assert {
+        "stray_report",
+        "connector_raised",
+        "event_mismatch",
+        "overdue",
+        "credited_elsewhere",
+        "inherited_state",
+    } == PROTOCOL_REASONS
 
 
 def test_a_protocol_violation_carries_its_own_reason() -> None:

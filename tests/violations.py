@@ -126,6 +126,8 @@ EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
         "connector_raised", call="request_finished", error="KeyError: 'r'"
     ),
     "event_mismatch": _verdict("event_mismatch", event="BlockStored", why="tokens"),
+    "credited_elsewhere": _verdict("credited_elsewhere", job=7, credited="serial 2"),
+    "inherited_state": _verdict("inherited_state", owner="serial 0"),
     "unreported": _unreported,
     "overdue": _overdue,
 }

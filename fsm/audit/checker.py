@@ -58,6 +58,8 @@ ViolationKind = Literal[
     "event_mismatch",
     "unreported",
     "overdue",
+    "credited_elsewhere",
+    "inherited_state",
 ]
 
 
@@ -118,6 +120,10 @@ VIOLATION_MEANINGS: Final[dict[str, str]] = {
     "event_mismatch": "an event the watched component published contradicts what the engine holds",
     "unreported": "a ticket of the watched component was still open when its log ended",
     "overdue": "a ticket stayed open longer than its limit (and never completed afterwards)",
+    "credited_elsewhere": "the watched component credited a copy's completion to another "
+    "request object than the one it issued the copy for",
+    "inherited_state": "the watched component's state under this request's id belongs to "
+    "another request object with that id (or was dropped with it)",
 }
 
 

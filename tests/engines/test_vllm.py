@@ -846,6 +846,7 @@ class _Metric:
 def test_kvlifes_stats_reach_prometheus_with_vllms_labels() -> None:
     from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
 
+    _Metric.made.clear()  # another test's metrics are not this one's
     vllm_config = make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm").vllm_config
     labels = {0: ["0", "m"], 1: ["1", "m"]}
     prom = KVLifeConnector.build_prom_metrics(

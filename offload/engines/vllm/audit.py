@@ -76,6 +76,7 @@ from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import Lifecycle, LifecycleError, OverdueWatch, Ticket, Trigger
 from kvlife.offload.engines.vllm.config import ConnectorConfig, audit_path
+from kvlife.offload.engines.vllm.lenses import Lens, lens_for
 from kvlife.offload.engines.vllm.scheduler import CoreLog, overdue_line
 from kvlife.offload.engines.vllm.stats import (
     OVERDUE_COUNTERS,
@@ -385,6 +386,13 @@ class _Watch:
         # (medium, hash) -> stores not removed yet: vLLM's block pool (and a connector
         # storing one prefix for two requests) may hold one hash several times
         self.held: dict[tuple[str | None, Any], int] = {}
+        #: The wrapped connector's lens (its private copies seen as tickets), if it has one.
+        self.lens: Lens | None = None
+        self.jobs: dict[int, Ticket] = {}  # a lensed copy's job -> the ticket it counts on
+        self.job_counts: dict[int, int] = {}  # ticket op -> its jobs not over yet
+        self.flushes: dict[int, Ticket] = {}  # lifecycle serial -> its final-copies ticket
+        self.new_flushes: list[Ticket] = []  # opened since the last step's metadata
+        self.completing: list[str] = []  # rids of the lensed jobs the last output completes
 
     # ------------------------------------------------------------------ lifecycles
 
@@ -412,8 +420,9 @@ class _Watch:
         return self.registry.live(rid) or self.recent.get(rid)
 
     def open_ticket(self, request: Request, kind: str, **detail: Any) -> Ticket | None:
-        """A ticket of ``kind`` (``load`` or ``delayed_free``) on ``request``'s lifecycle,
-        kept under its rid for the report that completes it; ``None`` when refused."""
+        """A ticket of ``kind`` on ``request``'s lifecycle (``load`` and ``delayed_free``
+        kept under its rid for the report that completes it; a lens's ``store`` and
+        ``flush`` by job); ``None`` when refused."""
         lc = self.lifecycle(request)
         if lc is None:
             return None
@@ -421,7 +430,8 @@ class _Watch:
             ticket = self.registry.start_offload(lc, kind=kind, **detail)
         except LifecycleError:  # refused (a second finish, say): audited, nothing opened
             return None
-        (self.loads if kind == "load" else self.frees).setdefault(lc.rid, []).append(ticket)
+        if kind in ("load", "delayed_free"):  # those a report by request id completes
+            (self.loads if kind == "load" else self.frees).setdefault(lc.rid, []).append(ticket)
         self.overdue.opened(ticket, kind)
         return ticket
 
@@ -559,7 +569,10 @@ class _Watch:
     def raised(self, call: str, args: tuple[Any, ...], exc: BaseException) -> None:
         trigger = _CALL_TRIGGER.get(call, Trigger.START_OFFLOAD)
         error = f"{type(exc).__name__}: {exc}"[:300]
-        rids: list[str | None] = list(_rids(args)) or [None]
+        named = _rids(args)
+        if call == "update_connector_output":  # the lensed jobs it was completing
+            named = list(dict.fromkeys([*named, *self.completing]))
+        rids: list[str | None] = list(named) or [None]
         for rid in rids[:64]:
             self.registry.record_violation(
                 "connector_raised",
@@ -571,6 +584,150 @@ class _Watch:
                 error=error,
             )
         self.written()
+
+    # ------------------------------------------------------------------ lensed copies
+
+    def flush(self, request: Request) -> None:
+        """vLLM finished ``request`` and the lensed connector may still order its final
+        copies at the next step: a ``flush`` ticket, opened before the finish, counts
+        them (a final flush is ``start_offload`` then ``finish``)."""
+        ticket = self.open_ticket(request, "flush")
+        if ticket is not None:
+            self.flushes[ticket.serial] = ticket
+            self.job_counts[ticket.op] = 0
+            self.new_flushes.append(ticket)
+
+    def issued(self, lens: Lens, meta: Any, out: SchedulerOutput) -> None:
+        """The copies the lensed connector's metadata orders this step become tickets on
+        the request objects it issued them for; flush tickets that got none complete."""
+        registry = self.registry
+        for job, kind, request in lens.issued(meta):
+            if request is None or request not in registry:
+                continue  # for a request the wrapper never saw: nothing to count it on
+            lc = registry.lifecycle(request)
+            if lc.outcome is None:
+                ticket = self.open_ticket(request, kind, job=job)
+                if ticket is None:
+                    continue
+                self.job_counts[ticket.op] = 1
+            else:
+                ticket = self.flushes.get(lc.serial)
+                if ticket is None or ticket.done:
+                    continue
+                self.job_counts[ticket.op] += 1
+            self.jobs[job] = ticket
+        for ticket in self.new_flushes:
+            if not self.job_counts.get(ticket.op):
+                self._over(ticket, jobs=0)
+        self.new_flushes.clear()
+        # a request's state under its id is another's: met when the request is new, or
+        # when another request of its id finished (its clean-up may drop the state)
+        finished = out.finished_req_ids
+        suspects = [new.req_id for new in out.scheduled_new_reqs]
+        self.check_owners(lens, dict.fromkeys((*suspects, *finished)) if finished else suspects)
+
+    def replaced(self, lens: Lens, request: Request) -> None:
+        """A new request took an id whose finished request still waits for its final
+        copies: if the connector's state under the id is the new request's now, the old
+        one's final copies will be ordered from (and credited to) the wrong state."""
+        rid = request.request_id
+        owner = lens.owner(rid)
+        for ticket in list(self.flushes.values()):
+            lc = ticket.lifecycle
+            if lc.rid == rid and lc.req is not request and owner is not lc.req:
+                new = self.registry.lifecycle(request) if request in self.registry else None
+                self._inherited(lens, lc, new, needed=True)
+
+    def check_owners(self, lens: Lens, rids: Iterable[str]) -> None:
+        """Write down each running request of ``rids`` whose state in the lensed
+        connector belongs to another request object with its id, or is gone."""
+        registry = self.registry
+        for rid in rids:
+            holder = registry.live(rid)
+            if holder is None or holder.outcome is not None:
+                continue
+            owner = lens.owner(rid)
+            if owner is holder.req or (owner is None and not lens.keeps_every_request):
+                continue
+            other = registry.lifecycle(owner) if owner is not None and owner in registry else None
+            self._inherited(lens, holder, other, dropped=owner is None)
+
+    def completed(self, lens: Lens, output: KVConnectorOutput) -> None:
+        """The lensed copies this worker output completes, before the connector takes it:
+        each completes its ticket on the request object it was issued for, and a
+        completion the connector will credit to another object is written down."""
+        registry = self.registry
+        self.completing.clear()
+        for job, ok, credited in lens.completions(output):
+            ticket = self.jobs.pop(job, None)
+            if ticket is None or ticket.done:
+                continue
+            lc = ticket.lifecycle
+            self.completing.append(lc.rid)
+            if credited is not lc.req:
+                other = registry.lifecycle(credited) if credited in registry else None
+                where = "no request" if credited is None else "another request object"
+                if other is not None:
+                    where += f" (lifecycle #{other.serial})"
+                registry.record_violation(
+                    "credited_elsewhere",
+                    Trigger.ACK,
+                    f"{lens.name} credits the completion of job {job}, issued for "
+                    f"lifecycle #{lc.serial} of {lc.rid!r}, to {where}",
+                    lifecycle=lc,
+                    op=ticket.op,
+                    job=job,
+                    credited="none" if other is None else f"serial {other.serial}",
+                )
+                logger.warning(
+                    "kvlife: %s credits job %s of request %r (lifecycle #%s) to %s",
+                    lens.name,
+                    job,
+                    lc.rid,
+                    lc.serial,
+                    where,
+                )
+            left = self.job_counts[ticket.op] - 1
+            self.job_counts[ticket.op] = left
+            if not left:
+                self._over(ticket, ok=ok, job=job)
+
+    def _over(self, ticket: Ticket, ok: bool = True, **detail: Any) -> None:
+        del self.job_counts[ticket.op]
+        flush = self.flushes.get(ticket.serial)
+        if flush is ticket:
+            del self.flushes[ticket.serial]
+        self.registry.complete(ticket, ok, **detail)
+
+    def _inherited(
+        self,
+        lens: Lens,
+        lc: Lifecycle,
+        other: Lifecycle | None,
+        *,
+        dropped: bool = False,
+        needed: bool = False,
+    ) -> None:
+        if dropped:
+            owner, said = "none", "is gone while it runs (dropped with another request of its id)"
+        elif needed:
+            owner = "unknown" if other is None else f"serial {other.serial}"
+            said = "(which its final copies still need) was taken by " + (
+                "another request object" if other is None else f"lifecycle #{other.serial}"
+            )
+        else:
+            owner = "unknown" if other is None else f"serial {other.serial}"
+            said = "belongs to " + (
+                "an unknown request object" if other is None else f"lifecycle #{other.serial}"
+            )
+        self.registry.record_violation(
+            "inherited_state",
+            Trigger.START_OFFLOAD,
+            f"{lens.name}'s state for {lc.rid!r} (lifecycle #{lc.serial}) {said}",
+            lifecycle=lc,
+            owner=owner,
+        )
+        logger.warning("kvlife: %s's state for request %r %s", lens.name, lc.rid, said)
 
     # ------------------------------------------------------------------ KV events
 
@@ -701,6 +858,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
                 bool(events and events.enable_kv_cache_events),
                 vllm_config.cache_config.block_size,
             )
+            self.watch.lens = lens_for(self.wrapped)
             logger.info(
                 "kvlife: auditing %s (%s mode)%s",
                 name,
@@ -726,6 +884,8 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             watch.lifecycle(request)
         self._call("on_new_request", request)
         if watch is not None:
+            if watch.lens is not None and watch.flushes:
+                watch.replaced(watch.lens, request)
             watch.written()
 
     def get_num_new_matched_tokens(
@@ -759,15 +919,25 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         watch.written()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        if self.watch is not None:  # once a step, even while nothing else changes
-            self.watch.check_overdue()
-        return self._call("build_connector_meta", scheduler_output)
+        watch = self.watch
+        if watch is not None:  # once a step, even while nothing else changes
+            watch.check_overdue()
+        meta = self._call("build_connector_meta", scheduler_output)
+        if watch is not None and watch.lens is not None:
+            watch.issued(watch.lens, meta, scheduler_output)
+            watch.written()
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         watch = self.watch
         assert watch is not None
+        lens = watch.lens
+        if lens is not None:
+            watch.completed(lens, connector_output)
         watch.report(connector_output)
         self._call("update_connector_output", connector_output)
+        if lens is not None and watch.completing:  # a completion's clean-up may drop state
+            watch.check_owners(lens, dict.fromkeys(watch.completing))
         watch.written()
 
     def _finished(self, call: str, request: Request, block_ids: Any) -> tuple[bool, Any]:
@@ -777,6 +947,8 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         delay, params = self._call(call, request, block_ids)
         if delay:
             watch.open_ticket(request, "delayed_free")
+        if watch.lens is not None and watch.lens.flushes(request):
+            watch.flush(request)
         watch.end(request)
         watch.written()
         return delay, params

@@ -1,0 +1,63 @@
+"""Connector lenses: what a connector kvlife did not write keeps to itself, read so that
+``KVLifeAuditConnector`` can see its copies whole.
+
+vLLM's connector API shows a wrapper the delayed frees and asynchronous loads that
+``finished_sending`` and ``finished_recving`` report. Offload connectors keep their copies
+in private metadata instead (vLLM's ``OffloadingConnector``: transfer jobs sent in its
+connector metadata, completed through ``completed_jobs`` in its worker metadata) and key
+their own state by request id. A lens knows one connector's private shapes, version by
+version, and answers the wrapper four questions; the wrapper turns the answers into kvlife
+tickets and verdicts. Per-connector knowledge lives in one module per connector; a
+connector without a lens is relayed as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from vllm.v1.outputs import KVConnectorOutput
+
+
+class Lens(Protocol):
+    """What the wrapper asks of a lens (scheduler side, in the engine core)."""
+
+    #: The wrapped connector's class name, for messages.
+    name: str
+    #: Whether the connector keeps state for every request it was shown until it
+    #: finished (then a running request without state lost it).
+    keeps_every_request: bool
+
+    def issued(self, meta: Any) -> Iterable[tuple[int, str, Any]]:
+        """The copies the connector's metadata of this step orders that no report by
+        request id will tell: ``(job, kind, request)`` with ``kind`` ``store`` (or
+        ``load``) and ``request`` the vLLM request object the connector issued it for (as
+        its own state says now)."""
+        ...
+
+    def completions(self, output: KVConnectorOutput) -> Iterable[tuple[int, bool, Any]]:
+        """The jobs this worker output completes (every worker reported them), read
+        before the connector takes the output: ``(job, ok, credited)``, ``credited``
+        being the request object the connector will credit it to (``None``: none)."""
+        ...
+
+    def owner(self, rid: str) -> Any:
+        """The request object the connector's state under ``rid`` belongs to (``None``:
+        it keeps none)."""
+        ...
+
+    def flushes(self, request: Any) -> bool:
+        """Whether the connector may still order copies for ``request`` after vLLM
+        finished it (a final store at its next step)."""
+        ...
+
+
+def lens_for(connector: Any) -> Lens | None:
+    """The lens of ``connector`` (the wrapped connector's scheduler side), or ``None``."""
+    from kvlife.offload.engines.vllm.lenses import offloading  # noqa: PLC0415
+
+    lens: Lens | None = offloading.lens_for(connector)
+    return lens
+
+
+__all__ = ["Lens", "lens_for"]

@@ -1,0 +1,76 @@
+"""The lens of vLLM's ``OffloadingConnector`` (what ``--kv-offloading-size`` turns on),
+vLLM 0.32 and 0.33.
+
+Its scheduler side (``connector.connector_scheduler``) sends ``TransferJob(req_id, ...)``
+per job id in ``OffloadingConnectorMetadata.load_jobs`` and ``store_jobs``; keeps a
+``TransferJobStatus(req_id, pending_count, ...)`` per job in ``_jobs`` (``pending_count``
+starts at the number of workers) and a ``RequestOffloadState(req=Request, ...)`` per
+request id in ``_req_status`` (``on_new_request`` replaces the entry of an id that is
+reused); and takes ``completed_jobs {job: workers}`` from ``OffloadingWorkerMetadata``,
+crediting a job whose count reaches zero to ``_req_status[job.req_id]``. A finished
+request keeps its entry until the next step's ``build_connector_meta`` has ordered its
+final stores. It never delays a free and asserts on a failed copy (no failure report).
+A load is also reported by request id (``finished_recving``), which the wrapper tickets
+without a lens; the lens adds the stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from vllm.v1.outputs import KVConnectorOutput
+
+
+class OffloadingLens:
+    """See the module's text. Reads ``scheduler._jobs`` and ``scheduler._req_status``."""
+
+    name = "OffloadingConnector"
+    keeps_every_request = True  # on_new_request makes it; the step after the finish drops it
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def issued(self, meta: Any) -> Iterator[tuple[int, str, Any]]:
+        # stores only: a load is reported by request id too (finished_recving), the
+        # protocol's own load ticket
+        states = self.scheduler._req_status
+        for job, transfer in meta.store_jobs.items():
+            state = states.get(transfer.req_id)
+            yield job, "store", None if state is None else state.req
+
+    def completions(self, output: KVConnectorOutput) -> Iterator[tuple[int, bool, Any]]:
+        meta = output.kv_connector_worker_meta
+        completed = getattr(meta, "completed_jobs", None)
+        if not completed:
+            return
+        jobs, states = self.scheduler._jobs, self.scheduler._req_status
+        for job, count in completed.items():
+            status = jobs.get(job)
+            if status is None or not status.is_store or status.pending_count - count > 0:
+                continue  # a load, a job a cache reset flushed, or not over yet
+            state = states.get(status.req_id)
+            yield job, True, None if state is None else state.req
+
+    def owner(self, rid: str) -> Any:
+        state = self.scheduler._req_status.get(rid)
+        return None if state is None else state.req
+
+    def flushes(self, request: Any) -> bool:
+        state = self.scheduler._req_status.get(request.request_id)
+        return state is not None and state.req is request
+
+
+def lens_for(connector: Any) -> OffloadingLens | None:
+    """A lens for a vLLM ``OffloadingConnector`` (or a subclass) with the private state
+    this module reads; ``None`` for any other connector."""
+    names = {klass.__name__ for klass in type(connector).__mro__}
+    scheduler = getattr(connector, "connector_scheduler", None)
+    if "OffloadingConnector" not in names or scheduler is None:
+        return None
+    if not (hasattr(scheduler, "_jobs") and hasattr(scheduler, "_req_status")):
+        return None  # another vLLM's private shapes: relayed without a lens
+    return OffloadingLens(scheduler)
+
+
+__all__ = ["OffloadingLens", "lens_for"]
