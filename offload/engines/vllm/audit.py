@@ -392,6 +392,9 @@ class _Watch:
         self.job_counts: dict[int, int] = {}  # ticket op -> its jobs not over yet
         self.flushes: dict[int, Ticket] = {}  # lifecycle serial -> its final-copies ticket
         self.new_flushes: list[Ticket] = []  # opened since the last step's metadata
+        # finished since the last step's metadata, their state kept for its pass: by rid,
+        # the lifecycle and the request object (held until that pass: one step)
+        self.finishing: dict[str, tuple[Lifecycle, Any]] = {}
         self.completing: list[str] = []  # rids of the lensed jobs the last output completes
 
     # ------------------------------------------------------------------ lifecycles
@@ -600,26 +603,27 @@ class _Watch:
     def issued(self, lens: Lens, meta: Any, out: SchedulerOutput) -> None:
         """The copies the lensed connector's metadata orders this step become tickets on
         the request objects it issued them for; flush tickets that got none complete."""
-        registry = self.registry
+        registry, counts, opened = self.registry, self.job_counts, self.overdue.opened
         for job, kind, request in lens.issued(meta):
             if request is None or request not in registry:
                 continue  # for a request the wrapper never saw: nothing to count it on
             lc = registry.lifecycle(request)
             if lc.outcome is None:
-                ticket = self.open_ticket(request, kind, job=job)
-                if ticket is None:
-                    continue
-                self.job_counts[ticket.op] = 1
+                ticket = registry.start_offload(lc, kind=kind, job=job)
+                opened(ticket, kind)
+                counts[ticket.op] = 1
             else:
-                ticket = self.flushes.get(lc.serial)
-                if ticket is None or ticket.done:
+                flush = self.flushes.get(lc.serial)
+                if flush is None or flush.done:
                     continue
-                self.job_counts[ticket.op] += 1
+                counts[flush.op] += 1
+                ticket = flush
             self.jobs[job] = ticket
         for ticket in self.new_flushes:
             if not self.job_counts.get(ticket.op):
                 self._over(ticket, jobs=0)
         self.new_flushes.clear()
+        self.finishing.clear()
         # a request's state under its id is another's: met when the request is new, or
         # when another request of its id finished (its clean-up may drop the state)
         finished = out.finished_req_ids
@@ -627,16 +631,14 @@ class _Watch:
         self.check_owners(lens, dict.fromkeys((*suspects, *finished)) if finished else suspects)
 
     def replaced(self, lens: Lens, request: Request) -> None:
-        """A new request took an id whose finished request still waits for its final
-        copies: if the connector's state under the id is the new request's now, the old
-        one's final copies will be ordered from (and credited to) the wrong state."""
+        """A new request took an id whose finished request's state the connector keeps
+        for its next step's pass: if that state is the new request's now, the pass
+        (and the old request's final copies) will use the wrong state."""
         rid = request.request_id
-        owner = lens.owner(rid)
-        for ticket in list(self.flushes.values()):
-            lc = ticket.lifecycle
-            if lc.rid == rid and lc.req is not request and owner is not lc.req:
-                new = self.registry.lifecycle(request) if request in self.registry else None
-                self._inherited(lens, lc, new, needed=True)
+        lc, old = self.finishing.get(rid, (None, None))
+        if lc is not None and old is not request and lens.owner(rid) is not old:
+            new = self.registry.lifecycle(request) if request in self.registry else None
+            self._inherited(lens, lc, new, needed=True)
 
     def check_owners(self, lens: Lens, rids: Iterable[str]) -> None:
         """Write down each running request of ``rids`` whose state in the lensed
@@ -712,7 +714,7 @@ class _Watch:
             owner, said = "none", "is gone while it runs (dropped with another request of its id)"
         elif needed:
             owner = "unknown" if other is None else f"serial {other.serial}"
-            said = "(which its final copies still need) was taken by " + (
+            said = "(which its next step's pass still needs) was taken by " + (
                 "another request object" if other is None else f"lifecycle #{other.serial}"
             )
         else:
@@ -884,7 +886,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             watch.lifecycle(request)
         self._call("on_new_request", request)
         if watch is not None:
-            if watch.lens is not None and watch.flushes:
+            if watch.lens is not None and watch.finishing:
                 watch.replaced(watch.lens, request)
             watch.written()
 
@@ -947,8 +949,13 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         delay, params = self._call(call, request, block_ids)
         if delay:
             watch.open_ticket(request, "delayed_free")
-        if watch.lens is not None and watch.lens.flushes(request):
-            watch.flush(request)
+        lens = watch.lens
+        if lens is not None and lens.finishing(request):
+            lc = watch.lifecycle(request)
+            if lc is not None:
+                watch.finishing[lc.rid] = (lc, request)
+            if lens.flushes(request):
+                watch.flush(request)
         watch.end(request)
         watch.written()
         return delay, params

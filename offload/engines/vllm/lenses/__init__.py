@@ -46,9 +46,13 @@ class Lens(Protocol):
         it keeps none)."""
         ...
 
+    def finishing(self, request: Any) -> bool:
+        """Whether the connector keeps ``request``'s state, after vLLM finished it, for
+        a pass at its next step (a new request with its id must not take it)."""
+        ...
+
     def flushes(self, request: Any) -> bool:
-        """Whether the connector may still order copies for ``request`` after vLLM
-        finished it (a final store at its next step)."""
+        """Whether that pass may order copies for ``request`` (a final store)."""
         ...
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
 
 class OffloadingLens:
@@ -56,9 +57,32 @@ class OffloadingLens:
         state = self.scheduler._req_status.get(rid)
         return None if state is None else state.req
 
-    def flushes(self, request: Any) -> bool:
+    def finishing(self, request: Any) -> bool:
         state = self.scheduler._req_status.get(request.request_id)
         return state is not None and state.req is request
+
+    def flushes(self, request: Any) -> bool:
+        # The next step's final pass (``_build_store_jobs`` over ``finished_req_ids``)
+        # stores the chunks past those stored, up to the finished request's end as it
+        # counts it: the same arithmetic, with the connector's own methods.
+        scheduler = self.scheduler
+        state = scheduler._req_status.get(request.request_id)
+        if state is None or state.req is not request:
+            return False
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            end = request.num_computed_tokens
+        else:
+            end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        try:
+            offloadable = scheduler._calc_num_offloadable_tokens(state, end)
+            return any(
+                state.storable_chunks(config, group, offloadable) > group.next_stored_chunk_idx
+                for config, group in zip(
+                    state.config.kv_group_configs, state.group_states, strict=True
+                )
+            )
+        except (AttributeError, TypeError):  # another vLLM's shapes: count them all
+            return True
 
 
 def lens_for(connector: Any) -> OffloadingLens | None:
