@@ -510,26 +510,28 @@ class JobPlay:
         self.n += 1
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("seed", range(10))
 def test_vllms_offloading_connector_with_fresh_ids_checks_clean_with_every_job_a_ticket(
-    tmp_path: Path, seed: int, workers: int
+    tmp_path: Path,
 ) -> None:
-    """No false verdict: with fresh ids, shared prefixes, aborts, preemption and workers
-    reporting in different steps, the lens turns every job into a ticket, each completes
-    when the last worker reported it, and the log checks clean."""
-    path = tmp_path / "a.jsonl"
-    play = JobPlay(path, seed, workers=workers)
-    play.run(120)
-    play.scheduler.shutdown()
-    report = check_audit(read_audit(path), expect_released=True)
-    assert report.ok, report.violations[:3]
-    records = read_audit(path).records
-    jobs = [r for r in records if r.trigger == "start_offload" and "job" in r.detail]
-    assert len(jobs) == play.issued > 10  # every store job
-    assert {r.detail["kind"] for r in jobs} == {"store"}
-    assert report.lifecycles == report.released == play.arrived
-    assert play.preempted > 0 and report.transitions["abort"] > 0  # seeded: no timing
+    """No false verdict: 40 seeded runs with fresh ids, shared prefixes, aborts,
+    preemption and one or two workers reporting in different steps. The lens turns every
+    store job into a ticket, each completes when the last worker reported it, and every
+    log checks clean."""
+    jobs = preempted = 0
+    for seed in range(40):
+        path = tmp_path / f"{seed}.jsonl"
+        play = JobPlay(path, seed, workers=1 + seed % 2)
+        play.run(120)
+        play.scheduler.shutdown()
+        report = check_audit(read_audit(path), expect_released=True)
+        assert report.ok, (seed, report.violations[:3])
+        records = read_audit(path).records
+        started = [r for r in records if r.trigger == "start_offload" and "job" in r.detail]
+        assert len(started) == play.issued and {r.detail["kind"] for r in started} <= {"store"}
+        assert report.lifecycles == report.released == play.arrived
+        jobs, preempted = jobs + play.issued, preempted + play.preempted
+    print(f"fresh ids: 40 runs, {jobs} store jobs, {preempted} preemptions, no verdict")
+    assert jobs > 500 and preempted > 100  # seeded: the workload, not the clock, decides
 
 
 def test_the_lens_names_a_late_store_credited_to_the_request_that_reused_its_id(
@@ -561,29 +563,37 @@ def test_the_lens_names_a_late_store_credited_to_the_request_that_reused_its_id(
     assert {("credited_elsewhere", "0"), ("connector_raised", "0")} <= kinds
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_with_ids_reused_the_lens_names_every_store_vllm_credits_to_another_request(
-    tmp_path: Path, seed: int
+def test_with_ids_reused_the_lens_names_every_confusion_before_vllm_raises(
+    tmp_path: Path,
 ) -> None:
     """vLLM's OffloadingConnector keys its state by request id: a store completing after
     its id was reused is credited to the new request, and the clean-up of a finished
     request drops the state of a new one with its id; vLLM raises KeyError a moment
-    later. Over seeded runs with ids reused, every raise came after the log named such a
-    store or state on a rid of the raise; a run with no such verdict checks clean."""
-    path = tmp_path / "a.jsonl"
-    play = JobPlay(path, seed, reuse=True)
-    try:
-        play.run(120)
-        raised = None
-    except KeyError as exc:
-        raised = exc
-    play.scheduler.connector.watch.log.close()
-    records = read_audit(path).records
-    said = [r for r in records if r.reason in ("credited_elsewhere", "inherited_state")]
-    crash = [r for r in records if r.reason == "connector_raised"]
-    if raised is not None:  # never a crash the log did not name first
-        assert said and crash and said[0].seq < crash[0].seq, (said, raised)
-        named = {r.rid for r in crash} | {rid for rid in POOL if repr(rid) in str(raised)}
-        assert {r.rid for r in said} & named
-    if not said:  # and no verdict without a confusion of two requests
-        assert check_audit(read_audit(path), expect_released=True).ok
+    later. Over 40 seeded runs with ids reused, every raise came after the log named such
+    a store or state on a rid of the raise, and a run with no such verdict checks clean."""
+    raised_runs = named_runs = 0
+    rids: set[tuple[int, str | None]] = set()
+    for seed in range(40):
+        path = tmp_path / f"{seed}.jsonl"
+        play = JobPlay(path, seed, reuse=True, workers=1 + seed % 2)
+        raised: KeyError | None = None
+        try:
+            play.run(120)
+        except KeyError as exc:
+            raised = exc
+        play.scheduler.connector.watch.log.close()
+        records = read_audit(path).records
+        said = [r for r in records if r.reason in ("credited_elsewhere", "inherited_state")]
+        crash = [r for r in records if r.reason == "connector_raised"]
+        if raised is not None:  # never a crash the log did not name first
+            assert said and crash and said[0].seq < crash[0].seq, (seed, raised)
+            named = {r.rid for r in crash} | {rid for rid in POOL if repr(rid) in str(raised)}
+            assert {r.rid for r in said} & named, seed
+        if not said:  # and no verdict without a confusion of two requests
+            assert check_audit(read_audit(path), expect_released=True).ok, seed
+        raised_runs += raised is not None
+        named_runs += bool(said)
+        rids |= {(seed, r.rid) for r in said}
+    named = f"{named_runs} runs named {len(rids)} rids"
+    print(f"ids reused: 40 runs, vLLM raised in {raised_runs}, {named}")
+    assert raised_runs >= 20  # seeded: the workload, not the clock, decides
