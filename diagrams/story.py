@@ -2,19 +2,23 @@
 
 One lane per lifecycle that held the rid (``#serial``), coloured by state over time as in
 the timeline; above each lane its copies, each a span from its start to its completion
-labelled with its copy number (red when it failed); refused deliveries marked on the lane,
+labelled with its copy number, in the writer's words where its record says what it is
+(``delayed free 4 (finished_sending)``, ``load 2 (cut by finished_recving)``, ``store 7``;
+red when it failed); refused deliveries marked on the lane,
 one mark per reason; the moment a newer lifecycle took the rid while an older one was
 unreleased (a reuse), a purple line from the old lane to the new one; and for a late
 completion (the rid was reused while the copy was in flight), an arrow from the newest
 lane that held the rid when the copy completed (where a rid-keyed bookkeeping would have
 applied it) to the lifecycle its ticket named, which is the one it completed. Records the
-checker finds wrong are red diamonds.
+checker finds wrong are red diamonds, each labelled with its verdict and the record's
+reason (``stray_report: repeated``).
 
 [`build_story()`][kvlife.diagrams.story.build_story] reads the log once and keeps only the
 rid's records; [`plot_story()`][kvlife.diagrams.story.plot_story] draws it (PNG or SVG by
 suffix). The SVG's elements carry ids a test or a script can find: ``lane-SERIAL``,
 ``copy-OP`` (the span) and ``copy-label-OP``, ``refused-N``, ``reuse-N``, ``late-OP`` (the
-arrow; its label names the target ``#serial``) and ``violation-N``.
+arrow; its label names the target ``#serial``), ``violation-N`` and
+``violation-label-N``.
 
 Needs matplotlib (the ``plot`` extra).
 """
@@ -53,14 +57,45 @@ LATE_COLOUR: Final = "#e6550d"
 
 @dataclass(frozen=True)
 class Copy:
-    """One copy of a lifecycle: started at ``start`` ms, completed at ``end`` (``None``:
-    still in flight at the end of the log), ``ok`` unless it failed."""
+    """One copy (ticket) of a lifecycle: started at ``start`` ms, completed at ``end``
+    (``None``: still in flight at the end of the log), ``ok`` unless it failed. ``kind``:
+    what the writer said it is (``store``, ``load``, ``delayed_free``, ``flush``; empty
+    when it said nothing); ``ended_by``: the report or cut that ended it, as its
+    completion record says (``finished_sending``, ``cut by finished_recving``, ...)."""
 
     op: int
     serial: int
     start: float
     end: float | None
     ok: bool = True
+    kind: str = ""
+    ended_by: str = ""
+
+    @property
+    def label(self) -> str:
+        """``7``, or in the writer's words: ``delayed free 7 (finished_sending)``."""
+        name = f"{self.kind.replace('_', ' ')} {self.op}" if self.kind else str(self.op)
+        return f"{name} ({self.ended_by})" if self.ended_by else name
+
+
+def ended_by(detail: Mapping[str, object]) -> str:
+    """What ended a ticket, from its completion record's detail: the report that
+    completed it, the report that cut it short, or the lensed job."""
+    if "cut_by" in detail:
+        return f"cut by {detail['cut_by']}"
+    if "report" in detail:
+        return str(detail["report"])
+    if detail.get("jobs") == 0:
+        return "nothing to store"
+    return ""
+
+
+def verdict_label(kinds: Sequence[str], detail: Mapping[str, object]) -> str:
+    """A violation mark's words: its kinds and the record's reason for each
+    (``stray_report: repeated``, ``connector_raised: update_connector_output``)."""
+    why = detail.get("why") or detail.get("call") or detail.get("kind") or ""
+    said = ", ".join(kinds)
+    return f"{said}: {why}" if why else said
 
 
 @dataclass(frozen=True)
@@ -108,6 +143,8 @@ class Story:
     violations: list[tuple[float, int, int, tuple[str, ...]]]
     end: float
     total: int = 0
+    #: The words of each violation mark, in ``violations``' order.
+    verdicts: list[str] = field(default_factory=list)
 
 
 def story_of(
@@ -124,6 +161,7 @@ def story_of(
     t0 = history.t0 or 0
     lanes: list[Lane] = []
     violations: list[tuple[float, int, int, tuple[str, ...]]] = []
+    verdicts: list[str] = []
     reuses: list[tuple[float, int, int, int]] = []
     late: list[LateCompletion] = []
     births = registrations(history)  # the rules are explain's: the words and the picture agree
@@ -150,22 +188,33 @@ def story_of(
                 if (held.segment, held.serial) in kept
             ]
         state, since = "", 0.0
-        started: dict[int, int] = {}  # op -> t_ns
+        started: dict[int, tuple[int, str]] = {}  # op -> (t_ns, kind)
         for record in lc.records:
             t = ms(record.t_ns)
             found = marks.get((lc.segment, record.seq))
             if found:
-                kinds = tuple(v.kind for v in found)
+                kinds = tuple(dict.fromkeys(v.kind for v in found))
                 violations.append((t, lc.segment, lc.serial, kinds))
+                verdicts.append(verdict_label(kinds, record.detail))
             if not record.ok:
                 lane.refusals.append((t, record.reason or "", record.op))
                 continue
             if record.trigger == "start_offload" and record.op is not None:
-                started[record.op] = record.t_ns
+                started[record.op] = (record.t_ns, str(record.detail.get("kind", "")))
             elif record.trigger in ("ack", "fail") and record.op is not None:
-                begun = started.pop(record.op, record.t_ns)
+                begun, kind = started.pop(record.op, (record.t_ns, ""))
                 ok = record.trigger == "ack"
-                lane.copies.append(Copy(record.op, lc.serial, ms(begun), t, ok=ok))
+                lane.copies.append(
+                    Copy(
+                        record.op,
+                        lc.serial,
+                        ms(begun),
+                        t,
+                        ok=ok,
+                        kind=kind,
+                        ended_by=ended_by(record.detail),
+                    )
+                )
                 newer = reused_in_flight(births.get(lc.segment, []), lc.serial, begun, record.t_ns)
                 if newer and (lc.segment, max(newer)) in kept:  # late: completed lc, its ticket's
                     late.append(LateCompletion(record.op, t, lc.serial, max(newer), lc.segment))
@@ -176,13 +225,15 @@ def story_of(
             if record.dst == State.RELEASED.value:
                 lane.released = t
                 state = ""
-        lane.copies += [Copy(op, lc.serial, ms(t_ns), None) for op, t_ns in started.items()]
+        lane.copies += [
+            Copy(op, lc.serial, ms(t_ns), None, kind=kind) for op, (t_ns, kind) in started.items()
+        ]
         if state:
             lane.spans.append((since, -1.0, state))  # open: to the end of the log
         lanes.append(lane)
     for lane in lanes:
         lane.spans = [(a, end if b < 0 else b, s) for a, b, s in lane.spans]
-    return Story(history.rid, lanes, reuses, late, violations, end, total)
+    return Story(history.rid, lanes, reuses, late, violations, end, total, verdicts)
 
 
 def build_story(
@@ -215,7 +266,7 @@ def _levels(copies: list[Copy], end: float, char: float) -> dict[int, int]:
     rows: list[float] = []
     level: dict[int, int] = {}
     for copy in sorted(copies, key=lambda c: c.start):
-        label_end = copy.start + char * (len(str(copy.op)) + 1)
+        label_end = copy.start + char * (len(copy.label) + 1)
         stop = max(end if copy.end is None else copy.end, label_end)
         for index, busy_until in enumerate(rows):
             if busy_until < copy.start:
@@ -284,7 +335,7 @@ def plot_story(story: Story, path: Path) -> None:
                 zorder=3,
             )
             span.set_gid(f"copy-{_name(lane.segment, copy.op)}")
-            label = ax.text(copy.start, cy - 0.06, str(copy.op), fontsize=7, va="bottom")
+            label = ax.text(copy.start, cy - 0.06, copy.label, fontsize=7, va="bottom")
             label.set_gid(f"copy-label-{_name(lane.segment, copy.op)}")
     refused = 0
     reasons_seen: dict[str, tuple[str, str, str]] = {}
@@ -348,6 +399,17 @@ def plot_story(story: Story, path: Path) -> None:
             zorder=8,
         )
         point.set_gid(f"violation-{n}")
+        if n < len(story.verdicts):
+            words = ax.text(
+                t + char,
+                base[segment, serial] + 0.42,
+                story.verdicts[n],
+                color="red",
+                fontsize=7,
+                va="top",
+                zorder=8,
+            )
+            words.set_gid(f"violation-label-{n}")
     ax.set_yticks([base[_key(lane)] for lane in story.lanes])
     segments = len({lane.segment for lane in story.lanes}) > 1
     ax.set_yticklabels(
@@ -364,7 +426,13 @@ def plot_story(story: Story, path: Path) -> None:
     ax.set_title(_title(story), fontsize=10, color="red" if story.violations else "black")
     handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
     handles.append(
-        Line2D([], [], color="#31a354", linewidth=3, label="copy N, from start to completion")
+        Line2D(
+            [],
+            [],
+            color="#31a354",
+            linewidth=3,
+            label="copy N (or its kind: store, load, delayed free), start to completion",
+        )
     )
     if any(not c.ok for lane in story.lanes for c in lane.copies):
         handles.append(Line2D([], [], color="#d62728", linewidth=3, label="failed copy"))

@@ -45,9 +45,16 @@ REFUSAL_MARKS: Final = {
     "duplicate_ack": ("+", "#d62728", "repeated delivery (duplicate_ack)"),
     "rid_conflict": ("s", "#8c564b", "rid taken while held (rid_conflict)"),
     "invalid_transition": ("v", "#7f7f7f", "not allowed in its state (invalid_transition)"),
+    "stray_report": ("*", "#e377c2", "report no open ticket explains (stray_report)"),
+    "connector_raised": ("P", "#e377c2", "the connector raised (connector_raised)"),
+    "event_mismatch": ("h", "#e377c2", "KV event against the engine's hashes (event_mismatch)"),
+    "overdue": ("^", "#fd8d3c", "ticket open past its limit (overdue)"),
+    "credited_elsewhere": (">", "#e377c2", "completion credited to another request"),
+    "inherited_state": ("<", "#e377c2", "state of another request of its id (inherited_state)"),
 }
-"""Marker, colour and legend text per refusal reason; other reasons (a watched
-connector's protocol violations, lookups that found nothing) share ``OTHER_REFUSAL``."""
+"""Marker, colour and legend text per refusal reason, a watched connector's verdicts
+included; other reasons (lookups that found nothing, a registration refused) share
+``OTHER_REFUSAL``."""
 OTHER_REFUSAL: Final = ("*", "#e377c2", "other refusal")
 MAX_REFUSALS_PER_ROW: Final = 200
 """Refusal marks kept per row (a flood of stale deliveries draws as one smear anyway)."""

@@ -9,7 +9,16 @@ import pytest
 
 from kvlife.diagrams.story import Copy, build_story, plot_story
 from kvlife.diagrams.story import _levels as levels
-from kvlife.fsm import AuditChecker, JsonLinesSink, LifecycleRegistry, read_audit
+from kvlife.fsm import (
+    AuditChecker,
+    JsonLinesSink,
+    LifecycleRegistry,
+    MemorySink,
+    Trigger,
+    read_audit,
+)
+from kvlife.fsm.audit import make_header
+from kvlife.fsm.audit.reader import Segment
 from tests.strategies import Req
 from tests.violations import EDITS, UNRECORDED, clean_log, edited_log
 
@@ -145,3 +154,42 @@ def test_each_segment_has_lanes_of_its_own(tmp_path: Path) -> None:
     plot_story(story, tmp_path / "a.svg")
     ids = _ids((tmp_path / "a.svg").read_text())
     assert {"lane-0", "lane-1-0", "copy-0", "copy-1-0"} <= ids
+
+
+def test_a_wrapped_connectors_tickets_and_verdicts_are_drawn_in_its_words(
+    tmp_path: Path,
+) -> None:
+    """An on-call engineer reads the picture without the log: each ticket by what it is
+    and the report or cut that ended it, each verdict by its kind and reason."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("victim-1")
+    lc = registry.register(req)
+    load = registry.start_offload(req, kind="load", tokens=16)
+    free = registry.start_offload(req, kind="delayed_free")
+    registry.abort(req)
+    registry.complete(load, report="finished_recving")
+    registry.complete(free, False, cut_by="finished_recving")
+    registry.record_violation(
+        "stray_report",
+        Trigger.ACK,
+        "reported finished_sending",
+        lifecycle=lc,
+        report="finished_sending",
+        why="already_freed",
+    )
+    story = build_story(
+        [Segment(0, make_header(witness="LMCacheMPConnector"), ""), *sink.records()],
+        "victim-1",
+        checker=AuditChecker(),
+    )
+    assert [c.label for c in story.lanes[0].copies] == [
+        "load 0 (finished_recving)",
+        "delayed free 1 (cut by finished_recving)",
+    ]
+    assert story.verdicts == ["stray_report: already_freed"]
+    plot_story(story, tmp_path / "s.svg")
+    svg = (tmp_path / "s.svg").read_text()
+    assert "delayed free 1 (cut by finished_recving)" in svg
+    assert "stray_report: already_freed" in svg and "violation-label-0" in svg
+    assert "report no open ticket explains (stray_report)" in svg  # its mark's legend
