@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm
 
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
+from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
 from kvlife.fsm import check_audit, read_audit
 from kvlife.fsm.audit import AuditReport
@@ -597,3 +598,176 @@ def test_with_ids_reused_the_lens_names_every_confusion_before_vllm_raises(
     named = f"{named_runs} runs named {len(rids)} rids"
     print(f"ids reused: 40 runs, vLLM raised in {raised_runs}, {named}")
     assert raised_runs >= 20  # seeded: the workload, not the clock, decides
+
+
+SIMPLE = {
+    "kv_connector": "SimpleCPUOffloadConnector",
+    "kv_connector_extra_config": {"num_cpu_blocks": 64},
+}
+
+
+class EventPlay(JobPlay):
+    """vLLM's ``SimpleCPUOffloadConnector`` under the wrapper, its workers played from its
+    worker's code: one store event a step, each reported by each worker after 0-3 steps
+    (at once when vLLM preempted, as its ``need_flush`` makes the worker wait); a load
+    event reported by request id once every worker finished it."""
+
+    def __init__(
+        self, path: Path, seed: int, *, workers: int = 1, reuse: bool = False, lazy: bool = False
+    ) -> None:
+        connector = {
+            **SIMPLE,
+            "kv_connector_extra_config": {**SIMPLE["kv_connector_extra_config"]},
+        }
+        if lazy:
+            connector["kv_connector_extra_config"]["lazy_offload"] = True
+        extra = {"connector": connector, "audit_log": str(path)}
+        self.scheduler = make_scheduler(
+            "KVLifeAuditConnectorHMA", KVLIFE, extra, blocks=32, tensor_parallel=workers
+        )
+        self.rng = random.Random(seed)
+        self.workers, self.reuse = workers, reuse
+        self.pending: list[tuple[int, int]] = []  # (due step, event), one per worker
+        self.loading: dict[int, list[str]] = {}  # a load event -> its request ids
+        self.reported: dict[int, int] = {}
+        self.load_pending: list[tuple[int, int]] = []  # (due step, load event) per worker
+        self.issued = self.preempted = 0
+        self.n = self.arrived = 0
+
+    def step(self, arrivals: bool = True) -> None:
+        scheduler, rng, n = self.scheduler, self.rng, self.n
+        self._arrive(arrivals)
+        out = scheduler.schedule()
+        self.preempted += len(out.preempted_req_ids or ())
+        meta = out.kv_connector_metadata
+        flush = meta.need_flush
+        if meta.store_event >= 0:
+            self.issued += 1
+            for _ in range(self.workers):
+                self.pending.append((n + rng.randint(0, 3), meta.store_event))
+        if meta.load_event >= 0:
+            self.loading[meta.load_event] = list(meta.load_event_to_reqs[meta.load_event])
+            for _ in range(self.workers):
+                self.load_pending.append((n + rng.randint(0, 3), meta.load_event))
+        stores = [e for when, e in self.pending if when <= n or flush]
+        self.pending = [(when, e) for when, e in self.pending if when > n and not flush]
+        loads = [e for when, e in self.load_pending if when <= n or flush]
+        self.load_pending = [(when, e) for when, e in self.load_pending if when > n and not flush]
+        completed: dict[int, int] = {}
+        for event in stores:
+            completed[event] = completed.get(event, 0) + 1
+        recving: set[str] = set()
+        for event in loads:
+            self.reported[event] = self.reported.get(event, 0) + 1
+            if self.reported[event] == self.workers:
+                recving.update(self.loading.pop(event))
+        worker_meta = (
+            SimpleCPUOffloadWorkerMetadata(completed_store_events=completed) if completed else None
+        )
+        output = model_output(out, worker_meta)
+        assert output.kv_connector_output is not None
+        output.kv_connector_output.finished_recving = recving or None
+        scheduler.update_from_output(out, output)
+        self.n += 1
+
+    def _arrive(self, arrivals: bool) -> None:
+        scheduler, rng = self.scheduler, self.rng
+        for _ in range(rng.choice((0, 0, 1, 2)) if arrivals else 0):
+            rid = rng.choice(POOL) if self.reuse else f"r{self.arrived}"
+            if rid not in scheduler.requests:
+                self.arrived += 1
+                first = rng.choice((100, 100, 2000, rng.randrange(3000, 9000)))
+                scheduler.add_request(
+                    make_request(
+                        rid, prompt=rng.randint(20, 90), max_tokens=rng.randint(1, 40), first=first
+                    )
+                )
+        if arrivals and scheduler.requests and rng.random() < 0.08:
+            scheduler.finish_requests(
+                rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED
+            )
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+        for _ in range(200):
+            if not self.scheduler.has_requests() and not self.pending and not self.load_pending:
+                return
+            self.step(arrivals=False)
+        raise AssertionError(f"still busy: {list(self.scheduler.requests)}")
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_vllms_simple_cpu_offload_with_fresh_ids_checks_clean(tmp_path: Path, lazy: bool) -> None:
+    """No false verdict from the SimpleCPUOffloadConnector lens: 40 seeded runs with fresh
+    ids (shared prefixes, aborts, preemption, one or two workers), every log clean; in
+    eager mode each request a store event copies for is a ticket."""
+    tickets = events = 0
+    for seed in range(40):
+        path = tmp_path / f"{seed}.jsonl"
+        play = EventPlay(path, seed, workers=1 + seed % 2, lazy=lazy)
+        play.run(120)
+        play.scheduler.shutdown()
+        report = check_audit(read_audit(path), expect_released=True)
+        assert report.ok, (seed, report.violations[:3])
+        assert report.lifecycles == report.released == play.arrived
+        records = read_audit(path).records
+        tickets += sum(r.trigger == "start_offload" and "job" in r.detail for r in records)
+        events += play.issued
+    print(f"simple cpu offload ({'lazy' if lazy else 'eager'}): {events} events, {tickets} tickets")
+    assert (tickets > events > 100) if not lazy else (tickets == 0 and events > 0)
+
+
+def test_with_ids_reused_the_simple_cpu_offload_lens_names_every_confused_request(
+    tmp_path: Path,
+) -> None:
+    """SimpleCPUOffloadConnector keeps a finished request's store state under its id while
+    its store events are in flight: a new request with that id takes that state instead
+    of its own, and loses it when the old events complete (it is never stored). Over 40
+    seeded runs with ids reused, the log names exactly the running requests whose state
+    in the connector, read after every step, was another's or none."""
+    named_total = confused_total = 0
+    for seed in range(40):
+        path = tmp_path / f"{seed}.jsonl"
+        play = EventPlay(path, seed, reuse=True, workers=1 + seed % 2)
+        confused = _confusions(play)
+        play.run(120)
+        play.scheduler.shutdown()
+        said = [r for r in read_audit(path).records if r.reason == "inherited_state"]
+        assert {(r.rid, r.serial) for r in said} == confused, seed
+        if not said:
+            assert check_audit(read_audit(path), expect_released=True).ok, seed
+        named_total += len({(r.rid, r.serial) for r in said})
+        confused_total += len(confused)
+    print(f"simple cpu offload, reused ids: {confused_total} confused, {named_total} named")
+    assert confused_total > 10
+
+
+def _confusions(play: EventPlay) -> set[tuple[str | None, int]]:
+    """The truth, read from the connector after every step (the lens reads it at a few
+    moments only): each running request (rid, lifecycle serial) whose state under its id
+    belongs to another request object, or is gone."""
+    scheduler = play.scheduler
+    manager = scheduler.connector.wrapped.scheduler_manager
+    registry = scheduler.connector.watch.registry
+    found: set[tuple[str | None, int]] = set()
+    update, schedule = scheduler.update_from_output, scheduler.schedule
+
+    def look() -> None:
+        for request in scheduler.running:
+            state = manager._reqs_to_store.get(request.request_id)
+            if (state is None or state.request is not request) and request in registry:
+                found.add((request.request_id, registry.lifecycle(request).serial))
+
+    def scheduled() -> Any:
+        out = schedule()
+        look()
+        return out
+
+    def updated(out: Any, output: Any) -> Any:
+        result = update(out, output)
+        look()
+        return result
+
+    scheduler.schedule, scheduler.update_from_output = scheduled, updated
+    return found

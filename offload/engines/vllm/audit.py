@@ -54,7 +54,7 @@ import importlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -330,6 +330,12 @@ class _WrappedPromMetrics(KVConnectorPromMetrics):
             self.inner.observe(inner_data, engine_idx)
 
 
+def _number(job: Hashable) -> int:
+    """A lens's job key as the connector numbers it: the key, or its first item (a
+    store event that copies for several requests is one key per request)."""
+    return job if isinstance(job, int) else int(job[0])  # type: ignore[index]
+
+
 def _rids(args: Iterable[Any]) -> list[str]:
     """The request ids a call was given (requests, a scheduler output, a worker output)."""
     rids: list[str] = []
@@ -388,7 +394,7 @@ class _Watch:
         self.held: dict[tuple[str | None, Any], int] = {}
         #: The wrapped connector's lens (its private copies seen as tickets), if it has one.
         self.lens: Lens | None = None
-        self.jobs: dict[int, Ticket] = {}  # a lensed copy's job -> the ticket it counts on
+        self.jobs: dict[Hashable, Ticket] = {}  # a lensed copy's job -> the ticket it counts on
         self.job_counts: dict[int, int] = {}  # ticket op -> its jobs not over yet
         self.flushes: dict[int, Ticket] = {}  # lifecycle serial -> its final-copies ticket
         self.new_flushes: list[Ticket] = []  # opened since the last step's metadata
@@ -609,7 +615,7 @@ class _Watch:
                 continue  # for a request the wrapper never saw: nothing to count it on
             lc = registry.lifecycle(request)
             if lc.outcome is None:
-                ticket = registry.start_offload(lc, kind=kind, job=job)
+                ticket = registry.start_offload(lc, kind=kind, job=_number(job))
                 opened(ticket, kind)
                 counts[ticket.op] = 1
             else:
@@ -641,13 +647,15 @@ class _Watch:
             self._inherited(lens, lc, new, needed=True)
 
     def check_owners(self, lens: Lens, rids: Iterable[str]) -> None:
-        """Write down each running request of ``rids`` whose state in the lensed
-        connector belongs to another request object with its id, or is gone."""
+        """Write down each running request of ``rids`` (vLLM scheduled it) whose state in
+        the lensed connector belongs to another request object with its id, or is gone."""
         registry = self.registry
         for rid in rids:
             holder = registry.live(rid)
             if holder is None or holder.outcome is not None:
                 continue
+            if holder.req.status != RequestStatus.RUNNING:
+                continue  # waiting (for a load, say): the connector sets its state up again
             owner = lens.owner(rid)
             if owner is holder.req or (owner is None and not lens.keeps_every_request):
                 continue
@@ -674,17 +682,17 @@ class _Watch:
                 registry.record_violation(
                     "credited_elsewhere",
                     Trigger.ACK,
-                    f"{lens.name} credits the completion of job {job}, issued for "
+                    f"{lens.name} credits the completion of job {_number(job)}, issued for "
                     f"lifecycle #{lc.serial} of {lc.rid!r}, to {where}",
                     lifecycle=lc,
                     op=ticket.op,
-                    job=job,
+                    job=_number(job),
                     credited="none" if other is None else f"serial {other.serial}",
                 )
                 logger.warning(
                     "kvlife: %s credits job %s of request %r (lifecycle #%s) to %s",
                     lens.name,
-                    job,
+                    _number(job),
                     lc.rid,
                     lc.serial,
                     where,
@@ -692,7 +700,7 @@ class _Watch:
             left = self.job_counts[ticket.op] - 1
             self.job_counts[ticket.op] = left
             if not left:
-                self._over(ticket, ok=ok, job=job)
+                self._over(ticket, ok=ok, job=_number(job))
 
     def _over(self, ticket: Ticket, ok: bool = True, **detail: Any) -> None:
         del self.job_counts[ticket.op]

@@ -13,7 +13,7 @@ connector without a lens is relayed as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any, Protocol
 
 from vllm.v1.outputs import KVConnectorOutput
@@ -28,14 +28,16 @@ class Lens(Protocol):
     #: finished (then a running request without state lost it).
     keeps_every_request: bool
 
-    def issued(self, meta: Any) -> Iterable[tuple[int, str, Any]]:
+    def issued(self, meta: Any) -> Iterable[tuple[Hashable, str, Any]]:
         """The copies the connector's metadata of this step orders that no report by
-        request id will tell: ``(job, kind, request)`` with ``kind`` ``store`` (or
+        request id will tell: ``(job, kind, request)`` with ``job`` a key the
+        completion names again (the connector's job number, or a tuple that starts with
+        it), ``kind`` ``store`` (or
         ``load``) and ``request`` the vLLM request object the connector issued it for (as
         its own state says now)."""
         ...
 
-    def completions(self, output: KVConnectorOutput) -> Iterable[tuple[int, bool, Any]]:
+    def completions(self, output: KVConnectorOutput) -> Iterable[tuple[Hashable, bool, Any]]:
         """The jobs this worker output completes (every worker reported them), read
         before the connector takes the output: ``(job, ok, credited)``, ``credited``
         being the request object the connector will credit it to (``None``: none)."""
@@ -58,9 +60,9 @@ class Lens(Protocol):
 
 def lens_for(connector: Any) -> Lens | None:
     """The lens of ``connector`` (the wrapped connector's scheduler side), or ``None``."""
-    from kvlife.offload.engines.vllm.lenses import offloading  # noqa: PLC0415
+    from kvlife.offload.engines.vllm.lenses import offloading, simple_cpu  # noqa: PLC0415
 
-    lens: Lens | None = offloading.lens_for(connector)
+    lens: Lens | None = offloading.lens_for(connector) or simple_cpu.lens_for(connector)
     return lens
 
 
