@@ -487,7 +487,8 @@ class JobPlay:
         out = scheduler.schedule()
         self.preempted += len(out.preempted_req_ids or ())
         meta = out.kv_connector_metadata
-        now = set(meta.jobs_to_flush or ()) | {j for j, t in meta.load_jobs.items() if t.sync}
+        now = set(meta.jobs_to_flush or ())  # and synchronous loads (0.33 marks them)
+        now |= {j for j, t in meta.load_jobs.items() if getattr(t, "sync", False)}
         self.issued += len(meta.store_jobs)
         for job, transfer in meta.load_jobs.items():
             self.loading[job] = transfer.req_id
