@@ -488,9 +488,11 @@ async def _requests(client: Any, url: str, model: Path, audit: Path, log: Path) 
     seen: dict[str, Any] = {}
     # 24 concurrent streams on a 64-block KV cache, every fourth client disconnecting
     # after three chunks while its stores are in flight. vLLM is paused while they
-    # arrive (each is registered, in the audit log, as vLLM adds it) and resumed with
-    # all 24 waiting: 15 hold 60 of the 63 usable blocks and each needs a fifth at its
-    # 129th token, so vLLM must preempt, however slowly the requests came in
+    # arrive (each is registered, in the audit log, as vLLM adds it) and resumed with all
+    # 24 waiting, so that they run together however slowly they came in. (Whether vLLM
+    # preempts then still depends on when the cut clients' aborts land: a CI run saw
+    # none. Preemption in a running engine is asserted where it is certain, in
+    # test_a_small_kv_cache_makes_vllm_preempt_and_the_log_checks_clean.)
     await asyncio.to_thread(_post, f"{url}/pause?mode=keep")
     cuts = {i: 3 for i in range(0, len(SERVED), 4)}
     first = asyncio.gather(
@@ -533,7 +535,6 @@ def test_an_openai_server_with_kvlife_under_load(
     assert seen["shared"] == expected[len(SERVED) :]
     running = output.split("[shutdown]")[0]  # (vLLM may log its own teardown errors)
     assert "Traceback" not in running and "EngineDeadError" not in running, running[-4000:]
-    assert seen["metrics"]["vllm:num_preemptions_total"] > 0  # certain: see _requests
     # while the server ran, every request of the first wave was in the file already
     assert seen["live"].ok and seen["live"].lifecycles == len(SERVED)
     assert "kvlife 0.1.0 connector active" in output
@@ -558,6 +559,39 @@ def test_an_openai_server_with_kvlife_under_load(
     # on a loaded machine (a CI run lost that race once), so the marker is not asserted
     # here: what is certain is the complete log above. The handler itself is tested in
     # test_vllm.py.
+
+
+def test_a_small_kv_cache_makes_vllm_preempt_and_the_log_checks_clean(
+    model: Path, reference: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    """Preemption in a running engine, certain: ``vllm.LLM`` adds every prompt before its
+    first step, and 24 blocks of 32 tokens hold five 120-token prompts (4 blocks each)
+    but not their 129th tokens, so vLLM preempts, whatever the machine's speed."""
+    audit = tmp_path / "kvlife.jsonl"
+    extra = {"host_pages": 64, "audit_log": str(audit)}
+    llm = make_llm(
+        model,
+        max_model_len=256,
+        num_gpu_blocks_override=24,
+        kv_transfer_config={**KVLIFE, "kv_connector_extra_config": extra},
+    )
+    preempted: list[str] = []
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            preempted.extend(out.preempted_req_ids or ())
+            return out
+
+        scheduler.schedule = counted
+        assert _generate(llm, SERVED[:12]) == reference["S"][:12]  # the same tokens
+    finally:
+        _shutdown(llm)
+    assert preempted  # every run: the sizes, not the clock, decide
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 12, report
 
 
 def test_a_data_parallel_server_writes_one_log_per_engine_core(
