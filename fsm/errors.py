@@ -51,16 +51,7 @@ when the ticket never completed afterwards (or when asked to count every one).
 one it was issued for; ``inherited_state``: a request whose state in the component belongs
 to another request object with the same id."""
 
-PROTOCOL_REASONS: frozenset[Reason] = frozenset(
-    (
-        "stray_report",
-        "connector_raised",
-        "event_mismatch",
-        "overdue",
-        "credited_elsewhere",
-        "inherited_state",
-    )
-)
+PROTOCOL_REASONS: frozenset[Reason] = frozenset(get_args(Reason)[6:])  # after the registry's six
 """The reasons that are verdicts on a watched component, not refusals of the registry."""
 
 REASONS: tuple[Reason, ...] = get_args(Reason)

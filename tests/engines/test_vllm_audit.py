@@ -446,16 +446,25 @@ class JobPlay:
     in its own step), in different steps; requests arrive with ids from ``POOL`` (reused)
     or fresh ones, many sharing a prefix, some aborted; a small KV cache (preemptions)."""
 
-    def __init__(self, path: Path, seed: int, *, workers: int = 1, reuse: bool = False) -> None:
-        extra = {"connector": OFFLOADING, "audit_log": str(path)}
+    def __init__(
+        self,
+        path: Path,
+        seed: int,
+        *,
+        workers: int = 1,
+        reuse: bool = False,
+        connector: dict[str, Any] = OFFLOADING,
+    ) -> None:
+        extra = {"connector": connector, "audit_log": str(path)}
         self.scheduler = make_scheduler(
             "KVLifeAuditConnectorHMA", KVLIFE, extra, blocks=32, tensor_parallel=workers
         )
         self.rng = random.Random(seed)
         self.workers, self.reuse = workers, reuse
         self.pending: list[tuple[int, int]] = []  # (due step, job), one per worker
-        self.loading: dict[int, str] = {}  # a load job -> its request id
+        self.loading: dict[int, Any] = {}  # a load job -> its request id(s)
         self.reported: dict[int, int] = {}  # job -> workers that reported it
+        self.load_pending: list[tuple[int, int]] = []  # (due step, load), where apart
         self.issued = self.preempted = 0
         self.n = self.arrived = 0
 
@@ -463,14 +472,20 @@ class JobPlay:
         for _ in range(steps):
             self.step()
         for _ in range(200):  # as vLLM's engine steps: while it holds or finished any
-            if not self.scheduler.has_requests() and not self.pending:
+            if not self.scheduler.has_requests() and not self.busy():
                 return
             self.step(arrivals=False)
         raise AssertionError(f"still busy: {list(self.scheduler.requests)}")
 
-    def step(self, arrivals: bool = True) -> None:
-        scheduler, rng, n = self.scheduler, self.rng, self.n
-        for _ in range(rng.choice((0, 0, 1, 2)) if arrivals else 0):
+    def busy(self) -> bool:
+        """Whether a played worker still owes a report."""
+        return bool(self.pending)
+
+    def arrive(self) -> None:
+        """0-2 new requests (prompts of 20-90 tokens, many sharing a prefix, 1-40 new
+        tokens), and now and then an abort."""
+        scheduler, rng = self.scheduler, self.rng
+        for _ in range(rng.choice((0, 0, 1, 2))):
             rid = rng.choice(POOL) if self.reuse else f"r{self.arrived}"
             if rid not in scheduler.requests:
                 self.arrived += 1
@@ -480,12 +495,22 @@ class JobPlay:
                         rid, prompt=rng.randint(20, 90), max_tokens=rng.randint(1, 40), first=first
                     )
                 )
-        if arrivals and scheduler.requests and rng.random() < 0.08:
+        if scheduler.requests and rng.random() < 0.08:
             scheduler.finish_requests(
                 rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED
             )
-        out = scheduler.schedule()
+
+    def schedule(self, arrivals: bool) -> Any:
+        """Requests arrive (when ``arrivals``), vLLM schedules; its preemptions counted."""
+        if arrivals:
+            self.arrive()
+        out = self.scheduler.schedule()
         self.preempted += len(out.preempted_req_ids or ())
+        return out
+
+    def step(self, arrivals: bool = True) -> None:
+        scheduler, rng, n = self.scheduler, self.rng, self.n
+        out = self.schedule(arrivals)
         meta = out.kv_connector_metadata
         now = set(meta.jobs_to_flush or ())  # and synchronous loads (0.33 marks them)
         now |= {j for j, t in meta.load_jobs.items() if getattr(t, "sync", False)}
@@ -616,30 +641,13 @@ class EventPlay(JobPlay):
     def __init__(
         self, path: Path, seed: int, *, workers: int = 1, reuse: bool = False, lazy: bool = False
     ) -> None:
-        connector = {
-            **SIMPLE,
-            "kv_connector_extra_config": {**SIMPLE["kv_connector_extra_config"]},
-        }
-        if lazy:
-            connector["kv_connector_extra_config"]["lazy_offload"] = True
-        extra = {"connector": connector, "audit_log": str(path)}
-        self.scheduler = make_scheduler(
-            "KVLifeAuditConnectorHMA", KVLIFE, extra, blocks=32, tensor_parallel=workers
-        )
-        self.rng = random.Random(seed)
-        self.workers, self.reuse = workers, reuse
-        self.pending: list[tuple[int, int]] = []  # (due step, event), one per worker
-        self.loading: dict[int, list[str]] = {}  # a load event -> its request ids
-        self.reported: dict[int, int] = {}
-        self.load_pending: list[tuple[int, int]] = []  # (due step, load event) per worker
-        self.issued = self.preempted = 0
-        self.n = self.arrived = 0
+        settings = {**SIMPLE["kv_connector_extra_config"], "lazy_offload": lazy}
+        connector = {**SIMPLE, "kv_connector_extra_config": settings}
+        super().__init__(path, seed, workers=workers, reuse=reuse, connector=connector)
 
     def step(self, arrivals: bool = True) -> None:
         scheduler, rng, n = self.scheduler, self.rng, self.n
-        self._arrive(arrivals)
-        out = scheduler.schedule()
-        self.preempted += len(out.preempted_req_ids or ())
+        out = self.schedule(arrivals)
         meta = out.kv_connector_metadata
         flush = meta.need_flush
         if meta.store_event >= 0:
@@ -671,31 +679,8 @@ class EventPlay(JobPlay):
         scheduler.update_from_output(out, output)
         self.n += 1
 
-    def _arrive(self, arrivals: bool) -> None:
-        scheduler, rng = self.scheduler, self.rng
-        for _ in range(rng.choice((0, 0, 1, 2)) if arrivals else 0):
-            rid = rng.choice(POOL) if self.reuse else f"r{self.arrived}"
-            if rid not in scheduler.requests:
-                self.arrived += 1
-                first = rng.choice((100, 100, 2000, rng.randrange(3000, 9000)))
-                scheduler.add_request(
-                    make_request(
-                        rid, prompt=rng.randint(20, 90), max_tokens=rng.randint(1, 40), first=first
-                    )
-                )
-        if arrivals and scheduler.requests and rng.random() < 0.08:
-            scheduler.finish_requests(
-                rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED
-            )
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            self.step()
-        for _ in range(200):
-            if not self.scheduler.has_requests() and not self.pending and not self.load_pending:
-                return
-            self.step(arrivals=False)
-        raise AssertionError(f"still busy: {list(self.scheduler.requests)}")
+    def busy(self) -> bool:
+        return bool(self.pending or self.load_pending)
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])

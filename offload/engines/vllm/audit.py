@@ -243,16 +243,19 @@ class WrappedConnectorStats(KVConnectorStats):
     ) -> WrappedConnectorStats | None:
         if stats is None and not kvlife:
             return None
-        data: dict[str, Any] = {
-            "connector": _class_path(connector),
-            "data": None if stats is None else stats.data,
-        }
+        return cls._made(_class_path(connector), stats, kvlife)
+
+    @classmethod
+    def _made(
+        cls, path: str | None, inner: KVConnectorStats | None, kvlife: dict[str, Any] | None
+    ) -> WrappedConnectorStats:
+        data: dict[str, Any] = {"connector": path, "data": None if inner is None else inner.data}
         if kvlife:
             data["kvlife"] = kvlife
-        wrapped = cls(data=data)
-        if stats is not None:
-            wrapped.__dict__["_inner_stats"] = stats
-        return wrapped
+        made = cls(data=data)
+        if inner is not None:  # made in this process: the wrapped connector's own object
+            made.__dict__["_inner_stats"] = inner
+        return made
 
     def reset(self) -> None:
         inner = self._inner()
@@ -271,17 +274,11 @@ class WrappedConnectorStats(KVConnectorStats):
         inner = (
             mine.aggregate(theirs) if mine is not None and theirs is not None else mine or theirs
         )
-        data: dict[str, Any] = {
-            "connector": self.data.get("connector") or theirs_all.data.get("connector"),
-            "data": None if inner is None else inner.data,
-        }
-        kvlife = _merge_kvlife(self.data.get("kvlife"), theirs_all.data.get("kvlife"))
-        if kvlife:
-            data["kvlife"] = kvlife
-        merged = WrappedConnectorStats(data=data)
-        if inner is not None:
-            merged.__dict__["_inner_stats"] = inner
-        return merged
+        return WrappedConnectorStats._made(
+            self.data.get("connector") or theirs_all.data.get("connector"),
+            inner,
+            _merge_kvlife(self.data.get("kvlife"), theirs_all.data.get("kvlife")),
+        )
 
     def reduce(self) -> dict[str, int | float]:
         inner = self._inner()
