@@ -5,6 +5,7 @@ played by the test, which reports what each connector waits for after random del
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -454,11 +455,21 @@ class JobPlay:
         workers: int = 1,
         reuse: bool = False,
         connector: dict[str, Any] = OFFLOADING,
+        alone: bool = False,
     ) -> None:
-        extra = {"connector": connector, "audit_log": str(path)}
-        self.scheduler = make_scheduler(
-            "KVLifeAuditConnectorHMA", KVLIFE, extra, blocks=32, tensor_parallel=workers
-        )
+        if alone:  # the same connector without the wrapper
+            self.scheduler = make_scheduler(
+                connector["kv_connector"],
+                extra=connector["kv_connector_extra_config"],
+                blocks=32,
+                tensor_parallel=workers,
+            )
+        else:
+            extra = {"connector": connector, "audit_log": str(path)}
+            self.scheduler = make_scheduler(
+                "KVLifeAuditConnectorHMA", KVLIFE, extra, blocks=32, tensor_parallel=workers
+            )
+        self.trace: list[tuple[Any, ...]] = []  # what vLLM scheduled, step by step
         self.rng = random.Random(seed)
         self.workers, self.reuse = workers, reuse
         self.pending: list[tuple[int, int]] = []  # (due step, job), one per worker
@@ -506,6 +517,7 @@ class JobPlay:
             self.arrive()
         out = self.scheduler.schedule()
         self.preempted += len(out.preempted_req_ids or ())
+        self.trace.append(_summary(out))
         return out
 
     def step(self, arrivals: bool = True) -> None:
@@ -639,11 +651,18 @@ class EventPlay(JobPlay):
     event reported by request id once every worker finished it."""
 
     def __init__(
-        self, path: Path, seed: int, *, workers: int = 1, reuse: bool = False, lazy: bool = False
+        self,
+        path: Path,
+        seed: int,
+        *,
+        workers: int = 1,
+        reuse: bool = False,
+        lazy: bool = False,
+        alone: bool = False,
     ) -> None:
         settings = {**SIMPLE["kv_connector_extra_config"], "lazy_offload": lazy}
         connector = {**SIMPLE, "kv_connector_extra_config": settings}
-        super().__init__(path, seed, workers=workers, reuse=reuse, connector=connector)
+        super().__init__(path, seed, workers=workers, reuse=reuse, connector=connector, alone=alone)
 
     def step(self, arrivals: bool = True) -> None:
         scheduler, rng, n = self.scheduler, self.rng, self.n
@@ -757,3 +776,22 @@ def _confusions(play: EventPlay) -> set[tuple[str | None, int]]:
 
     scheduler.schedule, scheduler.update_from_output = scheduled, updated
     return found
+
+
+@pytest.mark.parametrize("play", [JobPlay, EventPlay], ids=["offloading", "simple_cpu"])
+def test_a_lens_only_reads_vllm_schedules_exactly_as_with_the_connector_alone(
+    tmp_path: Path, play: type[JobPlay]
+) -> None:
+    """A lens reads the connector's private state and changes none of it: the same seeded
+    runs (ids fresh and reused, two workers) schedule step for step as without the
+    wrapper (with ids reused, up to vLLM's own KeyError, at the same step both ways)."""
+    for seed in range(5):
+        for reuse in (False, True):
+            traces = []
+            for alone in (True, False):
+                path = tmp_path / f"{seed}-{reuse}-{alone}.jsonl"
+                run = play(path, seed, reuse=reuse, workers=2, alone=alone)
+                with contextlib.suppress(KeyError):
+                    run.run(60)
+                traces.append(run.trace)
+            assert traces[0] == traces[1], (seed, reuse)
