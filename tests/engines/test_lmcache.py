@@ -1,0 +1,506 @@
+"""LMCache 0.5.6's ``LMCacheMPConnector`` (what vLLM's ``--kv-offloading-backend lmcache``
+turns on) in vLLM 0.33.0's real ``Scheduler``, alone and under ``KVLifeAuditConnector``
+(CPU, ``make test-lmcache``).
+
+Everything LMCache runs is real: its scheduler role inside vLLM's scheduler, its worker role
+on CPU KV tensors, and a real ``lmcache server`` process (started per module on a free
+loopback port, stopped by its pid, its log kept under ``build/test-logs/`` when a test
+fails). The model runner is played: each step calls the worker connector as vLLM's
+``KVConnectorModelRunnerMixin`` does, and a stand-in forward pass writes a value derived
+from (token, position) into each scheduled token's KV slots. The clock is paced, not
+raced: each lookup is acknowledged before LMCache asks for its result, and each step waits
+for the worker's copies to finish, so what vLLM schedules does not depend on the machine's
+speed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lmcache", reason="runs in the LMCache environment: make test-lmcache")
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from kvlife.fsm import check_audit, read_audit
+from kvlife.fsm.audit import AuditReport
+from tests.engines.test_vllm_audit import _summary
+from tests.engines.vllm_harness import BLOCK, TOKEN, make_request, make_scheduler
+
+KVLIFE = "kvlife.offload.engines.vllm"
+CHUNK = 16  # the server's chunk size: one vLLM block
+HEADS, HEAD_DIM = 12, 64  # the harness's model (OPT-125m's config)
+LOGS = Path(__file__).resolve().parents[2] / "build" / "test-logs"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Server:
+    port: int
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A real ``lmcache server``: CPU memory only (L1, 0.25 GB, LRU), chunks of one vLLM
+    block, ``--supported-transfer-mode auto`` (CPU workers take the engine-driven path),
+    its request and HTTP ports free loopback ports. Stopped by its pid; its log is copied to
+    ``build/test-logs/`` when a test of the module failed."""
+    log = tmp_path_factory.mktemp("lmcache") / "server.log"
+    port, http = _free_port(), _free_port()
+    command = [
+        str(Path(sys.executable).with_name("lmcache")),
+        "server",
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--http-host", "127.0.0.1", "--http-port", str(http)),
+        *("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25", "--eviction-policy", "LRU"),
+        *("--supported-transfer-mode", "auto", "--disable-observability"),
+    ]
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
+    failed = request.session.testsfailed
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "cache server is running" not in log.read_text(errors="replace"):
+            assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "lmcache server did not start in time"
+            time.sleep(0.25)
+        yield Server(port, log)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if request.session.testsfailed > failed:
+            LOGS.mkdir(parents=True, exist_ok=True)
+            kept = LOGS / f"lmcache-server-{port}.log"
+            shutil.copyfile(log, kept)
+            print(f"lmcache server log kept: {kept}", file=sys.stderr)
+
+
+def _lmcache(server: Server) -> dict[str, Any]:
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": server.port,
+            # the prefetch status is read in the step that asks (its ack is paced below)
+            "lmcache.mp.nonblocking_lookup_status": False,
+        },
+    }
+
+
+def _value(token: int, position: int) -> float:
+    """What the stand-in forward pass writes for a token: exact in float16."""
+    return float((token * 31 + position) % 1024)
+
+
+class LMCacheEngine:
+    """vLLM's scheduler with LMCache (alone, or wrapped by kvlife when ``audit`` is given)
+    and LMCache's worker role on a CPU KV cache of one layer, ``[2, blocks, 16, 12, 64]``
+    (vLLM's LBNHC layout, which LMCache reads as NHD)."""
+
+    def __init__(
+        self,
+        server: Server,
+        audit: Path | None = None,
+        *,
+        mode: str = "observe",
+        blocks: int = 128,
+        max_seqs: int = 16,
+        **settings: Any,
+    ) -> None:
+        lmcache = _lmcache(server)
+        if audit is None:
+            self.scheduler = make_scheduler(
+                lmcache["kv_connector"],
+                None,
+                lmcache["kv_connector_extra_config"],
+                blocks=blocks,
+                max_seqs=max_seqs,
+                layout="LBNHC",
+            )
+        else:
+            extra = {"connector": lmcache, "mode": mode, "audit_log": str(audit), **settings}
+            self.scheduler = make_scheduler(
+                "KVLifeAuditConnectorHMA",
+                KVLIFE,
+                extra,
+                blocks=blocks,
+                max_seqs=max_seqs,
+                layout="LBNHC",
+            )
+        connector = self.scheduler.connector
+        self.lmcache = getattr(connector, "wrapped", connector)  # LMCache's scheduler role
+        self.worker = type(connector)(
+            self.scheduler.vllm_config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config
+        )
+        self.kv = torch.zeros((2, blocks, BLOCK, HEADS, HEAD_DIM), dtype=torch.float16)
+        self.worker.register_kv_caches({"layer": self.kv})
+        self.adapter = getattr(self.worker, "wrapped", self.worker).worker_adapter
+        self._pace_lookups()
+        self.trace: list[tuple[Any, ...]] = []  # what vLLM scheduled, step by step
+        self.preempted = 0  # requests vLLM preempted
+        self.loaded = 0  # loads LMCache issued
+
+    # ------------------------------------------------------------------ pacing
+    def _until(self, ready: Any, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not ready():
+            assert time.monotonic() < deadline, f"LMCache did not {what} in 60 s"
+            time.sleep(0.001)
+
+    def _pace_lookups(self) -> None:
+        """A lookup is acknowledged before the scheduler asks for its result (as a server
+        that answers at once would): LMCache's scheduler role sends a request's lookup and
+        polls for the server's acknowledgement in one call, so without this the step that
+        admits a request would depend on how fast the server answered."""
+        adapter = self.lmcache.scheduler_adapter
+        submit = adapter.maybe_submit_lookup_request
+        unacked = adapter._unacked_lookups
+
+        def acknowledged(*args: Any, **kwargs: Any) -> Any:
+            sent = submit(*args, **kwargs)
+            self._until(
+                lambda: all(f.query() for a in unacked.values() for f in a.futures.values()),
+                "acknowledge a lookup",
+            )
+            return sent
+
+        adapter.maybe_submit_lookup_request = acknowledged
+
+    def _settle_copies(self) -> None:
+        """Wait until every store and retrieve the worker submitted has finished."""
+        adapter = self.adapter
+        self._until(
+            lambda: (
+                all(f.query() for f in adapter.store_futures.values())
+                and all(f.query() for f, _ in adapter.retrieve_futures.values())
+            ),
+            "finish a copy",
+        )
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> Any:
+        out = self.scheduler.schedule()
+        self.trace.append(_summary(out))
+        self.preempted += len(out.preempted_req_ids or ())
+        self.loaded += len(self.loads(out))
+        return out
+
+    def run_model(self, out: Any) -> ModelRunnerOutput:
+        """The model runner's step: the worker connector called as vLLM's
+        ``KVConnectorModelRunnerMixin`` calls it, around a stand-in forward pass."""
+        meta = out.kv_connector_metadata
+        worker = self.worker
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        if out.has_sync_kv_loads:
+            worker.start_load_kv(None)
+        self._forward(out)
+        if not out.has_sync_kv_loads:
+            worker.start_load_kv(None)
+        worker.wait_for_save()
+        self._settle_copies()
+        results = worker.get_transfer_results(out.finished_req_ids)
+        output = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_cache_events=worker.get_kv_connector_kv_cache_events(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+        worker.clear_connector_metadata()
+        req_ids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[TOKEN] for _ in req_ids],
+            kv_connector_output=output,
+        )
+
+    def step(self) -> Any:
+        out = self.schedule()
+        self.scheduler.update_from_output(out, self.run_model(out))
+        return out
+
+    def abort_while_loading(self, rid: str) -> None:
+        """vLLM's order with asynchronous scheduling (the engine core's batch queue): the
+        step that carries ``rid``'s load is running when the client's abort arrives, and
+        the next step is scheduled before the running one's output is handled."""
+        out = self.schedule_load(rid)
+        output = self.run_model(out)
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        after = self.schedule()
+        self.scheduler.update_from_output(out, output)
+        self.scheduler.update_from_output(after, self.run_model(after))
+
+    def run_until_idle(self, steps: int = 200, *, but: set[str] | None = None) -> None:
+        """Step until vLLM holds no request (or only those in ``but``)."""
+        for _ in range(steps):
+            if set(self.scheduler.requests) <= (but or set()):
+                return
+            self.step()
+        raise AssertionError(f"still busy after {steps} steps: {list(self.scheduler.requests)}")
+
+    def loads(self, out: Any) -> list[str]:
+        return [
+            m.request_id for m in out.kv_connector_metadata.requests if m.direction == "RETRIEVE"
+        ]
+
+    def schedule_load(self, rid: str, steps: int = 20) -> Any:
+        """Step until vLLM schedules the step that carries ``rid``'s load; returns that
+        step's output, not run yet."""
+        for _ in range(steps):
+            out = self.schedule()
+            if rid in self.loads(out):
+                return out
+            self.scheduler.update_from_output(out, self.run_model(out))
+        raise AssertionError(f"{rid} was never loaded")
+
+    # ------------------------------------------------------------------ the model
+    def _forward(self, out: Any) -> None:
+        for new in out.scheduled_new_reqs:
+            self._write(new.req_id, list(new.block_ids[0]), new.num_computed_tokens, out)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            self._write(rid, list(ids), cached.num_computed_tokens[i], out)
+
+    def _write(self, rid: str, block_ids: list[int], start: int, out: Any) -> None:
+        tokens = self.scheduler.requests[rid].all_token_ids
+        for position in range(start, start + out.num_scheduled_tokens[rid]):
+            block, offset = block_ids[position // BLOCK], position % BLOCK
+            self.kv[:, block, offset] = self.expected(tokens[position], position)
+
+    def expected(self, token: int, position: int) -> torch.Tensor:
+        """One token's KV slots, ``[2, heads, head_dim]``: K and V differ, and so does
+        every head, so a copy that mixes them up is caught."""
+        base = _value(token, position)
+        heads = torch.arange(HEADS, dtype=torch.float16).view(HEADS, 1).expand(HEADS, HEAD_DIM)
+        return torch.stack((heads + base, heads + base + 1024))
+
+    def free_blocks(self) -> int:
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def _check(path: Path) -> AuditReport:
+    return check_audit(read_audit(path))
+
+
+def _said(path: Path) -> list[tuple[str, str | None, Any]]:
+    """The log's refusals and verdicts, in order: (reason, rid, what was reported)."""
+    return [
+        (r.reason or "", r.rid, r.detail.get("report") if r.detail else None)
+        for r in read_audit(path).records
+        if not r.ok
+    ]
+
+
+# ---------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "wrapped"])
+def test_lmcache_stores_and_retrieves_the_bytes_written(
+    server: Server, tmp_path: Path, wrapped: bool
+) -> None:
+    """A request's prefill is stored to the server; after vLLM's prefix cache is reset and
+    the device cache zeroed, a request with the same prompt loads it back: the loaded
+    slots hold exactly what the first request's forward pass wrote."""
+    path = tmp_path / "a.jsonl"
+    engine = LMCacheEngine(server, path if wrapped else None)
+    first = 3000 + 100 * wrapped  # a prompt of its own for each run on the shared server
+    engine.scheduler.add_request(make_request("writer", prompt=72, max_tokens=2, first=first))
+    engine.run_until_idle()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.kv.zero_()
+    reader = make_request("reader", prompt=72, max_tokens=2, first=first)
+    engine.scheduler.add_request(reader)
+    out = engine.schedule_load("reader")
+    engine.scheduler.update_from_output(out, engine.run_model(out))
+    blocks = engine.scheduler.kv_cache_manager.get_block_ids("reader")[0]
+    loaded = 64  # four whole chunks of the 72-token prompt
+    for position in range(loaded):
+        got = engine.kv[:, blocks[position // BLOCK], position % BLOCK]
+        assert torch.equal(got, engine.expected(first + position, position)), position
+    assert reader.num_computed_tokens == loaded
+    engine.run_until_idle()
+    if wrapped:
+        engine.scheduler.shutdown()
+        report = _check(path)
+        assert report.ok, report.violations[:3]
+        assert report.lifecycles == report.released == 2
+
+
+def _workload(engine: LMCacheEngine, seed: int, base: int) -> None:
+    """Requests with shared prefixes, prefix-cache resets (so LMCache loads), aborts while
+    running and while loading, and a cache small enough for vLLM to preempt. The prompts'
+    tokens start at ``base``: the server keeps what a run stored, so two runs meant to see
+    the same cache use prompts of their own (equal in shape, so vLLM's hashes differ but
+    its choices do not)."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    prompts = [base + 500 * i for i in range(12)]
+    serial = 0
+    for step in range(70):
+        if step < 50 and rng.random() < 0.5:
+            rid = f"r{serial}"
+            serial += 1
+            engine.scheduler.add_request(
+                make_request(
+                    rid,
+                    prompt=rng.choice((40, 72, 104)),
+                    max_tokens=rng.randint(20, 60),
+                    first=rng.choice(prompts),
+                )
+            )
+        if rng.random() < 0.06:
+            engine.scheduler.reset_prefix_cache()
+        if engine.scheduler.requests and rng.random() < 0.08:
+            victim = rng.choice(sorted(engine.scheduler.requests))
+            if not engine.scheduler.requests[victim].is_finished():
+                engine.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        engine.step()
+    engine.run_until_idle()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_clean_run_under_the_wrapper_changes_nothing_vllm_schedules_and_checks_clean(
+    server: Server, tmp_path: Path, seed: int
+) -> None:
+    alone = LMCacheEngine(server, blocks=40)
+    _workload(alone, seed, base=10_000 + 10_000 * seed)
+    path = tmp_path / "a.jsonl"
+    wrapped = LMCacheEngine(server, path, blocks=40)
+    _workload(wrapped, seed, base=30_000 + 10_000 * seed)
+    assert wrapped.trace == alone.trace
+    assert not alone.scheduler.requests and not wrapped.scheduler.requests
+    assert alone.preempted > 0  # the small cache made vLLM preempt
+    assert alone.loaded > 0  # and LMCache loaded after the prefix-cache resets
+    wrapped.scheduler.shutdown()
+    report = _check(path)
+    assert report.ok, report.violations[:3]
+    assert report.lifecycles == report.released
+    assert report.transitions["start_offload"] > 0  # loads and delayed frees were tickets
+
+
+def _abort_while_loading(engine: LMCacheEngine, first: int) -> None:
+    """LMCache #4185 / #4938: ``victim`` loads its prefix from LMCache and is aborted while
+    the step that carries its load runs; ``other`` runs beside it."""
+    engine.scheduler.add_request(make_request("writer", prompt=72, max_tokens=2, first=first))
+    engine.run_until_idle()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.scheduler.add_request(make_request("victim", prompt=72, max_tokens=4, first=first))
+    engine.scheduler.add_request(make_request("other", prompt=40, max_tokens=6, first=first + 200))
+    engine.abort_while_loading("victim")
+
+
+def test_an_abort_while_lmcache_loads_kills_vllms_scheduler(server: Server) -> None:
+    """The crash bare: LMCache delays the aborted request's free, the worker reports its
+    load done (vLLM frees it there), then LMCache's worker reports a ``finished_sending``
+    for it: vLLM's scheduler asserts that it still holds the request."""
+    engine = LMCacheEngine(server)
+    with pytest.raises(AssertionError) as raised:
+        _abort_while_loading(engine, first=40_000)
+        engine.run_until_idle()
+    assert raised.traceback[-1].name == "_update_from_kv_xfer_finished"
+
+
+def test_observed_the_log_names_the_report_that_kills_vllm(server: Server, tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    engine = LMCacheEngine(server, path)
+    with pytest.raises(AssertionError) as raised:
+        _abort_while_loading(engine, first=41_000)
+        engine.run_until_idle()
+    assert raised.traceback[-1].name == "_update_from_kv_xfer_finished"
+    # written before vLLM acted on it: the file holds it although vLLM never shut down
+    assert ("stray_report", "victim", "finished_sending") in _said(path)
+    report = _check(path)
+    assert ("stray_report", "victim") in [(v.kind, v.rid) for v in report.violations]
+
+
+def test_refused_the_report_never_reaches_vllm_and_the_other_request_finishes(
+    server: Server, tmp_path: Path
+) -> None:
+    path = tmp_path / "a.jsonl"
+    engine = LMCacheEngine(server, path, mode="refuse")
+    _abort_while_loading(engine, first=42_000)
+    other = engine.scheduler.requests["other"]
+    engine.run_until_idle()
+    assert other.status == RequestStatus.FINISHED_LENGTH_CAPPED  # vLLM kept serving
+    assert engine.free_blocks() == 127  # every block back (block 0 is vLLM's null block)
+    engine.scheduler.shutdown()
+    assert _said(path) == [("stray_report", "victim", "finished_sending")]
+    (record,) = [r for r in read_audit(path).records if not r.ok]
+    assert record.detail["refused"] is True
+    report = _check(path)
+    assert [(v.kind, v.rid) for v in report.violations] == [("stray_report", "victim")]
+
+
+def test_a_reused_id_leaks_its_blocks_and_is_told_overdue_while_vllm_runs(
+    server: Server, tmp_path: Path
+) -> None:
+    """LMCache's worker remembers the ids it reported finished in a set of strings: a new
+    request that reuses an id never gets its ``finished_sending``, and vLLM holds it,
+    finished, with its blocks, for ever. The wrapper tells it while vLLM runs: the
+    overdue record is in the file and in the stats hook before shutdown."""
+    path = tmp_path / "a.jsonl"
+    engine = LMCacheEngine(server, path, audit_overdue_s=0.2, stats_interval_s=0)
+    handed: list[dict[str, Any]] = []
+    take = engine.scheduler.connector.get_kv_connector_stats
+
+    def hook() -> Any:
+        stats = take()
+        if stats is not None:
+            handed.append(stats.data.get("kvlife") or {})
+        return stats
+
+    engine.scheduler.connector.get_kv_connector_stats = hook
+    for first in (43_000, 43_500):  # one id, two requests, one after the other
+        engine.scheduler.add_request(make_request("chat-7", prompt=72, max_tokens=4, first=first))
+        engine.run_until_idle(but={"chat-7"} if first == 43_500 else None)
+    for _ in range(10):
+        engine.step()
+    leaked = engine.scheduler.requests["chat-7"]
+    assert leaked.is_finished()  # finished, its blocks still held
+    assert engine.free_blocks() < 127
+    time.sleep(0.25)
+    engine.step()  # vLLM keeps stepping while it holds a finished request
+    live = [r for r in read_audit(path).records if r.reason == "overdue"]
+    assert [(r.rid, r.detail["kind"]) for r in live] == [("chat-7", "delayed_free")]
+    assert live[0].detail["age_s"] >= 0.2
+    assert handed[-1]["tickets_overdue_open"] == 1
+    assert handed[-1]["oldest_open_ticket_seconds"] >= 0.25
+    engine.scheduler.shutdown()
+    report = _check(path)
+    assert sorted((v.kind, v.rid) for v in report.violations) == [
+        ("overdue", "chat-7"),
+        ("unreported", "chat-7"),
+    ]
