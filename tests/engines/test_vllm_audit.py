@@ -795,3 +795,74 @@ def test_a_lens_only_reads_vllm_schedules_exactly_as_with_the_connector_alone(
                     run.run(60)
                 traces.append(run.trace)
             assert traces[0] == traces[1], (seed, reuse)
+
+
+def _arrive(scheduler: Any, rng: random.Random, serial: int) -> int:
+    """0-2 new requests with fresh ids (prompts of 20-90 tokens, many sharing a prefix,
+    1-40 new tokens), and now and then an abort; returns the next serial."""
+    for _ in range(rng.choice((0, 0, 1, 2))):
+        first = rng.choice((100, 100, 2000, rng.randrange(3000, 9000)))
+        scheduler.add_request(
+            make_request(
+                f"r{serial}", prompt=rng.randint(20, 90), max_tokens=rng.randint(1, 40), first=first
+            )
+        )
+        serial += 1
+    if scheduler.requests and rng.random() < 0.08:
+        scheduler.finish_requests(
+            rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED
+        )
+    return serial
+
+
+@pytest.mark.parametrize("inner", ["ExampleConnector", "KVLifeConnector"])
+def test_example_and_kvlifes_own_connector_with_fresh_ids_check_clean(
+    tmp_path: Path, inner: str
+) -> None:
+    """No false verdict, for the connectors without a lens: 10 seeded runs each with fresh
+    ids, shared prefixes, aborts and a KV cache of 32 blocks (vLLM preempts). vLLM's
+    ``ExampleConnector`` (scheduler side; no file is ever there to load) and kvlife's own
+    connector (both sides, its stores and loads run on CPU tensors) under the wrapper."""
+    from tests.engines.vllm_harness import Engine  # noqa: PLC0415
+
+    preempted = lifecycles = stores = loads = 0
+    for seed in range(10):
+        rng, serial = random.Random(seed), 0
+        path = tmp_path / f"{seed}.jsonl"
+        engine: Engine | None = None
+        if inner == "ExampleConnector":
+            config = {
+                "kv_connector": inner,
+                "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")},
+            }
+            extra = {"connector": config, "audit_log": str(path)}
+            scheduler = make_scheduler("KVLifeAuditConnector", KVLIFE, extra, blocks=32)
+        else:
+            engine = Engine(blocks=32, host_pages=48, audit=str(path))
+            scheduler = engine.scheduler
+        for n in range(260):
+            if n < 60:
+                serial = _arrive(scheduler, rng, serial)
+            elif not scheduler.has_requests():
+                break
+            if engine is not None:
+                out = engine.step()
+            else:
+                out = scheduler.schedule()
+                scheduler.update_from_output(out, model_output(out))
+            preempted += len(out.preempted_req_ids or ())
+        assert not scheduler.requests, list(scheduler.requests)
+        if engine is not None:
+            stores, loads = stores + len(engine.stores), loads + len(engine.loads)
+        scheduler.shutdown()
+        report = _check(path)
+        assert report.ok, (seed, report.violations[:3])
+        assert report.lifecycles == report.released == serial
+        lifecycles += report.lifecycles
+    print(
+        f"{inner}: 10 runs, {lifecycles} lifecycles, {preempted} preemptions, "
+        f"{stores} stores, {loads} loads, 0 verdicts"
+    )
+    assert preempted > 0
+    if inner == "KVLifeConnector":
+        assert stores > 0 and loads > 0  # its copies ran under the wrapper

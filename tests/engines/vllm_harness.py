@@ -252,13 +252,25 @@ class Engine:
         host_pages: int = 64,
         tensor_parallel: int = 1,
         kv_events: bool = False,
+        audit: str | None = None,
         **extra: Any,
     ) -> None:
+        """``audit``: the scheduler side runs inside ``KVLifeAuditConnectorHMA``, which
+        writes its log there."""
         config = {"host_pages": host_pages, **extra}
+        if audit is None:
+            name, settings = "KVLifeConnector", config
+        else:
+            inner = {
+                "kv_connector": "KVLifeConnector",
+                "kv_connector_module_path": KVLIFE,
+                "kv_connector_extra_config": config,
+            }
+            name, settings = "KVLifeAuditConnectorHMA", {"connector": inner, "audit_log": audit}
         self.scheduler = make_scheduler(
-            "KVLifeConnector",
+            name,
             KVLIFE,
-            config,
+            settings,
             blocks=blocks,
             tensor_parallel=tensor_parallel,
             kv_events=kv_events,
@@ -268,8 +280,13 @@ class Engine:
         publish = publisher.publish
         publisher.publish = lambda batch: (self.events.extend(batch.events), publish(batch))
         self.connector = self.scheduler.connector
+        vllm_config = self.scheduler.vllm_config
+        if audit is not None:  # the worker side as the wrapper builds it: kvlife's own
+            from kvlife.offload.engines.vllm.audit import wrapped_config  # noqa: PLC0415
+
+            vllm_config = wrapped_config(vllm_config)[1]
         self.worker = KVLifeConnector(
-            self.scheduler.vllm_config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config
+            vllm_config, KVConnectorRole.WORKER, self.scheduler.kv_cache_config
         )
         shape = (2, blocks, BLOCK, HEADS, HEAD_DIM)
         self.kv = {f"layer.{i}": torch.zeros(shape, dtype=torch.float16) for i in range(LAYERS)}
