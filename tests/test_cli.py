@@ -456,20 +456,32 @@ def test_a_json_line_nested_200000_deep(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_ctrl_c_during_demo_exits_130_without_a_traceback(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [*CLI, "demo", "--requests", "100000", "--out", str(tmp_path / "out")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    seen = ""
-    while "requests admitted" not in seen:  # the workload is running
-        char = proc.stderr.read(1)
-        assert char, f"demo ended before its progress bar: {seen!r}"
-        seen += char
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    # A shell's background job (``make test &``) ignores SIGINT, and a child inherits an
+    # ignored signal through exec (Python then installs no handler for it): the child
+    # gets SIGINT's default disposition back, as a terminal's Ctrl-C would find it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [*CLI, "demo", "--requests", "100000", "--out", str(tmp_path / "out")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with proc:  # a failed test leaves no workload running and no pipe open
+        assert proc.stderr is not None
+        try:
+            seen = ""
+            while "requests admitted" not in seen:  # the workload is running
+                char = proc.stderr.read(1)
+                assert char, f"demo ended before its progress bar: {seen!r}"
+                seen += char
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode == 130
     assert "Traceback" not in err and err.endswith("kvlife: interrupted\n"), err[-500:]
 
