@@ -49,7 +49,13 @@ from kvlife.fsm.audit import (
     audit_files,
     segment_records,
 )
-from kvlife.fsm.audit.explain import find_rid, read_story, tell
+from kvlife.fsm.audit.explain import (
+    collect_partners,
+    find_rid,
+    handovers_of,
+    read_story,
+    tell,
+)
 from kvlife.fsm.cli_args import int_in
 
 
@@ -518,6 +524,9 @@ def _why(args: argparse.Namespace) -> int:
     checker = _checker(args)
     # one pass: the words and the picture tell the same records
     history, marks = _reading(args.log, lambda: read_story(reader, rid, checker=checker))
+    handovers = handovers_of(checker, rid)
+    if handovers:  # prefill/decode: the other side's lifecycles, from a second pass
+        _reading(args.log, lambda: collect_partners(_reader(args.logs), history, handovers))
     try:
         text = tell(
             history,

@@ -26,7 +26,7 @@ import html
 import json
 import re
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -36,6 +36,7 @@ from kvlife.diagrams.log_graph import log_graph
 from kvlife.diagrams.timeline import plot_timeline
 from kvlife.fsm.audit import AuditChecker, AuditReport, Event, Verdict, fed
 from kvlife.fsm.audit.explain import late_sentence, reused_in_flight
+from kvlife.fsm.audit.handover import Handover
 from kvlife.fsm.audit.reader import segment_records
 from kvlife.fsm.table import State
 
@@ -302,7 +303,8 @@ def build_report(
         except ModuleNotFoundError as exc:
             timeline = ""
             notes.append(f"The timeline is left out: {exc}")
-    data = gather(events(), checker=new_checker(), allow_lost=allow_lost)
+    table_checker = new_checker()
+    data = gather(events(), checker=table_checker, allow_lost=allow_lost)
     verdict = data.verdict
     fields = {
         "title": html.escape(title),
@@ -314,6 +316,7 @@ def build_report(
         "notes": "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes),
         "diagram": diagram,
         "timeline": timeline,
+        "handovers": handover_table(table_checker.report.handovers),
         "data": data.to_json(),
     }
     # One pass over the template: text put in one field is never read as another's name.
@@ -321,7 +324,57 @@ def build_report(
     return page, data
 
 
-_FIELD: Final = re.compile(r"@(title|verdict_class|verdict|summary|notes|diagram|timeline|data)@")
+_FIELD: Final = re.compile(
+    r"@(title|verdict_class|verdict|summary|notes|diagram|timeline|handovers|data)@"
+)
+
+MAX_HANDOVER_ROWS: Final = 500
+"""Hand-overs listed on the page (those with verdicts first); the rest are counted."""
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def handover_table(handovers: Sequence[Handover]) -> str:
+    """The page's prefill/decode section: one row per request handed over between the
+    logs read (prefill side, decode side, how long the prefill side held the blocks, how
+    long the decode side's load took, the verdicts); empty when there is none."""
+    if not handovers:
+        return ""
+    ordered = sorted(handovers, key=lambda h: not h.verdicts)[:MAX_HANDOVER_ROWS]
+    rows = []
+    for h in ordered:
+        p = h.prefill
+        d = h.decode[0] if h.decode else None
+        load = None
+        if d is not None and d.opened is not None and d.closed is not None:
+            load = d.closed - d.opened
+        cells = [
+            html.escape(h.rid),
+            html.escape(f"{Path(p.file).name} #{p.serial}" if p is not None else "not in the logs"),
+            html.escape(f"{Path(d.file).name} #{d.serial} {d.rid!r}" if d else "none read it"),
+            _seconds(h.held_s),
+            html.escape(p.closed_by if p is not None else ""),
+            _seconds(load),
+            html.escape("; ".join(f"{kind}: {message}" for kind, _, message in h.verdicts)),
+        ]
+        css = " class='violation'" if h.verdicts else ""
+        rows.append(f"<tr{css}>" + "".join(f"<td class='text'>{c}</td>" for c in cells) + "</tr>")
+    more = len(handovers) - len(ordered)
+    tail = f"<p>{more} more hand-overs: kvlife audit why tells each.</p>" if more > 0 else ""
+    return (
+        "<h2>Prefill/decode hand-overs</h2>\n<p>Requests one server's log handed over to "
+        "another's (joined by the prefill engine and request id the wrapper recorded on "
+        "each side); <code>kvlife audit why --rid RID</code> tells one whole.</p>\n"
+        "<table id='handovers'><thead><tr><th class='text'>request (prefill id)</th>"
+        "<th class='text'>prefill side</th><th class='text'>decode side</th>"
+        "<th>prefill held s</th><th class='text'>freed by</th><th>decode load s</th>"
+        "<th class='text'>verdicts</th></tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table>"
+        + tail
+    )
 
 
 _PAGE: Final = r"""<!DOCTYPE html>
@@ -356,6 +409,7 @@ a.serial { color: #08519c; }
 @notes@
 <div id="unreadable"></div>
 <div id="violations"></div>
+@handovers@
 <h2>Lifecycles</h2>
 <div id="filters">
 <label>rid contains <input id="rid-filter" type="search" placeholder="req-7"></label>

@@ -25,7 +25,7 @@ Needs matplotlib (the ``plot`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -42,17 +42,21 @@ from kvlife.diagrams.timeline import (
 from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
 from kvlife.fsm.audit.checker import Violation
 from kvlife.fsm.audit.explain import (
+    LifecycleHistory,
     RidHistory,
     held_at_registration,
     read_story,
     registrations,
     reused_in_flight,
 )
+from kvlife.fsm.audit.handover import HANDOFF_ENGINE, HANDOFF_RID, PEER_ENGINE, PEER_RID
 from kvlife.fsm.audit.records import REGISTER
 from kvlife.fsm.table import State
 
 LATE_COLOUR: Final = "#e6550d"
 """The late-completion arrow."""
+HANDOVER_COLOUR: Final = "#3182bd"
+"""The prefill/decode hand-over arrow."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,10 @@ class Lane:
     copies: list[Copy] = field(default_factory=list)
     refusals: list[tuple[float, str, int | None]] = field(default_factory=list)
     released: float | None = None
+    #: The request id, drawn when the story has lanes of other rids (the other side of a
+    #: prefill/decode hand-over, ``other``).
+    rid: str = ""
+    other: bool = False
 
 
 @dataclass
@@ -145,6 +153,11 @@ class Story:
     total: int = 0
     #: The words of each violation mark, in ``violations``' order.
     verdicts: list[str] = field(default_factory=list)
+    #: Prefill/decode hand-overs: (prefill side's finish in ms, its lane's key, decode
+    #: side's load start in ms, its lane's key).
+    handovers: list[tuple[float, tuple[int, int], float, tuple[int, int]]] = field(
+        default_factory=list
+    )
 
 
 def story_of(
@@ -178,9 +191,19 @@ def story_of(
         first = max(0, min(at - max_lanes // 2, total - max_lanes)) if around in keys else 0
         ordered = ordered[first : first + max_lanes]
     kept = {(h.segment, h.serial) for h in ordered}
-    for lc in ordered:
+    partners = sorted(history.partners.values(), key=lambda h: (h.segment, h.serial))
+    partners = partners[:max_lanes]
+    if partners:  # two servers' logs: time from the first record drawn, on either side
+        t0 = min(h.records[0].t_ns for h in [*ordered, *partners] if h.records)
+        end = max(ms(h.records[-1].t_ns) for h in [*ordered, *partners] if h.records)
+    given: dict[tuple[str, str], tuple[float, tuple[int, int]]] = {}  # the prefill sides
+    taken: list[tuple[tuple[str, str], float, tuple[int, int]]] = []  # the decode sides
+    for lc in [*ordered, *partners]:
         registered = lc.registered_ns
         lane = Lane(lc.serial, lc.segment, None if registered is None else ms(registered))
+        if partners:
+            lane.rid, lane.other = lc.rid, lc.rid != history.rid
+        _handover_points(lc, ms, given, taken)
         if registered is not None:
             reuses += [
                 (ms(registered), lc.segment, held.serial, lc.serial)
@@ -233,7 +256,32 @@ def story_of(
         lanes.append(lane)
     for lane in lanes:
         lane.spans = [(a, end if b < 0 else b, s) for a, b, s in lane.spans]
-    return Story(history.rid, lanes, reuses, late, violations, end, total, verdicts)
+    story = Story(history.rid, lanes, reuses, late, violations, end, total, verdicts)
+    for identity, t, lane_key in taken:
+        if identity in given:
+            story.handovers.append((*given[identity], t, lane_key))
+    return story
+
+
+def _handover_points(
+    lc: LifecycleHistory,
+    ms: Callable[[int], float],
+    given: dict[tuple[str, str], tuple[float, tuple[int, int]]],
+    taken: list[tuple[tuple[str, str], float, tuple[int, int]]],
+) -> None:
+    """Where ``lc`` handed a request over (its finish, on a prefill side) or began to
+    read one (its load, on a decode side), by the transfer identity its records carry."""
+    key = (lc.segment, lc.serial)
+    for record in lc.records:
+        detail = record.detail
+        if not record.ok or not detail:
+            continue
+        if record.trigger in ("finish", "abort") and HANDOFF_ENGINE in detail:
+            identity = (str(detail[HANDOFF_ENGINE]), str(detail.get(HANDOFF_RID, lc.rid)))
+            given[identity] = (ms(record.t_ns), key)
+        elif record.trigger == "start_offload" and PEER_ENGINE in detail:
+            identity = (str(detail[PEER_ENGINE]), str(detail.get(PEER_RID, "")))
+            taken.append((identity, ms(record.t_ns), key))
 
 
 def build_story(
@@ -388,6 +436,31 @@ def plot_story(story: Story, path: Path) -> None:
             zorder=7,
         )
         arrow.set_gid(f"late-{_name(late.segment, late.op)}")
+    for n, (t_given, given, t_taken, taken) in enumerate(story.handovers):
+        arrow = ax.annotate(
+            "",
+            xy=(t_taken, base[taken]),
+            xytext=(t_given, base[given]),
+            arrowprops={
+                "arrowstyle": "-|>",
+                "color": HANDOVER_COLOUR,
+                "linewidth": 1.6,
+                "linestyle": "--",
+            },
+            zorder=7,
+        )
+        if arrow.arrow_patch is not None:  # the arrow alone: its text is empty
+            arrow.arrow_patch.set_gid(f"handover-{n}")
+        words = ax.text(
+            (t_given + t_taken) / 2 + char,
+            (base[given] + base[taken]) / 2,
+            "handed over (prefill -> decode)",
+            color=HANDOVER_COLOUR,
+            fontsize=7,
+            va="center",
+            zorder=7,
+        )
+        words.set_gid(f"handover-label-{n}")
     for n, (t, segment, serial, _) in enumerate(story.violations):
         (point,) = ax.plot(
             [t],
@@ -414,15 +487,25 @@ def plot_story(story: Story, path: Path) -> None:
     segments = len({lane.segment for lane in story.lanes}) > 1
     ax.set_yticklabels(
         [
-            f"#{lane.serial}" + (f" (segment {lane.segment})" if segments else "")
+            f"#{lane.serial}"
+            + (f" {shortened(lane.rid, 24)!r}" if lane.rid else "")
+            + (f" (segment {lane.segment})" if segments else "")
             for lane in story.lanes
         ],
         fontsize=8,
     )
     ax.set_ylim(y - 0.1, -0.4)
     ax.set_xlim(0, end * 1.02)
-    ax.set_xlabel("time since the log's first record (ms)")
-    ax.set_ylabel("lifecycles of the rid (#serial)")
+    ax.set_xlabel(
+        "time since the first record drawn (ms)"
+        if story.handovers
+        else "time since the log's first record (ms)"
+    )
+    ax.set_ylabel(
+        "lifecycles on both sides (#serial 'rid')"
+        if story.handovers
+        else "lifecycles of the rid (#serial)"
+    )
     ax.set_title(_title(story), fontsize=10, color="red" if story.violations else "black")
     handles: list[Artist] = [Patch(color=colour, label=state) for state, colour in COLOURS.items()]
     handles.append(
@@ -438,6 +521,16 @@ def plot_story(story: Story, path: Path) -> None:
         handles.append(Line2D([], [], color="#d62728", linewidth=3, label="failed copy"))
     if story.late:
         handles.append(Line2D([], [], color=LATE_COLOUR, label="late completion -> its ticket"))
+    if story.handovers:
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=HANDOVER_COLOUR,
+                linestyle="--",
+                label="hand-over: prefill finished -> decode began to read",
+            )
+        )
     handles += mark_handles(
         reasons_seen.values(),
         reuse="rid reused" if story.reuses else None,
@@ -462,7 +555,7 @@ def _name(segment: int, serial: int) -> str:
 
 
 def _title(story: Story) -> str:
-    lanes = len(story.lanes)
+    lanes = len([lane for lane in story.lanes if not lane.other])  # the rid's own
     parts = [f"rid {shortened(story.rid, 40)!r}: {lanes} lifecycle{'' if lanes == 1 else 's'}"]
     if story.total > lanes:
         parts[0] = (
@@ -476,6 +569,10 @@ def _title(story: Story) -> str:
         parts.append(
             f"{n} late completion{'' if n == 1 else 's'}, applied to its ticket's lifecycle only"
         )
+    if story.handovers:
+        others = sorted({lane.rid for lane in story.lanes if lane.other})
+        names = ", ".join(repr(shortened(r, 24)) for r in others[:2])
+        parts.append(f"handed over with {names} (another server's log)")
     if story.violations:
         n = len(story.violations)
         parts.append(f"{n} violation{'' if n == 1 else 's'}")

@@ -197,6 +197,8 @@ AT = {
     "unknown_op": 6,
     "unreported": None,
     "wrong_instance": 5,
+    "freed_before_read": 5,
+    "handover_mismatch": 4,
 }
 
 

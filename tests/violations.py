@@ -106,6 +106,37 @@ def _overdue(lines: list[Line]) -> list[Line]:
     ]
 
 
+def _handed_over(
+    digest: str = "00000001", freed_first: bool = False
+) -> Callable[[list[Line]], list[Line]]:
+    """#0 a prefill side that hands ``r`` over (its copy 0 the delayed free, freed by its
+    ack), #1 the decode side that reads it (its copy 1 the load, naming blocks
+    ``digest``). With ``freed_first`` the ack of copy 0 comes before copy 1 starts, 10 ms
+    earlier: copy 1 starts at seq 5 (else at seq 4)."""
+    identity = {"engine": "e", "rid": "r", "blocks": 2}
+    handoff = {f"handoff_{k}": v for k, v in identity.items()} | {"handoff_digest": "00000001"}
+    peer = {f"peer_{k}": v for k, v in identity.items()} | {"peer_digest": digest}
+
+    def edit(lines: list[Line]) -> list[Line]:
+        said = {1: handoff, 2: handoff, 4: peer}  # seq -> the identity its record carries
+        out = [
+            line | {"detail": line["detail"] | said[line["seq"]]}
+            if line.get("seq") in said
+            else line
+            for line in lines
+        ]
+        if freed_first:  # records 4 and 5 trade places (and times); what follows moves on
+            at = next(i for i, line in enumerate(out) if line.get("seq") == 4)
+            load, ack = out[at], out[at + 1]
+            later = 10_000_000
+            out[at] = ack | {"seq": 4, "t_ns": load["t_ns"]}
+            out[at + 1] = load | {"seq": 5, "t_ns": ack["t_ns"] + later}
+            out[at + 2 :] = [line | {"t_ns": line["t_ns"] + later} for line in out[at + 2 :]]
+        return out
+
+    return edit
+
+
 #: One edit of the clean log per violation kind (``leaked`` needs ``--expect-released``).
 EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
     "seq_gap": _drop(4),
@@ -130,6 +161,8 @@ EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
     "inherited_state": _verdict("inherited_state", owner="serial 0"),
     "unreported": _unreported,
     "overdue": _overdue,
+    "freed_before_read": _handed_over(freed_first=True),
+    "handover_mismatch": _handed_over(digest="0000000f"),
 }
 #: The kinds that are about no record (they are in the verdict's list only).
 UNRECORDED = frozenset({"leaked", "unreported"})

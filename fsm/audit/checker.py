@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from kvlife.fsm.audit.handover import Handover, HandoverJoin
 from kvlife.fsm.audit.reader import AuditFormatError, AuditLog, AuditReader, Event, Segment
 from kvlife.fsm.audit.records import REGISTER, AuditRecord, LostRecords
 from kvlife.fsm.errors import PROTOCOL_REASONS
@@ -60,6 +61,8 @@ ViolationKind = Literal[
     "overdue",
     "credited_elsewhere",
     "inherited_state",
+    "freed_before_read",
+    "handover_mismatch",
 ]
 
 
@@ -124,6 +127,10 @@ VIOLATION_MEANINGS: Final[dict[str, str]] = {
     "request object than the one it issued the copy for",
     "inherited_state": "the watched component's state under this request's id belongs to "
     "another request object with that id (or was dropped with it)",
+    "freed_before_read": "the prefill side freed a handed-over request's blocks before the "
+    "decode side began to read them",
+    "handover_mismatch": "the decode side read other blocks than the prefill side handed over "
+    "under that request's identity",
 }
 
 
@@ -191,6 +198,9 @@ class AuditReport:
     #: Of those, the ones that completed later in their segment (not violations unless
     #: the check counts every overdue ticket).
     overdue_completed: int = 0
+    #: Prefill/decode hand-overs, joined across the logs read (see
+    #: [`kvlife.fsm.audit.handover`][kvlife.fsm.audit.handover]).
+    handovers: list[Handover] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -359,6 +369,8 @@ class AuditChecker:
         self._segment: _SegmentState | None = None
         self._rid_live: dict[str | None, list[int]] = {}  # rid -> its unreleased serials
         self._live_total = 0
+        self._join = HandoverJoin()
+        self._joined = False
 
     # ------------------------------------------------------------------ events
 
@@ -385,6 +397,7 @@ class AuditChecker:
             )
         self._close_segment()
         self._segment = _SegmentState(self.report.segments, event.header.witness)
+        self._join.segment(event.header, event.file, self.report.segments)
         self.report.segments += 1
 
     def _seg(self) -> _SegmentState:
@@ -406,11 +419,14 @@ class AuditChecker:
         serial: int | None,
         message: str,
         rid: str | None = None,
+        segment: int | None = None,
     ) -> None:
         report = self.report
         report.violation_count += 1
         if len(report.violations) < MAX_VIOLATIONS:
-            index = self._segment.index if self._segment is not None else 0
+            index = segment
+            if index is None:
+                index = self._segment.index if self._segment is not None else 0
             report.violations.append(Violation(kind, seq, serial, message, index, rid))
 
     def _covered(self, seg: _SegmentState, first: int, last: int) -> bool:
@@ -529,6 +545,8 @@ class AuditChecker:
                 seg.ops.set(op, _SEEN)
         elif trigger == "ack" or trigger == "fail":  # noqa: PLR1714 - two literals, hot loop
             self._completion(seg, inst, r, serial)
+        if r.detail or self._join.open:  # a transfer identity, or a completion of one
+            self._join.record(r)
         inst.state = r.dst or inst.state
         inst.inflight = r.inflight
         inst.transitions += 1
@@ -537,6 +555,7 @@ class AuditChecker:
 
     def _overdue(self, seg: _SegmentState, r: AuditRecord) -> None:
         self.report.overdue += 1
+        self._join.overdue(r)
         detail = r.detail
         message = (
             f"{detail.get('kind', 'ticket')} (copy {r.op}) open {detail.get('age_s', '?')} s, "
@@ -696,8 +715,17 @@ class AuditChecker:
             held.remove(serial)
 
     def finish(self) -> AuditReport:
-        """Close the last segment and return the report."""
+        """Close the last segment, join the prefill/decode hand-overs of every segment
+        read (their verdicts are violations) and return the report. Calling it again
+        returns the same report."""
         self._close_segment()
+        if self._joined:  # finished before
+            return self.report
+        self._joined = True
+        self.report.handovers = self._join.finish()
+        for handover in self.report.handovers:
+            for kind, side, message in handover.verdicts:
+                self._bad(kind, side.seq, side.serial, message, side.rid, side.segment)
         if self.expect_released:
             for inst in self.report.live:
                 if not inst.uncertain:

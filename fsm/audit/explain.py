@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvlife.fsm.audit.checker import (
@@ -26,7 +26,8 @@ from kvlife.fsm.audit.checker import (
     fed,
     violations_by_record,
 )
-from kvlife.fsm.audit.reader import Event, segment_records
+from kvlife.fsm.audit.handover import Handover, tell_handover
+from kvlife.fsm.audit.reader import Event, Segment, segment_records
 from kvlife.fsm.audit.records import REGISTER, AuditRecord
 from kvlife.fsm.errors import PROTOCOL_REASONS
 
@@ -61,18 +62,24 @@ class LifecycleHistory:
 
 @dataclass
 class RidHistory:
-    """Every lifecycle of one rid in a log, and the calls for it that found none."""
+    """Every lifecycle of one rid in a log, and the calls for it that found none;
+    ``partners``: the lifecycles of other servers' logs that the rid was handed over to
+    or from (prefill/decode), their times on this log's clock (see
+    [`collect_partners()`][kvlife.fsm.audit.explain.collect_partners])."""
 
     rid: str
     lifecycles: dict[tuple[int, int], LifecycleHistory] = field(default_factory=dict)
     unknown: list[tuple[int, AuditRecord]] = field(default_factory=list)  # (segment, record)
     t0: int | None = None  # the log's first record, for times in ms
+    partners: dict[tuple[int, int], LifecycleHistory] = field(default_factory=dict)
+    #: (wall_start, t_ns_start) of each segment read, to put records on one clock
+    clocks: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
 def collect(source: Iterable[Event], rid: str) -> RidHistory:
     """Read ``source`` once, keeping the records of ``rid`` only."""
     history = RidHistory(rid)
-    for segment, event in segment_records(source):
+    for segment, event in segment_records(_clocked(source, history.clocks)):
         if history.t0 is None:
             history.t0 = event.t_ns
         if event.rid != rid:
@@ -89,6 +96,60 @@ def collect(source: Iterable[Event], rid: str) -> RidHistory:
         else:
             lc.dropped += 1
     return history
+
+
+def _clocked(source: Iterable[Event], clocks: dict[int, tuple[float, int]]) -> Iterator[Event]:
+    """``source``, noting each segment's clock anchor on the way."""
+    for event in source:
+        if type(event) is Segment:
+            clocks[event.index] = (event.header.wall_start, event.header.t_ns_start)
+        yield event
+
+
+def handovers_of(checker: AuditChecker | None, rid: str) -> list[Handover]:
+    """The prefill/decode hand-overs (joined by a finished ``checker``) that ``rid`` took
+    part in, on either side."""
+    if checker is None:
+        return []
+    return [h for h in checker.report.handovers if h.involves(rid)]
+
+
+def collect_partners(
+    source: Iterable[Event], history: RidHistory, handovers: Iterable[Handover]
+) -> None:
+    """Read ``source`` once more and put the other side of each hand-over of
+    ``history``'s rid into ``history.partners``: their records moved onto the clock of
+    the rid's first segment by the wall-clock anchors of the two segments' headers (exact
+    on one host, as good as the hosts' clocks agree otherwise)."""
+    own = set(history.lifecycles)
+    wanted = {
+        (side.segment, side.serial)
+        for h in handovers
+        for side in ([h.prefill] if h.prefill is not None else []) + h.decode
+    } - own
+    if not wanted:
+        return
+    clocks: dict[int, tuple[float, int]] = {}
+    found: dict[tuple[int, int], LifecycleHistory] = {}
+    for segment, record in segment_records(_clocked(source, clocks)):
+        key = (segment, record.serial or 0)
+        if record.serial is None or key not in wanted:
+            continue
+        lc = found.get(key)
+        if lc is None:
+            lc = found[key] = LifecycleHistory(segment, record.serial, record.rid or "")
+        if len(lc.records) < MAX_STEPS:
+            lc.records.append(record)
+        else:
+            lc.dropped += 1
+    home = min((k[0] for k in own), default=None)
+    anchor = history.clocks.get(home) if home is not None else None
+    for key, lc in found.items():
+        there = clocks.get(key[0])
+        if anchor is not None and there is not None:
+            shift = round((there[0] - anchor[0]) * 1e9) - there[1] + anchor[1]
+            lc.records = [r.replace(t_ns=r.t_ns + shift) for r in lc.records]
+        history.partners[key] = lc
 
 
 def find_rid(source: Iterable[Event], serial: int, segment: int = 0) -> str | None:
@@ -370,10 +431,18 @@ def tell(
                 )
             lines.append(f"  {_ms(record.t_ns, history.t0)}  REFUSED {record.trigger}: {why}")
             _marked(lines, marks.get((seg, record.seq), []))
+    partners = sorted(history.partners.values(), key=lambda lc: (lc.segment, lc.serial))
+    for lc in partners[:MAX_STORIES]:
+        lines += ["", "the other side of the hand-over:", *_story(history, lc, births, marks)]
+    for handover in handovers_of(checker, rid)[:MAX_STORIES]:
+        lines += ["", *tell_handover(handover)]
     if checker is not None:
+        partner_rids = {lc.rid for lc in partners}
         lines += [
             "",
-            *verdict_lines(checker, unreadable_lines, allow_lost=allow_lost, rid=rid),
+            *verdict_lines(
+                checker, unreadable_lines, allow_lost=allow_lost, rid=rid, also=partner_rids
+            ),
         ]
     return "\n".join(lines)
 
@@ -421,13 +490,16 @@ def verdict_lines(
     *,
     allow_lost: bool = False,
     rid: str | None = None,
+    also: Iterable[str] = (),
 ) -> list[str]:
     """The verdict on a finished check, as ``kvlife audit check`` would give it, and the
-    violations it kept (those of ``rid`` only, when given; the others counted)."""
+    violations it kept (those of ``rid`` and of the rids ``also``, when ``rid`` is given;
+    the others counted)."""
     report = checker.report
     verdict = Verdict.of(report, unreadable_lines, allow_lost=allow_lost)
     lines = [f"verdict on the whole log (kvlife audit check): {verdict}"]
-    listed = [v for v in report.violations if rid is None or v.rid == rid]
+    rids = {rid, *also}
+    listed = [v for v in report.violations if rid is None or v.rid in rids]
     lines += [f"  {v.line()}" for v in listed[:MAX_LISTED]]
     if len(listed) > MAX_LISTED:
         lines.append(f"  ... {len(listed) - MAX_LISTED} more")
@@ -444,8 +516,10 @@ __all__ = [
     "LifecycleHistory",
     "RidHistory",
     "collect",
+    "collect_partners",
     "explain",
     "find_rid",
+    "handovers_of",
     "held_at_registration",
     "late_completion",
     "late_sentence",

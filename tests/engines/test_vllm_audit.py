@@ -866,3 +866,42 @@ def test_example_and_kvlifes_own_connector_with_fresh_ids_check_clean(
     assert preempted > 0
     if inner == "KVLifeConnector":
         assert stores > 0 and loads > 0  # its copies ran under the wrapper
+
+
+def test_the_hand_over_identity_is_read_from_nixls_transfer_params() -> None:
+    """What vLLM's NixlConnector returns at a prefill's finish, and what the decode side's
+    request carries, become the same identity (engine, id, blocks) on the two sides."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from kvlife.fsm.audit.handover import block_digest  # noqa: PLC0415
+    from kvlife.offload.engines.vllm.handover import handed_over, taken_over  # noqa: PLC0415
+
+    returned = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[7, 8], [9]],  # one list per KV cache group (HMA)
+        "remote_engine_id": "p-engine",
+        "remote_request_id": "cmpl-1-abc",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+    }
+    given = handed_over(returned, "cmpl-1-abc")
+    assert given == {
+        "handoff_engine": "p-engine",
+        "handoff_rid": "cmpl-1-abc",
+        "handoff_blocks": 3,
+        "handoff_digest": block_digest([7, 8, 9]),
+    }
+    decode_request = SimpleNamespace(kv_transfer_params={**returned, "do_remote_prefill": False})
+    taken = taken_over(decode_request)  # NIXL clears do_remote_prefill once it loads
+    assert {k.replace("peer_", ""): v for k, v in taken.items()} == {
+        k.replace("handoff_", ""): v for k, v in given.items()
+    }
+    assert handed_over(None, "x") == {} and handed_over({"do_remote_prefill": False}, "x") == {}
+    assert taken_over(SimpleNamespace(kv_transfer_params={"do_remote_decode": True})) == {}
+    assert taken_over(SimpleNamespace(kv_transfer_params=None)) == {}
+    assert taken_over(SimpleNamespace()) == {}
+    without_id = handed_over({**returned, "remote_request_id": None}, "own-id")
+    assert without_id["handoff_rid"] == "own-id"  # an older NIXL: the request's own id
+    odd = handed_over({**returned, "remote_block_ids": "?"}, "x")
+    assert "handoff_blocks" not in odd and odd["handoff_engine"] == "p-engine"

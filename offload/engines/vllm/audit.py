@@ -75,7 +75,9 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import Lifecycle, LifecycleError, OverdueWatch, Ticket, Trigger
+from kvlife.fsm.audit.records import DetailValue
 from kvlife.offload.engines.vllm.config import ConnectorConfig, audit_path
+from kvlife.offload.engines.vllm.handover import handed_over, taken_over
 from kvlife.offload.engines.vllm.lenses import Lens, lens_for
 from kvlife.offload.engines.vllm.scheduler import CoreLog, overdue_line
 from kvlife.offload.engines.vllm.stats import (
@@ -463,7 +465,7 @@ class _Watch:
         self._overdue_reported, self._gauges = watch.overdue_total, gauges
         return {"overdue_tickets": grown, **gauges}
 
-    def end(self, request: Request) -> None:
+    def end(self, request: Request, **detail: DetailValue) -> None:
         self.claims.discard(id(request))  # claimed a load, but never allocated
         lc = self.lifecycle(request)
         if lc is None:
@@ -471,7 +473,7 @@ class _Watch:
         self.index_blocks(lc)
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         with contextlib.suppress(LifecycleError):  # vLLM finished it twice: refused, audited
-            (self.registry.abort if aborted else self.registry.finish)(lc)
+            (self.registry.abort if aborted else self.registry.finish)(lc, **detail)
 
     # ------------------------------------------------------------------ reports
 
@@ -918,7 +920,9 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         claimed = id(request) in watch.claims
         watch.claims.discard(id(request))
         if claimed and num_external_tokens > 0:
-            ticket = watch.open_ticket(request, "load", tokens=num_external_tokens)
+            ticket = watch.open_ticket(
+                request, "load", tokens=num_external_tokens, **taken_over(request)
+            )
             if ticket is not None:
                 watch.load_blocks[ticket.op] = {
                     block for group in blocks.get_block_ids() for block in group
@@ -952,8 +956,10 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         assert watch is not None
         watch.lifecycle(request)
         delay, params = self._call(call, request, block_ids)
+        # prefill/decode: the request's transfer identity on either side, for the join
+        identity = handed_over(params, request.request_id) or taken_over(request)
         if delay:
-            watch.open_ticket(request, "delayed_free")
+            watch.open_ticket(request, "delayed_free", **identity)
         lens = watch.lens
         if lens is not None and lens.finishing(request):
             lc = watch.lifecycle(request)
@@ -961,7 +967,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
                 watch.finishing[lc.rid] = (lc, request)
             if lens.flushes(request):
                 watch.flush(request)
-        watch.end(request)
+        watch.end(request, **identity)
         watch.written()
         return delay, params
 
