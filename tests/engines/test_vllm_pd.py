@@ -47,8 +47,8 @@ def _servers(
         name: transfer_config(tmp_path / f"{name}.jsonl", audit, nixl)
         for name in ("prefill", "decode")
     }
-    with servers(model, tmp_path, configs) as urls:
-        yield urls["prefill"], urls["decode"]
+    with servers(model, tmp_path, configs) as running:
+        yield running["prefill"].url, running["decode"].url
 
 
 def _tokens(reply: dict[str, Any]) -> list[int]:
@@ -235,3 +235,71 @@ def test_a_prefill_no_decode_side_takes_is_told_overdue_and_a_late_read_is_named
     assert "OVERDUE copy" in text and "told overdue while it ran" in text
     assert f"!! VIOLATION freed_before_read (decode #{read.serial} rid {read.rid!r})" in text
     print(f"told overdue after {told_s:.1f} s; NIXL freed the blocks after {freed_s:.1f} s")
+
+
+def test_a_prefill_server_killed_before_the_read_is_told_on_the_decode_side(
+    tmp_path: Path,
+) -> None:
+    """The prefill server dies (SIGKILL, its engine core and worker too) after a prefill,
+    before the decode side reads its blocks. Without kvlife: NIXL's handshake fails on the
+    decode worker after about 5 s and the client gets HTTP 500. The decode server's log
+    tells the load overdue while it waits, then failed, named by the decode side's rid with
+    the prefill side's identity; the prefill server's log ends with the delayed free open
+    (``unreported``), and the two joined tell the hand-over that never finished."""
+    model = make_model(tmp_path / "llama")
+    audit = {"audit_overdue_s": OVERDUE_S, "stats_interval_s": 0}
+    configs = {
+        name: transfer_config(tmp_path / f"{name}.jsonl", audit) for name in ("prefill", "decode")
+    }
+    decode_log = tmp_path / "decode.jsonl"
+    with servers(model, tmp_path, configs) as running:
+        prefill, decode = running["prefill"], running["decode"]
+        common = {"model": str(model), "prompt": PROMPTS[1], "temperature": 0.0}
+        first = post(
+            f"{prefill.url}/v1/completions",
+            {**common, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        params = first["kv_transfer_params"]
+        prefill.kill()
+        body = {
+            **common,
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "kv_transfer_params": params,
+        }
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, f"{decode.url}/v1/completions", body)
+
+            def ended() -> list[Any]:  # the decode side's load: failed, or told overdue
+                return [
+                    r
+                    for r in read_audit(decode_log).records
+                    if r.op is not None
+                    and r.trigger in ("ack", "fail")
+                    and not (r.ok and r.trigger == "ack")
+                ]
+
+            told = _until(ended, 120, "the decode side's load neither failed nor was told")
+            try:
+                reply: dict[str, Any] | str = answer.result(timeout=180)
+            except Exception as exc:  # what the client gets is part of what vLLM does
+                reply = f"{type(exc).__name__}: {exc}"
+    print("decode side said:", [(r.trigger, r.reason, r.detail) for r in told])
+    print("the client got:", str(reply)[:300])
+    rid = params["remote_request_id"]
+    for line in (tmp_path / "decode.log").read_text(errors="replace").splitlines():
+        if "ERROR" in line or ("WARNING" in line and "nixl" in line.lower()):
+            print("decode.log:", line[:300])
+    both = check_audit(AuditReader(_logs(tmp_path)))
+    (handover,) = [h for h in both.handovers if h.rid == rid]
+    assert handover.prefill is not None and handover.prefill.closed is None  # died holding it
+    # the decode side's request (vLLM's serving layer also aborts an engine request under
+    # the client's id, with the same transfer parameters, that never loads)
+    (read,) = [d for d in handover.decode if d.op is not None]
+    assert read.closed_ok is False  # NIXL's handshake with the dead server failed: load failed
+    assert "HTTPError" in str(reply) and "500" in str(reply)  # what the client gets
+    text = _why(read.rid, tmp_path)
+    assert f"hand-over of {rid!r}" in text
+    assert "still open at the end of its log (the blocks were never freed)" in text
+    kinds = {(v.kind, v.rid) for v in both.violations}
+    assert ("unreported", rid) in kinds  # the prefill side's log ended with its free open

@@ -84,14 +84,29 @@ def transfer_config(
     }
 
 
+@dataclass
+class Server:
+    """A running server: its base URL, its process (the leader of its process group) and
+    its log."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (its engine core and workers too)."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
 @contextlib.contextmanager
 def servers(
     model: Path, directory: Path, configs: dict[str, dict[str, Any]]
-) -> Iterator[dict[str, str]]:
+) -> Iterator[dict[str, Server]]:
     """One server per entry of ``configs`` (name -> its ``--kv-transfer-config``), started
     together, their output in ``DIRECTORY/NAME.log``, the n-th on core ``n % 2`` with its
     own NIXL side-channel port; stopped with SIGINT to their process groups (SIGKILL after
-    90 s). Yields each name's base URL once every one answers ``/health``."""
+    90 s). Yields each name's ``Server`` once every one answers ``/health``."""
     started: list[tuple[subprocess.Popen[bytes], str, str, Path]] = []
     try:
         for n, (name, transfer) in enumerate(configs.items()):
@@ -123,7 +138,7 @@ def servers(
                         break
                 assert time.monotonic() < deadline, f"{log.name}: the server did not start"
                 time.sleep(0.5)
-        yield {name: url for _, name, url, _ in started}
+        yield {name: Server(url, process, log) for process, name, url, log in started}
     finally:
         for process, _, _, _ in started:
             if process.poll() is None:

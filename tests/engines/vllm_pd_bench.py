@@ -45,7 +45,7 @@ def measure(directory: Path, requests: int, tokens: int) -> dict[str, list[Timed
             order = PAIRS if n % 2 == 0 else PAIRS[::-1]
             for pair in order:
                 timed = disaggregated(
-                    model, urls[f"{pair}-prefill"], urls[f"{pair}-decode"], prompt, tokens
+                    model, urls[f"{pair}-prefill"].url, urls[f"{pair}-decode"].url, prompt, tokens
                 )
                 if n >= 2:  # the first two are warm-up
                     timings[pair].append(timed)
@@ -83,6 +83,32 @@ def report(timings: dict[str, list[Timed]]) -> str:
     return "\n".join(lines)
 
 
+def lease_ends(directory: Path) -> str:
+    """What each pair's logs say of hand-overs their prefill side freed unread: vLLM's own
+    warnings (the prefill worker's log) and, for the wrapped pair, kvlife's verdicts on
+    the two audit logs joined."""
+    from kvlife.fsm import AuditReader, check_audit  # noqa: PLC0415
+
+    said = []
+    for pair in PAIRS:
+        text = (directory / f"{pair}-prefill.log").read_text(errors="replace")
+        expired = text.count("Releasing expired KV blocks")
+        said.append(
+            f"{pair}: vLLM's prefill worker released {expired} unread prefill(s) at its lease"
+        )
+    joined = check_audit(
+        AuditReader([directory / f"wrapped-{side}.jsonl" for side in ("decode", "prefill")])
+    )
+    kinds: dict[str, int] = {}
+    for violation in joined.violations:
+        kinds[violation.kind] = kinds.get(violation.kind, 0) + 1
+    verdicts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "no verdict"
+    said.append(
+        f"wrapped: the two audit logs joined: {len(joined.handovers)} hand-overs, {verdicts}"
+    )
+    return "\n".join(said)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60, help="per pair (default 60)")
@@ -93,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         directory = Path(args.dir) if args.dir else Path(tmp)
         directory.mkdir(parents=True, exist_ok=True)
         timings = measure(directory, args.requests, args.tokens)
+        ends = lease_ends(directory)
     same = [a.tokens == b.tokens for a, b in zip(timings["wrapped"], timings["bare"], strict=True)]
     print(report(timings))
+    print(ends)
     if not all(same):
         print(f"tokens differ in {same.count(False)} requests", file=sys.stderr)
         return 1
