@@ -159,6 +159,8 @@ class Timed:
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    #: when the prefill server's reply came (seconds after the proxy took the request)
+    prefilled: float = 0.0
 
     @property
     def ttft(self) -> float:
@@ -209,7 +211,7 @@ def disaggregated(
         f"{prefill}/v1/completions",
         {**common, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
     )
-    timed = Timed(params=first["kv_transfer_params"])
+    timed = Timed(params=first["kv_transfer_params"], prefilled=time.perf_counter() - start)
     body = {
         **common,
         "max_tokens": max_tokens,

@@ -75,6 +75,12 @@ def report(timings: dict[str, list[Timed]]) -> str:
             f"{pair:<10} {t50 * 1e3:>9.1f} ms {t90 * 1e3:>7.1f} ms {i50 * 1e3:>8.2f} ms "
             f"{i90 * 1e3:>6.2f} ms"
         )
+    for pair, runs in timings.items():
+        prefill = [t.prefilled for t in runs]
+        lines.append(
+            f"{pair}: the prefill call {statistics.median(prefill) * 1e3:.1f} ms median, "
+            f"{_quantile(prefill, 0.9) * 1e3:.1f} ms p90, {max(prefill) * 1e3:.1f} ms at most"
+        )
     w, b = rows["wrapped"], rows["bare"]
     lines.append(
         f"{'ratio':<10} {w[0] / b[0]:>12.3f} {w[1] / b[1]:>10.3f} {w[2] / b[2]:>11.3f} "
