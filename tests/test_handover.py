@@ -17,22 +17,23 @@ ENGINE = "prefill-engine-1"
 BLOCKS = [3, 4, 5]
 
 
-def _handoff(rid: str, blocks: list[int] = BLOCKS) -> dict[str, str | int]:
+def _identity(side: str, rid: str, blocks: list[int] = BLOCKS) -> dict[str, str | int]:
+    """A transfer identity as the wrapper writes it: ``handoff_*`` on the prefill side,
+    ``peer_*`` on the decode side."""
     return {
-        "handoff_engine": ENGINE,
-        "handoff_rid": rid,
-        "handoff_blocks": len(blocks),
-        "handoff_digest": block_digest(blocks),
+        f"{side}_engine": ENGINE,
+        f"{side}_rid": rid,
+        f"{side}_blocks": len(blocks),
+        f"{side}_digest": block_digest(blocks),
     }
+
+
+def _handoff(rid: str) -> dict[str, str | int]:
+    return _identity("handoff", rid)
 
 
 def _peer(rid: str, blocks: list[int] = BLOCKS) -> dict[str, str | int]:
-    return {
-        "peer_engine": ENGINE,
-        "peer_rid": rid,
-        "peer_blocks": len(blocks),
-        "peer_digest": block_digest(blocks),
-    }
+    return _identity("peer", rid, blocks)
 
 
 def _pd_logs(

@@ -14,8 +14,6 @@ import gc
 import importlib.metadata
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +36,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this pr
 
 from kvlife.fsm import AuditReader, check_audit, read_audit
 from tests.engines.vllm_model import BLOCK, make_llm, make_model, prompts
+from tests.engines.vllm_server import free_port, stop, wait_healthy
 
 MAX_TOKENS = 16
 KVLIFE = {
@@ -338,12 +337,6 @@ def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:
 # ------------------------------------------------------------------ the OpenAI server
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _server(
     model: Path, audit: Path, log: Path, *, kvlife: bool = True, data_parallel: int = 1
@@ -352,7 +345,7 @@ def _server(
     64 blocks (so that requests are preempted); ``data_parallel`` engine cores, each on a
     core of its own; stopped with SIGINT to its process group, as an operator stops it.
     Yields its base URL."""
-    port = _free_port()
+    port = free_port()
     # no timed flush during the run: what is in the file is what each call wrote out
     extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 3600}
     extra["stats_interval_s"] = 0  # stats at every step: tests wait for them, never sleep
@@ -384,27 +377,11 @@ def _server(
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 240
-            while True:
-                assert process.poll() is None, log.read_text()[-3000:]
-                with (
-                    contextlib.suppress(OSError),
-                    urllib.request.urlopen(f"{url}/health", timeout=2) as response,
-                ):
-                    if response.status == 200:
-                        break
-                assert time.monotonic() < deadline, "the server did not start in time"
-                time.sleep(0.5)
+            wait_healthy(process, url, log, time.monotonic() + 240)
             yield url
         finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGINT)
-                try:
-                    process.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                    raise
+            if not stop(process):
+                raise subprocess.TimeoutExpired(command, 90)  # Ctrl-C did not stop it
 
 
 async def _complete(

@@ -13,7 +13,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,13 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.engines.vllm_model import BLOCK
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.engines.vllm_server import free_port, stop, wait_healthy
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -128,27 +121,11 @@ def servers(
             started.append((process, name, f"http://127.0.0.1:{port}", log))
         deadline = time.monotonic() + 300
         for process, _, url, log in started:
-            while True:
-                assert process.poll() is None, log.read_text()[-3000:]
-                with (
-                    contextlib.suppress(OSError),
-                    urllib.request.urlopen(f"{url}/health", timeout=2) as response,
-                ):
-                    if response.status == 200:
-                        break
-                assert time.monotonic() < deadline, f"{log.name}: the server did not start"
-                time.sleep(0.5)
+            wait_healthy(process, url, log, deadline)
         yield {name: Server(url, process, log) for process, name, url, log in started}
     finally:
         for process, _, _, _ in started:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGINT)
-        for process, _, _, _ in started:
-            try:
-                process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop(process)
 
 
 @dataclass
@@ -181,20 +158,20 @@ def _stream(url: str, body: dict[str, Any], start: float, timed: Timed) -> None:
         connection.request(
             "POST", parts.path, json.dumps(body), {"Content-Type": "application/json"}
         )
-        response = connection.getresponse()
-        assert response.status == 200, response.read()[:500]
-        while True:
-            line = response.readline()
-            if not line:
-                break
-            text = line.decode().strip()
-            if not text.startswith("data: ") or text == "data: [DONE]":
-                continue
-            when = time.perf_counter() - start
-            for choice in json.loads(text[6:]).get("choices", []):
-                for token in choice.get("token_ids") or []:
-                    timed.tokens.append(int(token))
-                    timed.arrivals.append(when)
+        with connection.getresponse() as response:  # closes its socket file too
+            assert response.status == 200, response.read()[:500]
+            while True:
+                line = response.readline()
+                if not line:
+                    break
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                when = time.perf_counter() - start
+                for choice in json.loads(text[6:]).get("choices", []):
+                    for token in choice.get("token_ids") or []:
+                        timed.tokens.append(int(token))
+                        timed.arrivals.append(when)
     finally:
         connection.close()
 
