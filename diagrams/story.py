@@ -25,7 +25,7 @@ Needs matplotlib (the ``plot`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -42,14 +42,12 @@ from kvlife.diagrams.timeline import (
 from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
 from kvlife.fsm.audit.checker import Violation
 from kvlife.fsm.audit.explain import (
-    LifecycleHistory,
     RidHistory,
     held_at_registration,
     read_story,
     registrations,
     reused_in_flight,
 )
-from kvlife.fsm.audit.handover import HANDOFF_ENGINE, HANDOFF_RID, PEER_ENGINE, PEER_RID
 from kvlife.fsm.audit.records import REGISTER
 from kvlife.fsm.table import State
 
@@ -196,14 +194,14 @@ def story_of(
     if partners:  # two servers' logs: time from the first record drawn, on either side
         t0 = min(h.records[0].t_ns for h in [*ordered, *partners] if h.records)
         end = max(ms(h.records[-1].t_ns) for h in [*ordered, *partners] if h.records)
-    given: dict[tuple[str, str], tuple[float, tuple[int, int]]] = {}  # the prefill sides
-    taken: list[tuple[tuple[str, str], float, tuple[int, int]]] = []  # the decode sides
+    # where the joined hand-overs begin and end: a lifecycle's end, a ticket's start
+    ends: dict[tuple[int, int], float] = {}
+    starts: dict[tuple[int, int, int], float] = {}
     for lc in [*ordered, *partners]:
         registered = lc.registered_ns
         lane = Lane(lc.serial, lc.segment, None if registered is None else ms(registered))
         if partners:
             lane.rid, lane.other = lc.rid, lc.rid != history.rid
-        _handover_points(lc, ms, given, taken)
         if registered is not None:
             reuses += [
                 (ms(registered), lc.segment, held.serial, lc.serial)
@@ -224,6 +222,9 @@ def story_of(
                 continue
             if record.trigger == "start_offload" and record.op is not None:
                 started[record.op] = (record.t_ns, str(record.detail.get("kind", "")))
+                starts[lc.segment, lc.serial, record.op] = t
+            elif record.trigger in ("finish", "abort"):
+                ends[lc.segment, lc.serial] = t
             elif record.trigger in ("ack", "fail") and record.op is not None:
                 begun, kind = started.pop(record.op, (record.t_ns, ""))
                 ok = record.trigger == "ack"
@@ -257,31 +258,16 @@ def story_of(
     for lane in lanes:
         lane.spans = [(a, end if b < 0 else b, s) for a, b, s in lane.spans]
     story = Story(history.rid, lanes, reuses, late, violations, end, total, verdicts)
-    for identity, t, lane_key in taken:
-        if identity in given:
-            story.handovers.append((*given[identity], t, lane_key))
-    return story
-
-
-def _handover_points(
-    lc: LifecycleHistory,
-    ms: Callable[[int], float],
-    given: dict[tuple[str, str], tuple[float, tuple[int, int]]],
-    taken: list[tuple[tuple[str, str], float, tuple[int, int]]],
-) -> None:
-    """Where ``lc`` handed a request over (its finish, on a prefill side) or began to
-    read one (its load, on a decode side), by the transfer identity its records carry."""
-    key = (lc.segment, lc.serial)
-    for record in lc.records:
-        detail = record.detail
-        if not record.ok or not detail:
+    for handover in history.handovers:  # as the checker joined them: words and picture agree
+        p = handover.prefill
+        if p is None or (p.segment, p.serial) not in ends:
             continue
-        if record.trigger in ("finish", "abort") and HANDOFF_ENGINE in detail:
-            identity = (str(detail[HANDOFF_ENGINE]), str(detail.get(HANDOFF_RID, lc.rid)))
-            given[identity] = (ms(record.t_ns), key)
-        elif record.trigger == "start_offload" and PEER_ENGINE in detail:
-            identity = (str(detail[PEER_ENGINE]), str(detail.get(PEER_RID, "")))
-            taken.append((identity, ms(record.t_ns), key))
+        given = (p.segment, p.serial)
+        for d in handover.decode:
+            if d.op is not None and (d.segment, d.serial, d.op) in starts:
+                began = starts[d.segment, d.serial, d.op]
+                story.handovers.append((ends[given], given, began, (d.segment, d.serial)))
+    return story
 
 
 def build_story(

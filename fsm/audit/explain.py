@@ -26,7 +26,14 @@ from kvlife.fsm.audit.checker import (
     fed,
     violations_by_record,
 )
-from kvlife.fsm.audit.handover import Handover, tell_handover
+from kvlife.fsm.audit.handover import (
+    Clock,
+    Handover,
+    HandoverSide,
+    anchor,
+    moved,
+    tell_handover,
+)
 from kvlife.fsm.audit.reader import Event, Segment, segment_records
 from kvlife.fsm.audit.records import REGISTER, AuditRecord
 from kvlife.fsm.errors import PROTOCOL_REASONS
@@ -72,8 +79,10 @@ class RidHistory:
     unknown: list[tuple[int, AuditRecord]] = field(default_factory=list)  # (segment, record)
     t0: int | None = None  # the log's first record, for times in ms
     partners: dict[tuple[int, int], LifecycleHistory] = field(default_factory=dict)
-    #: (wall_start, t_ns_start) of each segment read, to put records on one clock
-    clocks: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: Each segment's clock anchor, to put records of two logs on one clock.
+    clocks: dict[int, Clock] = field(default_factory=dict)
+    #: The hand-overs ``partners`` come from (joined by the checker).
+    handovers: list[Handover] = field(default_factory=list)
 
 
 def collect(source: Iterable[Event], rid: str) -> RidHistory:
@@ -98,11 +107,11 @@ def collect(source: Iterable[Event], rid: str) -> RidHistory:
     return history
 
 
-def _clocked(source: Iterable[Event], clocks: dict[int, tuple[float, int]]) -> Iterator[Event]:
+def _clocked(source: Iterable[Event], clocks: dict[int, Clock]) -> Iterator[Event]:
     """``source``, noting each segment's clock anchor on the way."""
     for event in source:
         if type(event) is Segment:
-            clocks[event.index] = (event.header.wall_start, event.header.t_ns_start)
+            clocks[event.index] = anchor(event.header)
         yield event
 
 
@@ -120,16 +129,14 @@ def collect_partners(
     """Read ``source`` once more and put the other side of each hand-over of
     ``history``'s rid into ``history.partners``: their records moved onto the clock of
     the rid's first segment by the wall-clock anchors of the two segments' headers (exact
-    on one host, as good as the hosts' clocks agree otherwise)."""
+    on one host, as good as the hosts' clocks agree otherwise); ``history.handovers`` keeps
+    ``handovers``, which the story's picture draws."""
+    history.handovers = list(handovers)
     own = set(history.lifecycles)
-    wanted = {
-        (side.segment, side.serial)
-        for h in handovers
-        for side in ([h.prefill] if h.prefill is not None else []) + h.decode
-    } - own
+    wanted = {(side.segment, side.serial) for h in history.handovers for side in _sides(h)} - own
     if not wanted:
         return
-    clocks: dict[int, tuple[float, int]] = {}
+    clocks: dict[int, Clock] = {}
     found: dict[tuple[int, int], LifecycleHistory] = {}
     for segment, record in segment_records(_clocked(source, clocks)):
         key = (segment, record.serial or 0)
@@ -143,13 +150,16 @@ def collect_partners(
         else:
             lc.dropped += 1
     home = min((k[0] for k in own), default=None)
-    anchor = history.clocks.get(home) if home is not None else None
+    here = history.clocks.get(home) if home is not None else None
     for key, lc in found.items():
         there = clocks.get(key[0])
-        if anchor is not None and there is not None:
-            shift = round((there[0] - anchor[0]) * 1e9) - there[1] + anchor[1]
-            lc.records = [r.replace(t_ns=r.t_ns + shift) for r in lc.records]
+        if here is not None and there is not None:
+            lc.records = [r.replace(t_ns=moved(r.t_ns, there, here)) for r in lc.records]
         history.partners[key] = lc
+
+
+def _sides(h: Handover) -> list[HandoverSide]:
+    return ([h.prefill] if h.prefill is not None else []) + h.decode
 
 
 def find_rid(source: Iterable[Event], serial: int, segment: int = 0) -> str | None:

@@ -119,9 +119,26 @@ class Handover:
         )
 
 
-def _wall(t_ns: int, base: tuple[float, int]) -> float:
-    wall_start, t_ns_start = base
+Clock = tuple[float, int]
+"""A segment's clock anchor: its header's ``wall_start`` and ``t_ns_start``, taken at one
+moment, which put its records' ``t_ns`` on the wall clock."""
+
+
+def anchor(header: AuditHeader) -> Clock:
+    """``header``'s clock anchor."""
+    return (header.wall_start, header.t_ns_start)
+
+
+def wall(t_ns: int, clock: Clock) -> float:
+    """A record's ``t_ns`` as wall-clock seconds, by its segment's anchor."""
+    wall_start, t_ns_start = clock
     return wall_start + (t_ns - t_ns_start) / 1e9
+
+
+def moved(t_ns: int, there: Clock, here: Clock) -> int:
+    """A ``t_ns`` of a segment anchored ``there`` as a ``t_ns`` of one anchored ``here``
+    (the same moment on the wall clock; integer nanoseconds)."""
+    return t_ns + round((there[0] - here[0]) * 1e9) - there[1] + here[1]
 
 
 def _text(value: DetailValue) -> str | None:
@@ -135,7 +152,7 @@ class HandoverJoin:
     request (at most [`MAX_HANDOVERS`][kvlife.fsm.audit.handover.MAX_HANDOVERS])."""
 
     def __init__(self) -> None:
-        self._base: tuple[float, int] = (0.0, 0)
+        self._base: Clock = (0.0, 0)
         self._file = ""
         self._index = 0
         self.prefill: dict[tuple[str, str], list[HandoverSide]] = {}
@@ -148,7 +165,7 @@ class HandoverJoin:
 
     def segment(self, header: AuditHeader, file: str, index: int) -> None:
         """Segment ``index`` begins (read from ``file``): its clock anchor."""
-        self._base = (header.wall_start, header.t_ns_start)
+        self._base = anchor(header)
         self._file = file
         self._index = index
 
@@ -160,7 +177,7 @@ class HandoverJoin:
             if self.open and r.op is not None:
                 side = self.open.pop((self._index, r.op), None)
                 if side is not None:
-                    side.closed = _wall(r.t_ns, self._base)
+                    side.closed = wall(r.t_ns, self._base)
                     side.closed_ok = trigger == "ack"
                     detail = r.detail
                     cut = detail.get("cut_by")
@@ -176,7 +193,7 @@ class HandoverJoin:
         side = self._side(r, prefill)
         if side is None:
             return
-        when = _wall(r.t_ns, self._base)
+        when = wall(r.t_ns, self._base)
         if trigger == "start_offload":
             side.opened = when
             side.op = r.op
@@ -320,14 +337,11 @@ def tell_handover(h: Handover) -> list[str]:
             if p.closed is None:
                 end = "still open at the end of its log (the blocks were never freed)"
             else:
+                how = "ended" if p.closed_ok else "failed"
+                end = f"{how} {_after(p.closed, t0)} by {p.closed_by}"
                 held = h.held_s
-                end = (
-                    f"{'ended' if p.closed_ok else 'failed'} {_after(p.closed, t0)} by "
-                    f"{p.closed_by}: the prefill side held the blocks "
-                    f"{held:.3f} s"
-                    if held is not None
-                    else f"ended by {p.closed_by}"
-                )
+                if held is not None:
+                    end += f": the prefill side held the blocks {held:.3f} s"
             over = " (told overdue while it ran)" if p.overdue else ""
             lines.append(f"    delayed free (copy {p.op}) {end}{over}")
         else:
@@ -366,11 +380,15 @@ __all__ = [
     "PEER_DIGEST",
     "PEER_ENGINE",
     "PEER_RID",
+    "Clock",
     "Handover",
     "HandoverJoin",
     "HandoverSide",
     "HandoverVerdict",
+    "anchor",
     "block_digest",
     "clock",
+    "moved",
     "tell_handover",
+    "wall",
 ]
