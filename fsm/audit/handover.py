@@ -350,20 +350,27 @@ def tell_handover(h: Handover) -> list[str]:
         lines.append("  decode: no lifecycle read it in the logs given")
     for d in h.decode:
         lines.append(f"  decode {_where(d)} #{d.serial} rid {d.rid!r}:")
+        events: list[tuple[float, str]] = []  # told in the order they happened
         if d.op is not None:
-            lines.append(f"    load (copy {d.op}) began {_after(d.opened, t0)}")
-            if d.closed is None:
-                lines.append("    ... and was still open at the end of its log")
-            else:
+            events.append((d.opened or 0.0, f"load (copy {d.op}) began {_after(d.opened, t0)}"))
+            if d.closed is not None:
                 how = "completed" if d.closed_ok else "failed"
-                lines.append(
-                    f"    load {how} {_after(d.closed, t0)} ({d.closed_by}), "
-                    f"{d.closed - (d.opened or d.closed):.3f} s after it began"
+                events.append(
+                    (
+                        d.closed,
+                        f"load {how} {_after(d.closed, t0)} ({d.closed_by}), "
+                        f"{d.closed - (d.opened or d.closed):.3f} s after it began",
+                    )
                 )
-        else:
-            lines.append("    no load: the request never read the blocks")
         if d.ended is not None:
-            lines.append(f"    {d.ended_how} {_after(d.ended, t0)}")
+            during = d.op is not None and (d.closed is None or d.ended < d.closed)
+            load = " while the load was in flight" if during else ""
+            events.append((d.ended, f"{d.ended_how} {_after(d.ended, t0)}{load}"))
+        lines += [f"    {text}" for _, text in sorted(events, key=lambda e: e[0])]
+        if d.op is None:
+            lines.append("    no load: the request never read the blocks")
+        elif d.closed is None:
+            lines.append("    ... and the load was still open at the end of its log")
     for kind, side, message in h.verdicts:
         lines.append(f"  !! VIOLATION {kind} (decode #{side.serial} rid {side.rid!r}): {message}")
     return lines

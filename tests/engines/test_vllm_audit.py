@@ -313,6 +313,79 @@ def test_the_wrappers_overdue_stats_reach_prometheus(tmp_path: Path) -> None:
     assert made["vllm:kvlife_audit_oldest_open_ticket_seconds"].values == {("0", "m"): 250.0}
 
 
+def test_the_wrappers_stats_around_a_multiconnector_reach_the_front_end_as_plain_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper around ``MultiConnector`` (kvlife's connector its child, named by module
+    path): what the engine core sends (``to_dict``, through msgpack as vLLM sends it) is
+    plain data; the front end rebuilds it (``MultiConnector`` finds its child by class
+    name: kvlife's vLLM plugin put it in vLLM's registry), logs it and exports both
+    kvlife's counters and the wrapper's own. Before the fix the wrapper sent the child
+    statistics objects, and NIXL's exporter failed on them (``KeyError``) in a server."""
+    import msgspec  # noqa: PLC0415
+    from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
+        KVConnectorFactory,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: PLC0415
+        MultiConnector,
+        MultiKVConnectorStats,
+    )
+
+    from kvlife.offload.engines.vllm import KVLifeConnectorStats  # noqa: PLC0415
+    from kvlife.offload.engines.vllm_plugin import register  # noqa: PLC0415
+    from tests.engines.test_vllm import _Metric  # noqa: PLC0415
+
+    plain = {"KVLifeConnector": {"stores": 1}}
+    for name in ("KVLifeConnector", "KVLifeAuditConnector", "KVLifeAuditConnectorHMA"):
+        monkeypatch.delitem(KVConnectorFactory._registry, name, raising=False)
+    with pytest.raises(ValueError, match="'KVLifeConnector' is not registered"):
+        MultiConnector.build_kv_connector_stats(data=plain)  # what the front end did
+    assert register() == ["KVLifeConnector", "KVLifeAuditConnector", "KVLifeAuditConnectorHMA"]
+    assert register() == []  # once per process is enough; again changes nothing
+    rebuilt = MultiConnector.build_kv_connector_stats(data=plain)
+    assert rebuilt is not None
+    assert isinstance(rebuilt.data["KVLifeConnector"], KVLifeConnectorStats)
+    kvlife = {
+        "kv_connector": "KVLifeConnector",
+        "kv_connector_module_path": "kvlife.offload.engines.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_pages": 8},
+    }
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_connector_extra_config": {"connectors": [kvlife]},
+    }
+    scheduler = _scheduler(multi, tmp_path / "a.jsonl", hma=True)
+    child = KVLifeConnectorStats(data={"stores": 3, "stored_blocks": 5})
+    sent = WrappedConnectorStats.of(
+        MultiConnector,
+        MultiKVConnectorStats(data={"KVLifeConnector": child}),
+        {"overdue_tickets": 1, "tickets_overdue_open": 1, "oldest_open_ticket_seconds": 4.0},
+    )
+    assert sent is not None
+    payload = msgspec.msgpack.decode(msgspec.msgpack.encode(sent.to_dict()))
+    assert payload["data"] == {"KVLifeConnector": {"stores": 3, "stored_blocks": 5}}
+    front = type(scheduler.connector).build_kv_connector_stats(data=payload)
+    assert front is not None
+    both = front.aggregate(type(scheduler.connector).build_kv_connector_stats(data=payload))
+    reduced = both.reduce()
+    assert reduced["overdue_tickets"] == 2 and reduced["tickets_overdue_open"] == 1
+    assert reduced["KVLifeConnector"]["stores"] == 6
+    assert reduced["KVLifeConnector"]["stored_blocks"] == 10
+    _Metric.made.clear()
+    prom = type(scheduler.connector).build_prom_metrics(
+        scheduler.vllm_config,
+        {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},
+        ["engine", "model_name"],
+        {0: ["0", "m"]},
+    )
+    assert prom is not None
+    prom.observe(payload, engine_idx=0)
+    assert _Metric.made["vllm:kvlife_stores"].values == {("0", "m"): 3}
+    assert _Metric.made["vllm:kvlife_audit_overdue_tickets"].values == {("0", "m"): 1}
+
+
 def test_a_wrapped_connector_that_raises_has_it_written_before_it_goes_on(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
     scheduler = _scheduler(_play_config(raise_on="b", delay_free=False), path)

@@ -10,10 +10,15 @@ decode server, which reads the prompt's KV over NIXL and decodes.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.util
 import io
+import json
+import os
+import signal
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -305,3 +310,226 @@ def test_a_prefill_server_killed_before_the_read_is_told_on_the_decode_side(
     assert "still open at the end of its log (the blocks were never freed)" in text
     kinds = {(v.kind, v.rid) for v in both.violations}
     assert ("unreported", rid) in kinds  # the prefill side's log ended with its free open
+
+
+def test_a_client_that_disconnects_while_the_decode_side_reads(tmp_path: Path) -> None:
+    """The client closes its stream while the decode side's load is in flight (the prefill
+    server is stopped, SIGSTOP, so NIXL's handshake with it waits). Without kvlife: vLLM
+    aborts the decode request but holds its blocks until the worker reports the load,
+    which fails after NIXL's 5 s handshake timeout (an ERROR with a traceback in the
+    decode log), then frees them; nobody tells the prefill side, which holds its blocks
+    until NIXL's lease ends. The decode log tells the abort while the load was in flight,
+    the load overdue, then failed; the prefill log tells its free overdue; each log checks
+    clean (nothing leaked: vLLM did what the contract says), and the join tells both."""
+    model = make_model(tmp_path / "llama")
+    audit = {"audit_overdue_s": OVERDUE_S, "stats_interval_s": 0}
+    configs = {
+        name: transfer_config(tmp_path / f"{name}.jsonl", audit, {"kv_lease_duration": LEASE_S})
+        for name in ("prefill", "decode")
+    }
+    decode_log = tmp_path / "decode.jsonl"
+    with servers(model, tmp_path, configs) as running:
+        prefill, decode = running["prefill"], running["decode"]
+        common = {"model": str(model), "prompt": PROMPTS[2], "temperature": 0.0}
+        first = post(
+            f"{prefill.url}/v1/completions",
+            {**common, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        params = first["kv_transfer_params"]
+        os.killpg(prefill.process.pid, signal.SIGSTOP)  # NIXL's handshake waits on it
+        try:
+            body = {
+                **common,
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "stream": True,
+                "kv_transfer_params": params,
+            }
+            parts = urllib.parse.urlsplit(decode.url)
+            client = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+            try:
+                client.request(
+                    "POST",
+                    "/v1/completions",
+                    json.dumps(body),
+                    {"Content-Type": "application/json"},
+                )
+                (load,) = _until(
+                    lambda: [r for r in read_audit(decode_log).records if r.op is not None],
+                    30,
+                    "the decode side never began its load",
+                )
+                assert load.trigger == "start_offload" and load.detail["kind"] == "load"
+            finally:
+                client.close()  # the client goes away while the load is in flight
+            _until(
+                lambda: [r for r in read_audit(decode_log).records if r.trigger == "fail"],
+                60,
+                "the decode side's load never ended",
+            )
+        finally:
+            os.killpg(prefill.process.pid, signal.SIGCONT)
+        usage = _gauge(decode.url, "vllm:kv_cache_usage_perc")
+        prefill_log = tmp_path / "prefill.jsonl"
+        _until(  # NIXL's lease gives the prefill side's blocks back, unread
+            lambda: [r for r in read_audit(prefill_log).records if r.ok and r.trigger == "ack"],
+            LEASE_S + 60,
+            "the prefill side never freed",
+        )
+    assert usage == 0  # the aborted load's blocks came back on the decode side
+    rid = params["remote_request_id"]
+    said = (tmp_path / "decode.log").read_text(errors="replace")
+    assert "zmq.error.Again" in said  # NIXL's handshake with the stopped server timed out
+    prefill_said = (tmp_path / "prefill.log").read_text(errors="replace")
+    assert f"Releasing expired KV blocks for request {rid} which were retrieved by 0" in (
+        prefill_said
+    )
+    triggers = [r.trigger for r in read_audit(decode_log).records if r.rid == load.rid]
+    assert triggers == ["register", "start_offload", "abort", "ack", "fail"]  # ack: overdue
+    for path in _logs(tmp_path):
+        report = check_audit(AuditReader(path), expect_released=True)
+        assert report.ok and report.overdue == 1, (path.name, report.violations[:3])
+    both = check_audit(AuditReader(_logs(tmp_path)), expect_released=True)
+    assert both.ok
+    (handover,) = [h for h in both.handovers if h.rid == rid]
+    (read,) = handover.decode
+    assert read.ended_how == "abort" and read.closed_ok is False
+    assert read.ended is not None and read.closed is not None and read.ended < read.closed
+    text = _why(load.rid, tmp_path)
+    assert "abort: offloading -> finished_pending" in text and "OVERDUE copy 0" in text
+    assert "while the load was in flight" in text
+    assert text.index("while the load was in flight") < text.index("load failed")
+
+
+def test_a_proxy_that_reuses_a_request_id(tmp_path: Path) -> None:
+    """vLLM's proxy names both calls of a request with one ``X-Request-Id``. A proxy that
+    reuses one while the earlier request's blocks are held on the prefill side: with vLLM's
+    default, each engine request's id gets a random suffix, both prefills are held side by
+    side, both decode their own tokens and the join keeps the two hand-overs apart. With
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1`` vLLM's scheduler asserts ("duplicate
+    request id") before any connector call and the whole server exits; the wrapper never
+    sees the second request, its log names the first one's free still open."""
+    model = make_model(tmp_path / "llama")
+    configs = {
+        name: transfer_config(tmp_path / f"{name}.jsonl", {"stats_interval_s": 0})
+        for name in ("prefill", "plain")
+    }
+    plain = {"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}
+    prefill_only = {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    with servers(model, tmp_path, configs, {"plain": plain}) as running:
+        prefill, decode = running["prefill"].url, running["plain"].url
+        common = {"model": str(model), "temperature": 0.0}
+        held = [
+            post(f"{prefill}/v1/completions", {**common, "prompt": p, **prefill_only}, "proxy-7")
+            for p in PROMPTS[3:5]
+        ]
+        ids = [h["kv_transfer_params"]["remote_request_id"] for h in held]
+        assert ids[0] != ids[1] and all(i.startswith("cmpl-proxy-7-0-") for i in ids)
+        whole = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True}
+        own = [  # each prompt on the prefill server alone
+            _tokens(post(f"{prefill}/v1/completions", {**common, "prompt": p, **whole}))
+            for p in PROMPTS[3:5]
+        ]
+        decoded = {  # the later request read first, the earlier one after
+            i: _tokens(
+                post(
+                    f"{decode}/v1/completions",
+                    {**common, "prompt": PROMPTS[3 + i], **whole, "kv_transfer_params": params},
+                    "proxy-7",
+                )
+            )
+            for i, params in reversed(list(enumerate(h["kv_transfer_params"] for h in held)))
+        }
+        assert [decoded[0], decoded[1]] == own
+        # the same reuse where ids are kept as the proxy gave them: the server dies
+        post(
+            f"{decode}/v1/completions", {**common, "prompt": PROMPTS[5], **prefill_only}, "proxy-9"
+        )
+        with pytest.raises(urllib.error.HTTPError) as died:
+            post(
+                f"{decode}/v1/completions",
+                {**common, "prompt": PROMPTS[0], **prefill_only},
+                "proxy-9",
+            )
+        died.value.close()  # it holds the server's response and its socket
+        assert died.value.code == 500
+        running["plain"].process.wait(timeout=60)
+    said = (tmp_path / "plain.log").read_text(errors="replace")
+    assert "AssertionError: duplicate request id" in said
+    both = check_audit(AuditReader([tmp_path / "prefill.jsonl", tmp_path / "plain.jsonl"]))
+    reused = [h for h in both.handovers if h.rid in ids]
+    assert len(reused) == 2 and all(len(h.decode) == 1 for h in reused)
+    assert all(h.decode[0].closed_ok for h in reused)
+    (open_free,) = [h for h in both.handovers if h.rid == "cmpl-proxy-9-0"]
+    assert open_free.prefill is not None and open_free.prefill.closed is None
+    assert ("unreported", "cmpl-proxy-9-0") in {(v.kind, v.rid) for v in both.violations}
+    plain_log = read_audit(tmp_path / "plain.jsonl").records
+    assert [r.trigger for r in plain_log if r.rid == "cmpl-proxy-9-0"] == [
+        "register",
+        "start_offload",
+        "finish",
+    ]
+
+
+def test_kvlifes_host_cache_beside_nixl_on_the_decode_server(tmp_path: Path) -> None:
+    """The decode server runs ``MultiConnector`` of NIXL and kvlife's own connector (host
+    offload of the decode side's KV), the whole inside the audit wrapper. Prompts come
+    through the proxy (read over NIXL), then again straight to the decode server after its
+    prefix cache was reset: served from kvlife's host cache. The tokens equal the prefill
+    server's own; kvlife's log and the wrapper's logs check clean; the join still tells
+    every hand-over."""
+    model = make_model(tmp_path / "llama")
+    kvlife_log = tmp_path / "kvlife.jsonl"
+    kvlife = {
+        "kv_connector": "KVLifeConnector",
+        "kv_connector_module_path": "kvlife.offload.engines.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_pages": 24, "audit_log": str(kvlife_log)},
+    }
+    nixl = transfer_config(None)
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [nixl, kvlife]},
+    }
+    decode_config = {
+        "kv_connector": "KVLifeAuditConnectorHMA",
+        "kv_connector_module_path": "kvlife.offload.engines.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "audit_log": str(tmp_path / "decode.jsonl"),
+            "connector": multi,
+        },
+    }
+    configs = {"prefill": transfer_config(tmp_path / "prefill.jsonl"), "decode": decode_config}
+    dev = {"decode": {"VLLM_SERVER_DEV_MODE": "1"}}  # for /reset_prefix_cache
+    with servers(model, tmp_path, configs, dev) as running:
+        prefill, decode = running["prefill"].url, running["decode"].url
+        whole = {
+            "model": str(model),
+            "temperature": 0.0,
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        own = [_tokens(post(f"{prefill}/v1/completions", {**whole, "prompt": p})) for p in PROMPTS]
+        with ThreadPoolExecutor(3) as pool:
+            split = list(pool.map(lambda p: _disaggregated(model, prefill, decode, p), PROMPTS))
+        assert split == own
+        assert post(f"{decode}/reset_prefix_cache", {}) == {"success": True}
+        again = [_tokens(post(f"{decode}/v1/completions", {**whole, "prompt": p})) for p in PROMPTS]
+        assert again == own  # served from kvlife's host cache on the decode server
+    kinds = [
+        r.detail["kind"] for r in read_audit(kvlife_log).records if r.trigger == "start_offload"
+    ]
+    # each P/D request's prompt (read over NIXL) and decoded tokens: two whole blocks,
+    # stored to the host; each prompt again: both blocks loaded back
+    assert kinds == ["store"] * len(PROMPTS) + ["load"] * len(PROMPTS)
+    for name, lifecycles in (("prefill", 2), ("decode", 2), ("kvlife", 2)):
+        report = check_audit(AuditReader(tmp_path / f"{name}.jsonl"), expect_released=True)
+        assert report.ok and report.lifecycles == lifecycles * len(PROMPTS), report.violations
+    header = read_audit(tmp_path / "decode.jsonl").segments[0].header
+    assert header is not None and header.witness == "MultiConnector"
+    both = check_audit(AuditReader(_logs(tmp_path)), expect_released=True)
+    assert both.ok and len(both.handovers) == len(PROMPTS)
+    assert all(h.decode and h.decode[0].closed_ok for h in both.handovers)

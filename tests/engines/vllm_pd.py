@@ -27,11 +27,13 @@ from tests.engines.vllm_model import BLOCK
 from tests.engines.vllm_server import free_port, stop, wait_healthy
 
 
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST ``body`` as JSON; the reply's JSON."""
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def post(url: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+    """POST ``body`` as JSON (``request_id``: as the ``X-Request-Id`` header, which vLLM's
+    proxy sets); the reply's JSON."""
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=180) as response:
         return dict(json.loads(response.read()))
 
@@ -94,20 +96,25 @@ class Server:
 
 @contextlib.contextmanager
 def servers(
-    model: Path, directory: Path, configs: dict[str, dict[str, Any]]
+    model: Path,
+    directory: Path,
+    configs: dict[str, dict[str, Any]],
+    env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[dict[str, Server]]:
     """One server per entry of ``configs`` (name -> its ``--kv-transfer-config``), started
     together, their output in ``DIRECTORY/NAME.log``, the n-th on core ``n % 2`` with its
-    own NIXL side-channel port; stopped with SIGINT to their process groups (SIGKILL after
-    90 s). Yields each name's ``Server`` once every one answers ``/health``."""
+    own NIXL side-channel port (``env``: name -> more environment for that server);
+    stopped with SIGINT to their process groups (SIGKILL after 90 s). Yields each name's
+    ``Server`` once every one answers ``/health``."""
     started: list[tuple[subprocess.Popen[bytes], str, str, Path]] = []
     try:
         for n, (name, transfer) in enumerate(configs.items()):
             port = free_port()
-            env = {
+            environment = {
                 **os.environ,
                 "VLLM_CPU_OMP_THREADS_BIND": str(n % 2),
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                **(env or {}).get(name, {}),
             }
             log = directory / f"{name}.log"
             with log.open("w") as out:
@@ -115,7 +122,7 @@ def servers(
                     server_command(model, port, transfer),
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env=environment,
                     start_new_session=True,
                 )
             started.append((process, name, f"http://127.0.0.1:{port}", log))

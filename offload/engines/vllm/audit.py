@@ -259,6 +259,16 @@ class WrappedConnectorStats(KVConnectorStats):
             made.__dict__["_inner_stats"] = inner
         return made
 
+    def to_dict(self) -> dict[str, Any]:
+        """What vLLM sends from the engine core to the front end and hands the metrics:
+        the inner statistics as their own ``to_dict`` makes them (``MultiConnector``'s
+        are a dict of its children's, each made plain by its own class), never the
+        statistics objects themselves."""
+        inner = self._inner()
+        plain = {key: value for key, value in self.data.items() if key != "data"}
+        plain["data"] = None if inner is None else inner.to_dict()
+        return plain
+
     def reset(self) -> None:
         inner = self._inner()
         if inner is not None:
