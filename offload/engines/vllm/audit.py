@@ -793,14 +793,17 @@ class _Watch:
 
     def _stored(self, event: BlockStored) -> None:
         size, parent = event.block_size, event.parent_block_hash
+        # An event of hashes alone (no tokens, block size 0: what vLLM 0.33's
+        # OffloadingConnector publishes) says nothing of parents or tokens to check.
+        whole = bool(event.token_ids) and size > 0
         for i, key in enumerate(event.block_hashes):
-            digest = hash(tuple(event.token_ids[i * size : (i + 1) * size]))
+            digest = hash(tuple(event.token_ids[i * size : (i + 1) * size])) if whole else 0
             known = self.index.get(key)
             if known is None:
                 self._mismatch(None, "BlockStored", key, "unknown_hash")
-            elif known[1] != parent:
+            elif whole and known[1] != parent:
                 self._mismatch(known[0], "BlockStored", key, "parent")
-            elif known[2] != digest:
+            elif whole and known[2] != digest:
                 self._mismatch(known[0], "BlockStored", key, "tokens")
             else:
                 held = self.held

@@ -1,0 +1,904 @@
+"""``kvlife vllm exercise``: a conformance run of a vLLM KV connector, for the people who
+write connectors.
+
+Given a connector's ``kv_transfer_config`` (the JSON an operator passes to vLLM), the
+exercise builds vLLM's real ``Scheduler`` with that connector's real scheduler side inside
+kvlife's audit wrapper, runs the connector's worker side, and drives a seeded random
+workload through *families* of schedules that break connectors (ids reused while work is in
+flight, aborts wherever a request is, preemption, reports held back, shared prefixes, two
+workers reporting in different steps). Each run checks what vLLM needs of a connector:
+
+* no exception from vLLM or the connector (the exception and the innermost frame);
+* every request drained: vLLM's engine steps while it holds a request, and after the
+  workload the exercise steps until vLLM holds none (a delayed free never reported keeps
+  its request, for ever);
+* every device block back in vLLM's free pool at the end (a leak is a block count);
+* kvlife's audit log of the run checks clean, every lifecycle released (each verdict with
+  the rid it names and the ``kvlife audit why`` command that tells its story).
+
+The worker side (``worker`` in the report):
+
+* ``real``: the connector's own worker role, one instance per worker, on CPU KV caches,
+  called in the order vLLM's model runner calls it (``handle_preemptions``,
+  ``bind_connector_metadata``, ``start_load_kv``, ``wait_for_save``,
+  ``get_transfer_results``, ``get_block_ids_with_load_errors``,
+  ``build_connector_worker_meta``, ``clear_connector_metadata``); no forward pass runs, so
+  the per-layer calls (``wait_for_layer_load``, ``save_kv_layer``) are not made. Each
+  worker's output of a step reaches the scheduler after the family's delay, through
+  vLLM's own ``KVOutputAggregator``. kvlife's own connector and connectors written the same
+  way run like this.
+* ``played``: vLLM's ``OffloadingConnector`` and ``SimpleCPUOffloadConnector`` need a GPU
+  worker; their workers are played from the jobs their metadata orders (what their lens
+  reads), each completion reported by each worker after the family's delay (a job vLLM
+  waits for -- a flush, a synchronous load -- in its own step).
+* ``none``: vLLM's ``ExampleConnector`` reports nothing by request id and loads
+  synchronously; its worker (files on disk, per-layer calls) is not run.
+
+The model is facebook/opt-125m's config (no weights; only its shape matters to the
+scheduler), blocks of 16 tokens, one KV cache group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import random
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+BLOCK = 16
+LAYERS = ("layer.0", "layer.1")
+HEADS, HEAD_DIM = 2, 8
+#: steps after the workload for vLLM to drain (every report in, every request gone)
+DRAIN_STEPS = 400
+MODULE = "kvlife.offload.engines.vllm"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of schedule that breaks connectors: what the workload and the workers do."""
+
+    name: str
+    #: what the family does, for the report
+    what: str
+    #: request ids drawn from a pool of this many (reused as soon as vLLM lets go of
+    #: one); 0: every request a fresh id
+    pool: int = 0
+    #: per step, the chance that one request vLLM holds is aborted, wherever it is
+    abort: float = 0.0
+    #: device blocks (few: vLLM preempts running requests)
+    blocks: int = 96
+    #: each worker's reports of a step reach vLLM after this many steps (a range)
+    delay: tuple[int, int] = (0, 3)
+    #: the share of prompts that begin with a prefix other prompts share
+    prefix: float = 0.0
+    #: workers (tensor parallelism), each reporting in its own steps
+    workers: int = 1
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("basic", "fresh ids, each worker's reports after 0-3 steps"),
+        Family(
+            "reuse",
+            "ids from a pool of 3, added again as soon as vLLM lets go of one, while the "
+            "earlier request's copies may be in flight; reports after 0-8 steps",
+            pool=3,
+            delay=(0, 8),
+        ),
+        Family(
+            "abort",
+            "one request in five steps aborted wherever it is (waiting for a load, running "
+            "with stores in flight, finished with its free delayed)",
+            abort=0.2,
+        ),
+        Family("preempt", "a KV cache of 24 blocks: vLLM preempts running requests", blocks=24),
+        Family(
+            "hold",
+            "every report held back 4-20 steps, so that reports arrive out of order",
+            delay=(4, 20),
+        ),
+        Family(
+            "prefix",
+            "most prompts begin with a prefix of 4-40 tokens that other prompts share",
+            prefix=0.7,
+        ),
+        Family("tp2", "two workers, each reporting in steps of its own", workers=2),
+    )
+}
+
+
+class ExerciseConfigError(ValueError):
+    """The connector's config does not build (a bad JSON, an unknown connector, a setting
+    the connector refuses). Nothing ran."""
+
+
+@dataclass
+class RunResult:
+    """One seeded run of one family."""
+
+    family: str
+    seed: int
+    steps: int
+    #: the audit log of the run
+    log: str
+    #: vLLM's or the connector's exception, ``Type: message``, and where it was raised
+    raised: str | None = None
+    raised_at: str | None = None
+    #: requests vLLM still held after the drain
+    undrained: list[str] = field(default_factory=list)
+    #: device blocks not back in vLLM's free pool at the end
+    leaked_blocks: int = 0
+    #: the audit log's verdicts: kind -> the rids they name, in order
+    verdicts: dict[str, list[str]] = field(default_factory=dict)
+    #: a verdict's log when it is not ``log`` (kvlife's own connector keeps a log too)
+    verdict_logs: dict[str, str] = field(default_factory=dict)
+    #: what the run did: requests (lifecycles), copies the wrapper saw (stores, loads,
+    #: delayed frees), aborts, preemptions, ids registered again while their earlier
+    #: lifecycle was not released
+    lifecycles: int = 0
+    copies: int = 0
+    aborts: int = 0
+    preemptions: int = 0
+    reuses: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.raised or self.undrained or self.leaked_blocks or self.verdicts)
+
+    def describe(self) -> str:
+        """One line per failure of the run."""
+        lines = []
+        if self.raised:
+            lines.append(f"raised {self.raised} at {self.raised_at}")
+        if self.undrained:
+            lines.append(f"never drained: vLLM still holds {self.undrained}")
+        if self.leaked_blocks:
+            lines.append(f"{self.leaked_blocks} device block(s) never came back")
+        for kind, rids in self.verdicts.items():
+            where = self.verdict_logs.get(kind, self.log)
+            lines.append(f"verdict {kind} on {rids[0]!r}: {why_command(where, rids[0])}")
+        return "; ".join(lines) or "clean"
+
+
+def why_command(log: str, rid: str) -> str:
+    """The command that tells ``rid``'s story from ``log``."""
+    return f"kvlife audit why {log} --rid {rid}"
+
+
+# -- vLLM's scheduler with the connector under the wrapper ---------------------------------
+
+_MODEL_DIRS: list[tempfile.TemporaryDirectory[str]] = []
+
+
+def _model_dir() -> str:
+    """facebook/opt-125m's config (no weights), written once per process."""
+    if not _MODEL_DIRS:
+        from transformers import OPTConfig  # noqa: PLC0415
+
+        directory = tempfile.TemporaryDirectory(prefix="kvlife-exercise-")
+        OPTConfig().save_pretrained(directory.name)
+        _MODEL_DIRS.append(directory)
+    return _MODEL_DIRS[0].name
+
+
+def parse_config(text: str) -> dict[str, Any]:
+    """A ``kv_transfer_config`` from JSON text, or from a file when ``text`` starts with
+    ``@``.
+
+    Raises:
+        ExerciseConfigError: not JSON, not an object, or no ``kv_connector``.
+    """
+    try:
+        raw = Path(text[1:]).read_text() if text.startswith("@") else text
+        config = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise ExerciseConfigError(f"the connector's config is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict) or not isinstance(config.get("kv_connector"), str):
+        raise ExerciseConfigError(
+            "the connector's config must be a JSON object with a 'kv_connector' (the "
+            "--kv-transfer-config an operator passes to vLLM)"
+        )
+    return config
+
+
+def build_scheduler(
+    transfer: dict[str, Any], audit_log: Path, *, blocks: int = 96, workers: int = 1
+) -> Any:
+    """vLLM's ``Scheduler`` over ``blocks`` device blocks with the connector of
+    ``transfer`` inside ``KVLifeAuditConnector`` (or its HMA form, as the connector
+    needs), writing ``audit_log``; KV events on (published nowhere), so that the wrapper
+    checks the connector's.
+
+    Raises:
+        ExerciseConfigError: the connector does not build; the message says why.
+    """
+    import torch  # noqa: PLC0415
+    from vllm.config import (  # noqa: PLC0415
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
+        KVConnectorFactory,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma  # noqa: PLC0415
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
+    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
+
+    try:
+        role = transfer.get("kv_role", "kv_both")
+        inner = KVTransferConfig(**{"kv_role": role, **transfer})
+        hma = supports_hma(KVConnectorFactory.get_connector_class(inner))
+        wrapper = KVTransferConfig(
+            kv_connector="KVLifeAuditConnector" + ("HMA" if hma else ""),
+            kv_connector_module_path=MODULE,
+            kv_role=role,
+            kv_connector_extra_config={
+                "connector": transfer,
+                "audit_log": str(audit_log),
+                "stats_interval_s": 0,
+            },
+        )
+        model = ModelConfig(
+            model=_model_dir(),
+            skip_tokenizer_init=True,
+            dtype="float16",
+            seed=0,
+            max_model_len=1024,
+        )
+        vllm_config = VllmConfig(
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=512,
+                max_model_len=1024,
+                is_encoder_decoder=False,
+            ),
+            model_config=model,
+            cache_config=CacheConfig(
+                block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True
+            ),
+            kv_transfer_config=wrapper,
+            device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=workers),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        )
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
+        )
+        page = spec.page_size_bytes
+        kv_cache_config = KVCacheConfig(
+            num_blocks=blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=page * blocks, layers=[name], layer_stride=page * blocks, block_stride=page
+                )
+                for name in LAYERS
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        vllm_config.cache_config.num_gpu_blocks = blocks
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=BLOCK,
+        )
+    except Exception as exc:  # whatever vLLM or the connector raise on a bad config
+        raise ExerciseConfigError(
+            f"the connector does not build: {type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
+
+
+# -- the workers ------------------------------------------------------------------------
+
+
+class Workers(Protocol):
+    """The connector's worker side, as the exercise runs it."""
+
+    #: ``real``, ``played`` or ``none`` (see the module's text)
+    kind: str
+
+    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
+        """Run step ``n`` of scheduler output ``out`` on every worker; each worker's
+        ``KVConnectorOutput`` (or ``None``) due at this step, after ``delay()`` steps."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether a worker still owes vLLM a report."""
+        ...
+
+
+class _Held:
+    """Each worker's outputs, held until due; those due together merged in order."""
+
+    def __init__(self, workers: int) -> None:
+        self.queues: list[list[tuple[int, Any]]] = [[] for _ in range(workers)]
+
+    def put(self, rank: int, due: int, output: Any) -> None:
+        self.queues[rank].append((due, output))
+
+    def due(self, n: int) -> list[Any]:
+        released = []
+        for rank, queue in enumerate(self.queues):
+            now = [o for when, o in queue if when <= n]
+            self.queues[rank] = [(when, o) for when, o in queue if when > n]
+            released.append(_merged(now))
+        return released
+
+    def busy(self) -> bool:
+        return any(self.queues)
+
+
+def _merged(outputs: list[Any]) -> Any:
+    """One worker's outputs of several steps as one ``KVConnectorOutput`` (``None``: none)."""
+    if not outputs:
+        return None
+    first = dataclasses.replace(outputs[0])
+    for later in outputs[1:]:
+        first.finished_sending = (first.finished_sending or set()) | (
+            later.finished_sending or set()
+        )
+        first.finished_recving = (first.finished_recving or set()) | (
+            later.finished_recving or set()
+        )
+        first.invalid_block_ids = set(first.invalid_block_ids or ()) | set(
+            later.invalid_block_ids or ()
+        )
+        if hasattr(first, "failed_recving"):
+            first.failed_recving = set(first.failed_recving or ()) | set(later.failed_recving or ())
+        meta, other = first.kv_connector_worker_meta, later.kv_connector_worker_meta
+        if meta is None:
+            first.kv_connector_worker_meta = other
+        elif other is not None:
+            first.kv_connector_worker_meta = meta.aggregate(other)
+    first.finished_sending = first.finished_sending or None
+    first.finished_recving = first.finished_recving or None
+    return first
+
+
+class RealWorkers:
+    """The connector's own worker role, one instance per worker, on CPU KV caches."""
+
+    kind = "real"
+
+    def __init__(self, scheduler: Any, workers: int) -> None:
+        import torch  # noqa: PLC0415
+        from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
+            KVConnectorFactory,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+            KVConnectorRole,
+        )
+
+        from kvlife.offload.engines.vllm.audit import wrapped_config  # noqa: PLC0415
+
+        vllm_config = wrapped_config(scheduler.vllm_config)[1]
+        cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+        blocks = scheduler.kv_cache_config.num_blocks
+        self.ranks = []
+        for _ in range(workers):
+            worker = cls(vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+            shape = (2, blocks, BLOCK, HEADS, HEAD_DIM)
+            worker.register_kv_caches(
+                {name: torch.zeros(shape, dtype=torch.float16) for name in LAYERS}
+            )
+            self.ranks.append(worker)
+        self.held = _Held(workers)
+
+    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
+        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
+
+        meta = out.kv_connector_metadata
+        for rank, worker in enumerate(self.ranks):
+            worker.handle_preemptions(meta)
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(out.finished_req_ids)
+            output = KVConnectorOutput(
+                finished_sending=set(results.finished_sending or ()) or None,
+                finished_recving=set(results.finished_recving or ()) or None,
+                invalid_block_ids=set(worker.get_block_ids_with_load_errors() or ()),
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            )
+            failed = getattr(results, "failed_recving", None)
+            if failed:
+                output.failed_recving = set(failed)
+            worker.clear_connector_metadata()
+            self.held.put(rank, n + delay(), output)
+        return self.held.due(n)
+
+    def busy(self) -> bool:
+        return self.held.busy()
+
+
+class NoWorkers:
+    """A connector whose worker reports nothing by request id and loads synchronously."""
+
+    kind = "none"
+
+    def __init__(self, scheduler: Any, workers: int) -> None:
+        self.workers = workers
+
+    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
+        return [None] * self.workers
+
+    def busy(self) -> bool:
+        return False
+
+
+class _JobPlay:
+    """Workers played from the jobs a connector's metadata orders: each worker reports
+    each job after ``delay()`` steps (a job vLLM waits for in its own step); a load job
+    is also reported by its request ids once that worker finished it."""
+
+    kind = "played"
+
+    def __init__(self, scheduler: Any, workers: int) -> None:
+        self.workers = workers
+        self.pending: list[tuple[int, int, int, list[str]]] = []  # due, rank, job, rids
+
+    def orders(self, meta: Any) -> Iterable[tuple[int, list[str], bool]]:
+        """The jobs ``meta`` orders: (job, the request ids a load reports, now)."""
+        raise NotImplementedError
+
+    def worker_meta(self, completed: dict[int, int]) -> Any:
+        raise NotImplementedError
+
+    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
+        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
+
+        for job, rids, now in self.orders(out.kv_connector_metadata):
+            for rank in range(self.workers):
+                self.pending.append((n if now else n + delay(), rank, job, rids))
+        due = [p for p in self.pending if p[0] <= n]
+        self.pending = [p for p in self.pending if p[0] > n]
+        outputs: list[Any] = []
+        for rank in range(self.workers):
+            mine = [p for p in due if p[1] == rank]
+            if not mine:
+                outputs.append(None)
+                continue
+            completed: dict[int, int] = {}
+            recving: set[str] = set()
+            for _, _, job, rids in mine:
+                completed[job] = completed.get(job, 0) + 1
+                recving.update(rids)
+            outputs.append(
+                KVConnectorOutput(
+                    finished_recving=recving or None,
+                    kv_connector_worker_meta=self.worker_meta(completed),
+                )
+            )
+        return outputs
+
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+
+class OffloadingPlay(_JobPlay):
+    """vLLM's ``OffloadingConnector``: store and load jobs in its metadata, completed
+    through ``completed_jobs``; flushed jobs and synchronous loads in their own step."""
+
+    def orders(self, meta: Any) -> Iterable[tuple[int, list[str], bool]]:
+        now = set(meta.jobs_to_flush or ())
+        for job, transfer in meta.load_jobs.items():
+            sync = bool(getattr(transfer, "sync", False))
+            yield job, [] if sync else [transfer.req_id], sync or job in now
+        for job in meta.store_jobs:
+            yield job, [], job in now
+
+    def worker_meta(self, completed: dict[int, int]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: PLC0415
+            OffloadingWorkerMetadata,
+        )
+
+        return OffloadingWorkerMetadata(completed_jobs=completed)
+
+
+class SimpleCPUPlay(_JobPlay):
+    """vLLM's ``SimpleCPUOffloadConnector``: one store event and one load event a step at
+    most, completed through ``completed_store_events`` (stores) and by request id (loads);
+    when vLLM preempted (``need_flush``) every worker finishes everything in that step."""
+
+    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
+        if out.kv_connector_metadata.need_flush:
+            self.pending = [(n, rank, job, rids) for _, rank, job, rids in self.pending]
+        return super().step(out, n, delay)
+
+    def orders(self, meta: Any) -> Iterable[tuple[int, list[str], bool]]:
+        if meta.store_event >= 0:
+            yield meta.store_event, [], bool(meta.need_flush)
+        if meta.load_event >= 0:
+            rids = list(meta.load_event_to_reqs[meta.load_event])
+            yield -1 - meta.load_event, rids, bool(meta.need_flush)
+
+    def worker_meta(self, completed: dict[int, int]) -> Any:
+        from vllm.v1.simple_kv_offload.metadata import (  # noqa: PLC0415
+            SimpleCPUOffloadWorkerMetadata,
+        )
+
+        stores = {job: count for job, count in completed.items() if job >= 0}
+        return SimpleCPUOffloadWorkerMetadata(completed_store_events=stores) if stores else None
+
+
+PLAYED: dict[str, type[Any]] = {
+    "OffloadingConnector": OffloadingPlay,
+    "SimpleCPUOffloadConnector": SimpleCPUPlay,
+    "ExampleConnector": NoWorkers,
+}
+
+
+def workers_for(scheduler: Any, workers: int) -> Workers:
+    """How the connector's worker side runs: played for the connectors in ``PLAYED`` (by
+    the wrapped class's name), else its own worker role."""
+    wrapped = getattr(scheduler.connector, "wrapped", scheduler.connector)
+    play = PLAYED.get(type(wrapped).__name__)
+    made: Workers = (play or RealWorkers)(scheduler, workers)
+    return made
+
+
+# -- one run -----------------------------------------------------------------------------
+
+
+class _Workload:
+    """The family's requests: 0-2 arrivals a step, prompts of 20-90 tokens (one in four an
+    earlier prompt again, which a connector may load), 1-24 tokens decoded, ids fresh or
+    from the family's pool, and the family's aborts."""
+
+    def __init__(self, family: Family, rng: random.Random) -> None:
+        self.family, self.rng = family, rng
+        self.arrived = 0
+        self.seen: list[list[int]] = []  # every new prompt so far
+        self.prefix = [rng.randrange(3, 30_000) for _ in range(40)]
+        from vllm.utils.hashing import sha256  # noqa: PLC0415
+        from vllm.v1.core.kv_cache_utils import (  # noqa: PLC0415
+            get_request_block_hasher,
+            init_none_hash,
+        )
+
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def arrive(self, scheduler: Any) -> None:
+        from vllm import SamplingParams  # noqa: PLC0415
+        from vllm.v1.request import Request, RequestStatus  # noqa: PLC0415
+
+        family, rng = self.family, self.rng
+        for _ in range(rng.choice((0, 0, 1, 1, 2))):
+            if family.pool:  # an id vLLM let go of (vLLM asserts on one it holds)
+                free = [f"p{i}" for i in range(family.pool) if f"p{i}" not in scheduler.requests]
+                if not free:
+                    continue
+                rid = rng.choice(free)
+            else:
+                rid = f"r{self.arrived}"
+            self.arrived += 1
+            if self.seen and rng.random() < 0.25:  # a prompt again: a load, where cached
+                tokens = list(rng.choice(self.seen))
+            else:
+                length = rng.randint(20, 90)
+                head = self.prefix[: rng.randint(4, 40)] if rng.random() < family.prefix else []
+                tokens = head + [rng.randrange(3, 30_000) for _ in range(length - len(head))]
+                self.seen.append(tokens)
+            params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True)
+            scheduler.add_request(Request(rid, tokens, params, None, block_hasher=self.hasher))
+        if scheduler.requests and rng.random() < family.abort:
+            rid = rng.choice(sorted(scheduler.requests))
+            scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+
+def _model_output(out: Any, kv_output: Any) -> Any:
+    from vllm.v1.outputs import ModelRunnerOutput  # noqa: PLC0415
+
+    req_ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[[7] for _ in req_ids],
+        kv_connector_output=kv_output,
+    )
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of ``exc``'s traceback, its path from the package down."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    frame = frames[-1]
+    path = frame.filename
+    if "site-packages/" in path:
+        path = path.split("site-packages/", 1)[1]
+    else:
+        with contextlib.suppress(ValueError):
+            path = str(Path(path).relative_to(Path.cwd()))
+    return f"{path}:{frame.lineno} in {frame.name}"
+
+
+def run_one(
+    transfer: dict[str, Any], family: Family, seed: int, steps: int, directory: Path
+) -> RunResult:
+    """One seeded run of ``family``: ``steps`` steps of workload, then the drain; the
+    audit log is ``DIRECTORY/FAMILY-SEED.jsonl``.
+
+    Raises:
+        ExerciseConfigError: the connector does not build.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: PLC0415
+        KVOutputAggregator,
+    )
+
+    from kvlife.fsm import AuditReader, check_audit  # noqa: PLC0415
+
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / f"{family.name}-{seed}.jsonl"
+    own = directory / f"{family.name}-{seed}.kvlife.jsonl"
+    for path in (log, own):
+        path.unlink(missing_ok=True)
+    result = RunResult(family.name, seed, steps, str(log))
+    if transfer["kv_connector"] == "KVLifeConnector":  # kvlife's own keeps its own log too
+        extra = {**transfer.get("kv_connector_extra_config", {}), "audit_log": str(own)}
+        transfer = {**transfer, "kv_connector_extra_config": extra}
+    scheduler = build_scheduler(transfer, log, blocks=family.blocks, workers=family.workers)
+    rng = random.Random(seed)
+    workload = _Workload(family, rng)
+    try:
+        workers = workers_for(scheduler, family.workers)
+        aggregator = KVOutputAggregator.from_connector(scheduler.connector, family.workers)
+
+        def delay() -> int:
+            return rng.randint(*family.delay)
+
+        def step(n: int, arrivals: bool) -> None:
+            if arrivals:
+                workload.arrive(scheduler)
+            out = scheduler.schedule()
+            result.preemptions += len(out.preempted_req_ids or ())
+            outputs = workers.step(out, n, delay)
+            ranks = [_model_output(out, o) for o in outputs]
+            scheduler.update_from_output(out, aggregator.aggregate(ranks))
+
+        for n in range(steps):
+            step(n, arrivals=True)
+        for n in range(steps, steps + DRAIN_STEPS):
+            if not scheduler.has_requests() and not workers.busy():
+                break
+            step(n, arrivals=False)
+        else:
+            result.undrained = sorted(scheduler.requests)
+        pool = scheduler.kv_cache_manager.block_pool
+        result.leaked_blocks = max(0, family.blocks - 1 - pool.get_num_free_blocks())
+    except Exception as exc:  # vLLM's or the connector's: what the run found
+        result.raised = f"{type(exc).__name__}: {_first_line(exc)}"
+        result.raised_at = _where(exc)
+    finally:
+        with contextlib.suppress(Exception):
+            scheduler.shutdown()
+    clean_end = result.raised is None and not result.undrained
+    report = check_audit(AuditReader(log), expect_released=clean_end)
+    result.lifecycles = report.lifecycles
+    result.aborts = report.transitions.get("abort", 0)
+    checks = [(log, report)]
+    if own.exists():
+        checks.append((own, check_audit(AuditReader(own), expect_released=clean_end)))
+    for where, checked in checks:
+        for violation in checked.violations:
+            rids = result.verdicts.setdefault(violation.kind, [])
+            rids.append(str(violation.rid))
+            if len(rids) == 1 and where != log:
+                result.verdict_logs[violation.kind] = str(where)
+        result.copies += checked.transitions.get("start_offload", 0)
+        result.reuses += checked.reused_while_unreleased
+    return result
+
+
+# -- many runs, the report ----------------------------------------------------------------
+
+
+@dataclass
+class FamilyReport:
+    """A family's runs, summed up: each kind of failure with how often and one seed that
+    reproduces it."""
+
+    family: str
+    what: str
+    runs: int = 0
+    failed: int = 0
+    #: what the runs did, summed (see [`RunResult`][kvlife.offload.engines.vllm.exercise.RunResult])
+    lifecycles: int = 0
+    copies: int = 0
+    aborts: int = 0
+    preemptions: int = 0
+    reuses: int = 0
+    #: ``Type: message at where`` -> (runs, the first seed)
+    raises: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: (runs, the first seed, its blocks) of leaked device blocks
+    leaks: tuple[int, int, int] | None = None
+    #: (runs, the first seed, its rids) of requests never drained
+    undrained: tuple[int, int, list[str]] | None = None
+    #: kind -> (runs, the first seed, an rid it names, the why command)
+    verdicts: dict[str, tuple[int, int, str, str]] = field(default_factory=dict)
+
+    def add(self, run: RunResult) -> None:
+        self.runs += 1
+        self.lifecycles += run.lifecycles
+        self.copies += run.copies
+        self.aborts += run.aborts
+        self.preemptions += run.preemptions
+        self.reuses += run.reuses
+        if not run.failed:
+            return
+        self.failed += 1
+        if run.raised:
+            key = f"{run.raised} at {run.raised_at}"
+            count, seed = self.raises.get(key, (0, run.seed))
+            self.raises[key] = (count + 1, seed)
+        if run.leaked_blocks:
+            count, seed, blocks = self.leaks or (0, run.seed, run.leaked_blocks)
+            self.leaks = (count + 1, seed, blocks)
+        if run.undrained:
+            count, seed, rids = self.undrained or (0, run.seed, run.undrained)
+            self.undrained = (count + 1, seed, rids)
+        for kind, rids in run.verdicts.items():
+            where = run.verdict_logs.get(kind, run.log)
+            count, seed, rid, why = self.verdicts.get(
+                kind, (0, run.seed, rids[0], why_command(where, rids[0]))
+            )
+            self.verdicts[kind] = (count + 1, seed, rid, why)
+
+    def lines(self) -> list[str]:
+        lines = [
+            f"{self.family}: {self.runs} runs, {self.failed} failed ({self.what})",
+            f"  did: {self.lifecycles} requests, {self.copies} copies, {self.aborts} aborts, "
+            f"{self.preemptions} preemptions, {self.reuses} ids reused while in flight",
+        ]
+        for text, (count, seed) in self.raises.items():
+            lines.append(f"  raised in {count} run(s), first seed {seed}: {text}")
+        if self.leaks:
+            count, seed, blocks = self.leaks
+            lines.append(
+                f"  leaked device blocks in {count} run(s), seed {seed}: {blocks} block(s)"
+            )
+        if self.undrained:
+            count, seed, rids = self.undrained
+            lines.append(f"  never drained in {count} run(s), seed {seed}: vLLM held {rids}")
+        for kind, (count, seed, rid, why) in self.verdicts.items():
+            lines.append(f"  verdict {kind} in {count} run(s), seed {seed}, rid {rid!r}: {why}")
+        return lines
+
+
+def exercise(
+    transfer: dict[str, Any],
+    families: Sequence[str],
+    seeds: Sequence[int],
+    steps: int,
+    directory: Path,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[list[FamilyReport], list[RunResult]]:
+    """Every family over every seed; the reports, and every run. Each run's audit log
+    stays in ``directory`` (a clean run's is removed).
+
+    Raises:
+        ExerciseConfigError: the connector does not build, or a family is unknown.
+    """
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ExerciseConfigError(f"unknown families {unknown}: choose from {sorted(FAMILIES)}")
+    directory.mkdir(parents=True, exist_ok=True)
+    build_scheduler(transfer, directory / "build-check.jsonl").shutdown()  # builds at all?
+    (directory / "build-check.jsonl").unlink(missing_ok=True)
+    reports, runs = [], []
+    for name in families:
+        family = FAMILIES[name]
+        report = FamilyReport(name, family.what)
+        for i, seed in enumerate(seeds):
+            run = run_one(transfer, family, seed, steps, directory)
+            report.add(run)
+            runs.append(run)
+            if not run.failed:
+                Path(run.log).unlink(missing_ok=True)
+                Path(run.log).with_suffix(".kvlife.jsonl").unlink(missing_ok=True)
+            if progress is not None:
+                progress(name, i + 1, len(seeds))
+        reports.append(report)
+    return reports, runs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvlife vllm exercise CONFIG [--families ...] [--seeds N] [--seed S] [--steps N]
+    [--out DIR] [--json]``: exit 0 when every run is clean, 1 when one failed, 2 for a
+    config that does not build (one line)."""
+    parser = argparse.ArgumentParser(
+        prog="kvlife vllm exercise",
+        description="Drive a vLLM KV connector through the schedules that break connectors, "
+        "inside vLLM's real scheduler, and check vLLM's invariants and kvlife's audit log.",
+    )
+    parser.add_argument(
+        "config", help="the connector's kv_transfer_config as JSON, or @FILE holding it"
+    )
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated, of {', '.join(FAMILIES)} (default: all)",
+    )
+    parser.add_argument("--seeds", type=int, default=20, help="runs per family (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--steps", type=int, default=120, help="workload steps a run (default 120)")
+    parser.add_argument("--out", default="kvlife-exercise", help="where failing runs' logs stay")
+    parser.add_argument("--json", action="store_true", help="the reports and runs as JSON")
+    args = parser.parse_args(argv)
+    if args.seeds < 1 or args.steps < 1:
+        print("kvlife vllm exercise: --seeds and --steps must be at least 1", file=sys.stderr)
+        return 2
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+
+    def progress(family: str, done: int, total: int) -> None:
+        print(f"\r{family}: {done}/{total} runs", end="", file=sys.stderr, flush=True)
+        if done == total:
+            print(file=sys.stderr)
+
+    try:
+        transfer = parse_config(args.config)
+        reports, runs = exercise(
+            transfer,
+            families,
+            range(args.seed, args.seed + args.seeds),
+            args.steps,
+            Path(args.out),
+            progress,
+        )
+    except ExerciseConfigError as exc:
+        print(f"kvlife vllm exercise: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        body = {
+            "connector": transfer.get("kv_connector"),
+            "families": [dataclasses.asdict(r) for r in reports],
+            "runs": [dataclasses.asdict(r) | {"failed": r.failed} for r in runs],
+        }
+        print(json.dumps(body, indent=1))
+    else:
+        print(f"kvlife vllm exercise: {transfer['kv_connector']}, {args.steps} steps a run")
+        for report in reports:
+            print("\n".join(report.lines()))
+    return 1 if any(r.failed for r in runs) else 0
+
+
+__all__ = [
+    "FAMILIES",
+    "ExerciseConfigError",
+    "Family",
+    "FamilyReport",
+    "RunResult",
+    "build_scheduler",
+    "exercise",
+    "main",
+    "parse_config",
+    "run_one",
+    "why_command",
+]
