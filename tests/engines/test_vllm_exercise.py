@@ -1,0 +1,159 @@
+"""``kvlife vllm exercise`` (``kvlife.offload.engines.vllm.exercise``) and its pytest entry
+point (``kvlife.offload.engines.vllm.testing``), in vLLM's environments (``make
+test-vllm``, ``make test-vllm-cpu``): kvlife's own connector and a correct connector
+written for the tests pass every family; each connector with a planted lifecycle bug
+(``tests/engines/vllm_planted.py``) fails the family that should catch it, and passes the
+basic one unless that is its family; vLLM's ``OffloadingConnector`` fails ``reuse`` as it
+fails in the field, and passes the families with fresh ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
+
+from kvlife.diagrams.cli import main
+from kvlife.offload.engines.vllm.exercise import (
+    FAMILIES,
+    ExerciseConfigError,
+    exercise,
+    parse_config,
+    run_one,
+)
+from kvlife.offload.engines.vllm.testing import (
+    ConnectorFailure,
+    check_connector,
+    exercise_cases,
+)
+from tests.engines.vllm_planted import CAUGHT_BY, config
+
+KVLIFE = {
+    "kv_connector": "KVLifeConnector",
+    "kv_connector_module_path": "kvlife.offload.engines.vllm",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"host_pages": 32},
+}
+OFFLOADING = {
+    "kv_connector": "OffloadingConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20},
+}
+STEPS = 80
+SEEDS = range(8)
+
+
+@pytest.mark.parametrize(("family", "seed"), exercise_cases(seeds=range(3)))
+def test_kvlifes_own_connector_passes_every_family(family: str, seed: int, tmp_path: Path) -> None:
+    run = check_connector(KVLIFE, family, seed, steps=STEPS, directory=tmp_path)
+    assert run.lifecycles > 0 and run.copies > 0  # it stored (and loaded) for real
+
+
+@pytest.mark.parametrize(("family", "seed"), exercise_cases(seeds=range(3)))
+def test_a_correct_connector_passes_every_family(family: str, seed: int, tmp_path: Path) -> None:
+    run = check_connector(config("Planted"), family, seed, steps=STEPS, directory=tmp_path)
+    assert run.copies > 0  # delayed frees and loads, each a ticket of the wrapper
+
+
+def test_the_families_do_what_they_say(tmp_path: Path) -> None:
+    """Over a few seeds each family's runs did its thing (kvlife's own connector, whose
+    stores may still be in flight when vLLM lets go of a request): ids reused while in
+    flight, aborts, preemptions; and a run is the same run again with the same seed."""
+    reports, _ = exercise(KVLIFE, list(FAMILIES), range(3), STEPS, tmp_path)
+    did = {r.family: r for r in reports}
+    assert did["reuse"].reuses > 0
+    assert did["abort"].aborts > 0 and did["basic"].aborts == 0
+    assert did["preempt"].preemptions > 0 and did["basic"].preemptions == 0
+    again = [run_one(config("Planted"), FAMILIES["abort"], 1, STEPS, tmp_path) for _ in "ab"]
+    assert again[0] == again[1]
+
+
+@pytest.mark.parametrize("planted", sorted(CAUGHT_BY))
+def test_each_planted_bug_is_caught_by_its_family(planted: str, tmp_path: Path) -> None:
+    family = CAUGHT_BY[planted]
+    failures = []
+    for seed in SEEDS:
+        try:
+            check_connector(config(planted), family, seed, steps=STEPS, directory=tmp_path)
+        except ConnectorFailure as failure:
+            failures.append((seed, str(failure)))
+    assert failures, f"{family} never caught {planted} in seeds {list(SEEDS)}"
+    seed, said = failures[0]
+    print(f"{planted}: caught by {family} in {len(failures)}/{len(SEEDS)} seeds, first {seed}")
+    print(said)
+    assert f"--families {family} --seed {seed}" in said  # the case again, from the shell
+    if family != "basic":  # the bug is the family's: the basic family does not see it
+        for seed in range(3):
+            check_connector(config(planted), "basic", seed, steps=STEPS, directory=tmp_path)
+
+
+def test_what_each_planted_bug_looks_like(tmp_path: Path) -> None:
+    """What each family reports for its planted bug: vLLM's own exception where vLLM
+    raises, the requests vLLM never drained and the verdicts of kvlife's log."""
+    seen = {}
+    for planted, family in CAUGHT_BY.items():
+        runs = [run_one(config(planted), FAMILIES[family], s, STEPS, tmp_path) for s in SEEDS]
+        failed = [r for r in runs if r.failed]
+        seen[planted] = failed[0]
+        print(f"{planted} / {family}: {len(failed)} of {len(runs)}: {failed[0].describe()}")
+    assert "unreported" in seen["InheritsState"].verdicts and seen["InheritsState"].undrained
+    assert "stray_report" in seen["RepeatsReport"].verdicts
+    assert "stray_report" in seen["ReportsAborted"].verdicts
+    assert "unreported" in seen["ForgetsPreempted"].verdicts
+    assert seen["ForgetsPreempted"].undrained
+    assert seen["LoadForAnother"].undrained or seen["LoadForAnother"].raised
+    assert "event_mismatch" in seen["WrongTokens"].verdicts
+
+
+def test_vllms_offloading_connector_fails_reuse_and_passes_fresh_ids(tmp_path: Path) -> None:
+    reports, _ = exercise(OFFLOADING, ["basic", "reuse", "abort"], range(4), STEPS, tmp_path)
+    basic, reuse, abort = reports
+    assert basic.failed == abort.failed == 0 and basic.copies > 0
+    assert reuse.failed == reuse.runs
+    assert any(where.startswith("KeyError at vllm/") for where in reuse.raises)
+    assert {"inherited_state", "credited_elsewhere"} & set(reuse.verdicts)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["vllm", "exercise", *argv])
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_the_command_exits_0_clean_1_failed_2_for_a_config_that_does_not_build(
+    tmp_path: Path,
+) -> None:
+    common = ["--seeds", "2", "--steps", "40", "--out", str(tmp_path)]
+    status, out, _ = _cli(json.dumps(config("Planted")), "--families", "basic,tp2", *common)
+    assert status == 0 and "basic: 2 runs, 0 failed" in out and "tp2: 2 runs, 0 failed" in out
+    status, out, _ = _cli(json.dumps(config("RepeatsReport")), "--families", "basic", *common)
+    assert status == 1 and "verdict stray_report" in out and "kvlife audit why" in out
+    (tmp_path / "c.json").write_text(json.dumps(config("RepeatsReport")))
+    status, out, _ = _cli(f"@{tmp_path / 'c.json'}", "--families", "basic", "--json", *common)
+    body = json.loads(out)
+    assert status == 1 and body["connector"] == "RepeatsReport"
+    assert all(run["failed"] for run in body["runs"]) and len(body["runs"]) == 2
+    for bad, said in (
+        ('{"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}', "does not build"),
+        ("not json", "not readable JSON"),
+        ('{"kv_role": "kv_both"}', "'kv_connector'"),
+    ):
+        status, out, err = _cli(bad, *common)
+        assert status == 2 and out == "" and said in err and len(err.strip().splitlines()) == 1
+    status, _, err = _cli(json.dumps(config("Planted")), "--families", "nope", *common)
+    assert status == 2 and "unknown families ['nope']" in err
+
+
+def test_bad_config_text_raises_a_typed_error() -> None:
+    with pytest.raises(ExerciseConfigError, match="JSON object"):
+        parse_config("[1, 2]")
+    with pytest.raises(ExerciseConfigError, match="not readable"):
+        parse_config("@/no/such/file.json")
+    with pytest.raises(ValueError, match="unknown families"):
+        exercise_cases(["basic", "sometimes"])
