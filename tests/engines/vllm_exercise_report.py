@@ -1,7 +1,8 @@
 """The field report of ``kvlife vllm exercise`` (``make exercise-report``): every connector
-installed in the vLLM test environment this runs in, every family, the same seeds;
-writes this vLLM version's section of ``docs/exercise-report.md`` (the other version's
-section is kept) and keeps the failing runs' logs under ``build/exercise/vllm-VERSION/``.
+installed in the vLLM test environment this runs in (in LMCache's environment, LMCache's
+connector against a real ``lmcache server`` it starts), every family, the same seeds;
+writes this environment's section of ``docs/exercise-report.md`` (the others' sections are
+kept) and keeps the failing runs' logs under ``build/exercise/``.
 
     python -m tests.engines.vllm_exercise_report [--seeds 20] [--steps 120]
 """
@@ -9,6 +10,7 @@ section is kept) and keeps the failing runs' logs under ``build/exercise/vllm-VE
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 import time
@@ -105,16 +107,21 @@ def _details(name: str, report: FamilyReport) -> list[str]:
     return lines
 
 
-def section(seeds: int, steps: int) -> str:
-    """This vLLM version's section of the report."""
+def section(seeds: int, steps: int, connectors: list[tuple[str, dict[str, Any]]]) -> str:
+    """This environment's section of the report: vLLM's version (and LMCache's, where it
+    is installed: then its connector alone, against a server this starts)."""
     import vllm  # noqa: PLC0415
 
     version = vllm.__version__
+    if any(config["kv_connector"] == "LMCacheMPConnector" for _, config in connectors):
+        from importlib.metadata import version as installed  # noqa: PLC0415
+
+        version += f", lmcache {installed('lmcache')}"
     rows, details = [], []
     spent: dict[str, float] = dict.fromkeys(FAMILIES, 0.0)
-    for name, config in CONNECTORS:
+    for name, config in connectors:
         slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-        out = Path(f"build/exercise/vllm-{version}") / slug
+        out = Path("build/exercise") / re.sub(r"[^a-z0-9.]+", "-", f"vllm {version}") / slug
         exercise(config, ["basic"], [seeds], 10, out)  # imports and first builds, not timed
         cells = []
         for family in FAMILIES:
@@ -126,7 +133,7 @@ def section(seeds: int, steps: int) -> str:
             print(f"{name} {family}: {_cell(report)}", file=sys.stderr)
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     per_100 = ", ".join(
-        f"{family} {spent[family] / (seeds * len(CONNECTORS)) * 100:.1f} s" for family in FAMILIES
+        f"{family} {spent[family] / (seeds * len(connectors)) * 100:.1f} s" for family in FAMILIES
     )
     command = f"kvlife vllm exercise CONFIG --seeds {seeds} --steps {steps}"
     lines = [
@@ -150,7 +157,7 @@ def section(seeds: int, steps: int) -> str:
 def write(text: str) -> None:
     """Put ``text`` (one version's section) into the report, replacing that version's
     section if it is there."""
-    version = re.search(r"exercise-report: vllm (\S+) -->", text)
+    version = re.search(r"exercise-report: vllm (.+?) -->", text)
     assert version is not None
     old = REPORT.read_text() if REPORT.exists() else ""
     pattern = re.compile(
@@ -170,7 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=120)
     args = parser.parse_args(argv)
-    text = section(args.seeds, args.steps)
+    if importlib.util.find_spec("lmcache") is None:
+        text = section(args.seeds, args.steps, CONNECTORS)
+    else:  # LMCache's environment: its connector, against a real server started here
+        from tests.engines.lmcache_server import lmcache_config, lmcache_server  # noqa: PLC0415
+
+        logs = Path("build/exercise")
+        logs.mkdir(parents=True, exist_ok=True)
+        with lmcache_server(logs / "lmcache-server.log") as server:
+            name = "LMCache `LMCacheMPConnector`, real server"
+            text = section(args.seeds, args.steps, [(name, lmcache_config(server))])
     write(text)
     print(text)
     return 0

@@ -33,6 +33,10 @@ The worker side (``worker`` in the report):
   waits for -- a flush, a synchronous load -- in its own step).
 * ``none``: vLLM's ``ExampleConnector`` reports nothing by request id and loads
   synchronously; its worker (files on disk, per-layer calls) is not run.
+* LMCache's ``LMCacheMPConnector``: its real worker, paced against the ``lmcache server``
+  the config names (see [`exercise_lmcache`][kvlife.offload.engines.vllm.exercise_lmcache]).
+
+Request ids carry the family and the seed (``reuse3-p1``), so that no two runs share one.
 
 The model is facebook/opt-125m's config (no weights; only its shape matters to the
 scheduler), blocks of 16 tokens, one KV cache group.
@@ -212,7 +216,12 @@ def parse_config(text: str) -> dict[str, Any]:
 
 
 def build_scheduler(
-    transfer: dict[str, Any], audit_log: Path, *, blocks: int = 96, workers: int = 1
+    transfer: dict[str, Any],
+    audit_log: Path,
+    *,
+    blocks: int = 96,
+    workers: int = 1,
+    layout: str | None = None,
 ) -> Any:
     """vLLM's ``Scheduler`` over ``blocks`` device blocks with the connector of
     ``transfer`` inside ``KVLifeAuditConnector`` (or its HMA form, as the connector
@@ -298,6 +307,8 @@ def build_scheduler(
             kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
         )
         vllm_config.cache_config.num_gpu_blocks = blocks
+        if layout is not None:
+            vllm_config.cache_config.kv_cache_layout = layout
         return Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -386,6 +397,9 @@ class RealWorkers:
     """The connector's own worker role, one instance per worker, on CPU KV caches."""
 
     kind = "real"
+    #: the KV cache layout vLLM must resolve before the connector is built (``None``:
+    #: vLLM's default)
+    kv_cache_layout: str | None = None
 
     def __init__(self, scheduler: Any, workers: int) -> None:
         import torch  # noqa: PLC0415
@@ -420,6 +434,7 @@ class RealWorkers:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             worker.wait_for_save()
+            self.saved(worker)
             results = worker.get_transfer_results(out.finished_req_ids)
             output = KVConnectorOutput(
                 finished_sending=set(results.finished_sending or ()) or None,
@@ -434,6 +449,15 @@ class RealWorkers:
             self.held.put(rank, n + delay(), output)
         return self.held.due(n)
 
+    def saved(self, worker: Any) -> None:
+        """After ``wait_for_save``: where a connector's copies run on, wait for them."""
+
+    def close(self) -> None:
+        """Shut every worker down (its threads, its connections), as vLLM does at exit."""
+        for worker in self.ranks:
+            with contextlib.suppress(Exception):
+                worker.shutdown()
+
     def busy(self) -> bool:
         return self.held.busy()
 
@@ -442,6 +466,7 @@ class NoWorkers:
     """A connector whose worker reports nothing by request id and loads synchronously."""
 
     kind = "none"
+    kv_cache_layout: str | None = None
 
     def __init__(self, scheduler: Any, workers: int) -> None:
         self.workers = workers
@@ -459,6 +484,7 @@ class _JobPlay:
     is also reported by its request ids once that worker finished it."""
 
     kind = "played"
+    kv_cache_layout: str | None = None
 
     def __init__(self, scheduler: Any, workers: int) -> None:
         self.workers = workers
@@ -555,13 +581,15 @@ PLAYED: dict[str, type[Any]] = {
 }
 
 
-def workers_for(scheduler: Any, workers: int) -> Workers:
-    """How the connector's worker side runs: played for the connectors in ``PLAYED`` (by
-    the wrapped class's name), else its own worker role."""
-    wrapped = getattr(scheduler.connector, "wrapped", scheduler.connector)
-    play = PLAYED.get(type(wrapped).__name__)
-    made: Workers = (play or RealWorkers)(scheduler, workers)
-    return made
+def workers_class(connector: str) -> type[Any]:
+    """How the worker side of the connector named ``connector`` (its ``kv_connector``)
+    runs: played for the connectors in ``PLAYED``, LMCache's with its pacing
+    (``kvlife.offload.engines.vllm.exercise_lmcache``), else its own worker role."""
+    if connector == "LMCacheMPConnector":
+        from kvlife.offload.engines.vllm.exercise_lmcache import LMCacheWorkers  # noqa: PLC0415
+
+        return LMCacheWorkers
+    return PLAYED.get(connector, RealWorkers)
 
 
 # -- one run -----------------------------------------------------------------------------
@@ -572,8 +600,8 @@ class _Workload:
     earlier prompt again, which a connector may load), 1-24 tokens decoded, ids fresh or
     from the family's pool, and the family's aborts."""
 
-    def __init__(self, family: Family, rng: random.Random) -> None:
-        self.family, self.rng = family, rng
+    def __init__(self, family: Family, rng: random.Random, tag: str = "") -> None:
+        self.family, self.rng, self.tag = family, rng, tag
         self.arrived = 0
         self.seen: list[list[int]] = []  # every new prompt so far
         self.prefix = [rng.randrange(3, 30_000) for _ in range(40)]
@@ -593,12 +621,13 @@ class _Workload:
         family, rng = self.family, self.rng
         for _ in range(rng.choice((0, 0, 1, 1, 2))):
             if family.pool:  # an id vLLM let go of (vLLM asserts on one it holds)
-                free = [f"p{i}" for i in range(family.pool) if f"p{i}" not in scheduler.requests]
+                pool = [f"{self.tag}p{i}" for i in range(family.pool)]
+                free = [rid for rid in pool if rid not in scheduler.requests]
                 if not free:
                     continue
                 rid = rng.choice(free)
             else:
-                rid = f"r{self.arrived}"
+                rid = f"{self.tag}r{self.arrived}"
             self.arrived += 1
             if self.seen and rng.random() < 0.25:  # a prompt again: a load, where cached
                 tokens = list(rng.choice(self.seen))
@@ -665,11 +694,15 @@ def run_one(
     if transfer["kv_connector"] == "KVLifeConnector":  # kvlife's own keeps its own log too
         extra = {**transfer.get("kv_connector_extra_config", {}), "audit_log": str(own)}
         transfer = {**transfer, "kv_connector_extra_config": extra}
-    scheduler = build_scheduler(transfer, log, blocks=family.blocks, workers=family.workers)
+    made = workers_class(transfer["kv_connector"])
+    scheduler = build_scheduler(
+        transfer, log, blocks=family.blocks, workers=family.workers, layout=made.kv_cache_layout
+    )
     rng = random.Random(seed)
-    workload = _Workload(family, rng)
+    workload = _Workload(family, rng, f"{family.name}{seed}-")
+    workers: Workers | None = None
     try:
-        workers = workers_for(scheduler, family.workers)
+        workers = made(scheduler, family.workers)
         aggregator = KVOutputAggregator.from_connector(scheduler.connector, family.workers)
 
         def delay() -> int:
@@ -699,6 +732,9 @@ def run_one(
         result.raised = f"{type(exc).__name__}: {_first_line(exc)}"
         result.raised_at = _where(exc)
     finally:
+        close = getattr(workers, "close", None)
+        if close is not None:
+            close()
         with contextlib.suppress(Exception):
             scheduler.shutdown()
     clean_end = result.raised is None and not result.undrained
@@ -812,7 +848,8 @@ def exercise(
     if unknown:
         raise ExerciseConfigError(f"unknown families {unknown}: choose from {sorted(FAMILIES)}")
     directory.mkdir(parents=True, exist_ok=True)
-    build_scheduler(transfer, directory / "build-check.jsonl").shutdown()  # builds at all?
+    layout = workers_class(transfer["kv_connector"]).kv_cache_layout
+    build_scheduler(transfer, directory / "build-check.jsonl", layout=layout).shutdown()
     (directory / "build-check.jsonl").unlink(missing_ok=True)
     reports, runs = [], []
     for name in families:
