@@ -10,7 +10,6 @@ transfer jobs named in ``completed`` as done.
 from __future__ import annotations
 
 import os
-import tempfile
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -19,7 +18,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else configs fail validati
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import OPTConfig
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -50,6 +48,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvlife.offload.engines.vllm import KVLifeConnector
+from kvlife.offload.engines.vllm.exercise import model_dir, per_layer_kv_cache_config
 
 BLOCK = 16
 #: The token every scheduled request samples.
@@ -57,19 +56,6 @@ TOKEN = 7
 
 init_none_hash(sha256)
 _HASHER = get_request_block_hasher(BLOCK, sha256)
-
-
-_MODEL_DIRS: list[tempfile.TemporaryDirectory[str]] = []  # one per process, removed at exit
-
-
-def _model_dir() -> str:
-    """facebook/opt-125m's config (transformers' OPTConfig defaults), no weights: written
-    once per process into a directory that is removed when the process exits."""
-    if not _MODEL_DIRS:
-        directory = tempfile.TemporaryDirectory(prefix="kvlife-opt-")
-        OPTConfig().save_pretrained(directory.name)
-        _MODEL_DIRS.append(directory)
-    return _MODEL_DIRS[0].name
 
 
 def make_scheduler(
@@ -89,7 +75,7 @@ def make_scheduler(
     ``layout``: the KV cache layout vLLM resolved (a ``KVCacheLayout`` name, e.g.
     ``"LBNHC"``), set before the connector is built."""
     model_config = ModelConfig(
-        model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
+        model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
     )
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(
@@ -117,16 +103,7 @@ def make_scheduler(
         else None,
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=12, head_size=64, dtype=torch.float16)
-    page = spec.page_size_bytes
-    kv_cache_config = KVCacheConfig(
-        num_blocks=blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * blocks, layers=["layer"], layer_stride=page * blocks, block_stride=page
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
+    groups: list[tuple[list[str], Any]] = [(["layer"], spec)]
     if window is not None:
         swa = SlidingWindowSpec(
             block_size=BLOCK,
@@ -138,17 +115,8 @@ def make_scheduler(
         full = FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
         )
-        page = full.page_size_bytes
-        kv_cache_config = KVCacheConfig(
-            num_blocks=blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=page * blocks, layers=[name], layer_stride=page * blocks, block_stride=page
-                )
-                for name in ("swa", "full")
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], full)],
-        )
+        groups = [(["swa"], swa), (["full"], full)]
+    kv_cache_config = per_layer_kv_cache_config(blocks, groups)
     vllm_config.cache_config.num_gpu_blocks = blocks
     if layout is not None:
         vllm_config.cache_config.kv_cache_layout = layout

@@ -184,15 +184,39 @@ def why_command(log: str, rid: str) -> str:
 _MODEL_DIRS: list[tempfile.TemporaryDirectory[str]] = []
 
 
-def _model_dir() -> str:
-    """facebook/opt-125m's config (no weights), written once per process."""
+def model_dir() -> str:
+    """facebook/opt-125m's config (transformers' ``OPTConfig`` defaults), no weights:
+    written once per process into a directory that is removed when the process exits."""
     if not _MODEL_DIRS:
         from transformers import OPTConfig  # noqa: PLC0415
 
-        directory = tempfile.TemporaryDirectory(prefix="kvlife-exercise-")
+        directory = tempfile.TemporaryDirectory(prefix="kvlife-opt-")
         OPTConfig().save_pretrained(directory.name)
         _MODEL_DIRS.append(directory)
     return _MODEL_DIRS[0].name
+
+
+def per_layer_kv_cache_config(blocks: int, groups: Sequence[tuple[Sequence[str], Any]]) -> Any:
+    """vLLM's ``KVCacheConfig`` for ``blocks`` blocks: one tensor per layer, one KV cache
+    group per ``(layers, spec)`` of ``groups`` (every spec of one page size)."""
+    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    page = groups[0][1].page_size_bytes
+    return KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * blocks, layers=[name], layer_stride=page * blocks, block_stride=page
+            )
+            for layers, _ in groups
+            for name in layers
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for layers, spec in groups],
+    )
 
 
 def parse_config(text: str) -> dict[str, Any]:
@@ -247,12 +271,7 @@ def build_scheduler(
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma  # noqa: PLC0415
     from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
-    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: PLC0415
     from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
 
     try:
@@ -270,7 +289,7 @@ def build_scheduler(
             },
         )
         model = ModelConfig(
-            model=_model_dir(),
+            model=model_dir(),
             skip_tokenizer_init=True,
             dtype="float16",
             seed=0,
@@ -295,17 +314,7 @@ def build_scheduler(
         spec = FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
         )
-        page = spec.page_size_bytes
-        kv_cache_config = KVCacheConfig(
-            num_blocks=blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=page * blocks, layers=[name], layer_stride=page * blocks, block_stride=page
-                )
-                for name in LAYERS
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-        )
+        kv_cache_config = per_layer_kv_cache_config(blocks, [(LAYERS, spec)])
         vllm_config.cache_config.num_gpu_blocks = blocks
         if layout is not None:
             vllm_config.cache_config.kv_cache_layout = layout
@@ -942,7 +951,9 @@ __all__ = [
     "build_scheduler",
     "exercise",
     "main",
+    "model_dir",
     "parse_config",
+    "per_layer_kv_cache_config",
     "run_one",
     "why_command",
 ]
