@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -34,8 +35,10 @@ from weakref import WeakKeyDictionary
 
 from transitions import Machine
 
+from kvlife.fsm.against import TreeError, load_tree
 from kvlife.fsm.audit import AuditRecord, JsonLinesSink, LoggingSink, MemorySink
-from kvlife.fsm.audit.records import DetailValue
+from kvlife.fsm.audit.records import DetailValue, encode_lines
+from kvlife.fsm.audit.sinks import WRITE_CHUNK
 from kvlife.fsm.cli_args import BenchParser, positive_ints
 from kvlife.fsm.registry import LifecycleRegistry
 from kvlife.fsm.table import LIFECYCLE, State, Trigger, reference_model
@@ -130,6 +133,27 @@ def run_kvlife(registry: LifecycleRegistry, reqs: Sequence[BenchRequest]) -> Non
         for _ in range(COPIES):
             complete(start(req))
         finish(req)
+
+
+STEP = 48
+"""Requests per scheduler step in the batched runs (``make bench-vllm``'s concurrency)."""
+
+
+def run_kvlife_batched(registry: LifecycleRegistry, reqs: Sequence[BenchRequest]) -> None:
+    """The same lifecycles as ``run_kvlife``, as an engine step hands them over: the
+    requests of a step registered one by one, then each round of copies as one batch of
+    ``start_offload`` and one of ``ack`` (``LifecycleRegistry.apply``), then one batch of
+    ``finish``."""
+    register, apply = registry.register, registry.apply
+    start, ack, finish = Trigger.START_OFFLOAD, Trigger.ACK, Trigger.FINISH
+    for first in range(0, len(reqs), STEP):
+        step = list(reqs[first : first + STEP])
+        for req in step:
+            register(req)
+        for _ in range(COPIES):
+            tickets = apply([(start, step)])
+            apply([(ack, tickets)])
+        apply([(finish, step)])
 
 
 def run_rid_keyed(book: RidKeyedBookkeeping, reqs: Sequence[BenchRequest]) -> None:
@@ -231,16 +255,42 @@ def _metrics_registry() -> LifecycleRegistry | None:
     return registry
 
 
+def _against_setups(
+    against: Any, reqs: Sequence[BenchRequest], tmp: Path
+) -> tuple[dict[str, Callable[[], None]], list[Any]]:
+    """The single-call setups of another kvlife tree (``--against``): its registry and
+    sinks, driven by the same calls; returns them and the sinks to close."""
+    audit = against.audit
+    sink = audit.JsonLinesSink(tmp / "against.jsonl", fsync="never")
+    registries = {
+        "before: kvlife, no audit": against.LifecycleRegistry(),
+        "before: kvlife + memory ring": against.LifecycleRegistry(
+            sinks=[audit.MemorySink(capacity=1 << 16)]
+        ),
+        "before: kvlife + JSON lines (fsync never)": against.LifecycleRegistry(sinks=[sink]),
+    }
+    return {
+        name: functools.partial(run_kvlife, registry, reqs) for name, registry in registries.items()
+    }, [sink]
+
+
 def measure(
-    rounds: int = 15, batch: int = 2000, slow_batch: int = 100, keep_files: bool = False
+    rounds: int = 15,
+    batch: int = 2000,
+    slow_batch: int = 100,
+    keep_files: bool = False,
+    against: Any = None,
 ) -> list[Row]:
-    """Run every setup ``rounds`` times interleaved; return a row per setup."""
+    """Run every setup ``rounds`` times interleaved; return a row per setup. ``against``:
+    another kvlife tree's ``fsm`` package (see ``kvlife.fsm.against``), whose single-call
+    setups run in the same rounds (rows named ``before: ...``)."""
     reqs = _requests(batch)
     mreqs = [MachineRequest(f"req-{i}") for i in range(slow_batch)]
     spec = _transitions_spec()
     tmp = Path(tempfile.mkdtemp(prefix="kvlife-bench-"))
     sink_never = JsonLinesSink(tmp / "never.jsonl", fsync="never")
     sink_batch = JsonLinesSink(tmp / "batch.jsonl", fsync="batch")
+    sink_batched = JsonLinesSink(tmp / "batched.jsonl", fsync="never")
     registries = {
         "kvlife, no audit": LifecycleRegistry(),
         "kvlife + memory ring": LifecycleRegistry(sinks=[MemorySink(capacity=1 << 16)]),
@@ -251,11 +301,24 @@ def measure(
     metrics = _metrics_registry()
     if metrics is not None:
         registries["kvlife + Prometheus metrics"] = metrics
+    batched = {
+        "batched, no audit": LifecycleRegistry(),
+        "batched + memory ring": LifecycleRegistry(sinks=[MemorySink(capacity=1 << 16)]),
+        "batched + JSON lines (fsync never)": LifecycleRegistry(sinks=[sink_batched]),
+    }
     setups: dict[str, tuple[Callable[[], None], int]] = {
         "rid-keyed dicts (baseline)": (lambda: run_rid_keyed(RidKeyedBookkeeping(), reqs), batch),
     }
     for name, registry in registries.items():
         setups[name] = (functools.partial(run_kvlife, registry, reqs), batch)
+    for name, registry in batched.items():
+        setups[name] = (functools.partial(run_kvlife_batched, registry, reqs), batch)
+    closing: list[Any] = [sink_never, sink_batch, sink_batched]
+    if against is not None:
+        old, old_sinks = _against_setups(against, reqs, tmp)
+        closing += old_sinks
+        for name, fn in old.items():
+            setups[name] = (fn, batch)
     setups["transitions static machine"] = (
         lambda: run_static_machine(reqs[:slow_batch]),
         slow_batch,
@@ -273,7 +336,7 @@ def measure(
             t0 = time.perf_counter_ns()
             fn()
             samples[name].append((time.perf_counter_ns() - t0) / n / 1000)
-    for sink in (sink_never, sink_batch):
+    for sink in closing:
         sink.close()
         if not keep_files:
             (sink.path).unlink()
@@ -532,6 +595,85 @@ def measure_limits(rounds: int = 15, n: int = 200_000) -> dict[str, float]:
     }
 
 
+def measure_audit_floor(rounds: int = 9, chunk: int = WRITE_CHUNK) -> dict[str, float]:
+    """The least each part of an audit record's way to a JSON-lines file costs, in ns per
+    record, each net of the loop around it: ``build`` (an ``AuditRecord`` of 12 fields),
+    ``hand-over`` (one sink call per record: a ``list.append``; in a batch of ``STEP``
+    records: one ``list.extend``), ``encode`` (msgspec's ``encode_lines`` of ``chunk``
+    records, as the sink encodes a buffer) and ``write`` (one ``os.write`` of those bytes
+    to a file in a temporary directory)."""
+    detail: dict[str, DetailValue] = {}
+    records = [
+        AuditRecord(i, i, f"req-{i}", i, "ack", "offloading", "allocated", True, None, i, 0, detail)
+        for i in range(chunk)
+    ]
+    step = records[:STEP]
+    sink: list[AuditRecord] = []
+    append, extend = sink.append, sink.extend
+
+    def loop(n: int) -> None:
+        for _ in range(n):
+            pass
+
+    def build(n: int) -> None:
+        for i in range(n):
+            AuditRecord(i, i, "r", i, "ack", "offloading", "allocated", True, None, i, 0, detail)
+
+    def single(n: int) -> None:
+        record = records[0]
+        for _ in range(n):
+            append(record)
+        sink.clear()
+
+    def batched(n: int) -> None:
+        for _ in range(n // STEP):
+            extend(step)
+        sink.clear()
+
+    n = 48_000
+    figures = {
+        "build": _net_ns(build, loop, rounds, n),
+        "hand-over, one call a record": _net_ns(single, loop, rounds, n),
+        "hand-over, a batch of 48": _net_ns(batched, loop, rounds, n // STEP),
+    }
+    encoded = encode_lines(records)
+    encode_ns, write_ns = [], []
+    with tempfile.TemporaryDirectory(prefix="kvlife-bench-") as tmp:
+        fd = os.open(Path(tmp) / "floor.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for _ in range(rounds * 8):
+                t0 = time.perf_counter_ns()
+                encode_lines(records)
+                t1 = time.perf_counter_ns()
+                os.write(fd, encoded)
+                t2 = time.perf_counter_ns()
+                encode_ns.append((t1 - t0) / chunk)
+                write_ns.append((t2 - t1) / chunk)
+        finally:
+            os.close(fd)
+    figures[f"encode, {chunk} a call"] = statistics.median(encode_ns)
+    figures[f"write, {chunk} a write"] = statistics.median(write_ns)
+    return figures
+
+
+def _floor_lines(rows: Sequence[Row], floor: dict[str, float]) -> list[str]:
+    """Each part of a JSON-lines record's floor, and what kvlife pays per record."""
+    by_name = {r.name: r for r in rows}
+    parts = ", ".join(f"{name} {ns:.0f}" for name, ns in floor.items())
+    lines = [f"an audit record's floor on its way to a JSON-lines file, ns: {parts}"]
+    clock = floor.get("clock read")
+    for single, bare in (
+        ("kvlife + JSON lines (fsync never)", "kvlife, no audit"),
+        ("batched + JSON lines (fsync never)", "batched, no audit"),
+    ):
+        if single in by_name and bare in by_name:
+            paid = (by_name[single].median_us - by_name[bare].median_us) * 1000 / RECORDS
+            lines.append(f"  {single}: kvlife pays {paid:.0f} ns a record over {bare}")
+    if clock is not None:
+        lines.append(f"  (a clock read, {clock:.0f} ns, once per record on single calls)")
+    return lines
+
+
 def measure_memory(live: int = 10_000) -> dict[str, float]:
     """Bytes retained per live lifecycle (request objects and rids excluded)."""
     reqs = _requests(live)
@@ -558,6 +700,9 @@ RATIO_TARGETS: dict[str, float] = {
     "kvlife, no audit": 0.50,
     "kvlife + memory ring": 0.80,
     "kvlife + JSON lines (fsync never)": 1.20,
+    "batched, no audit": 0.50,
+    "batched + memory ring": 0.80,
+    "batched + JSON lines (fsync never)": 1.20,
 }
 """Targets printed next to the figures (ratio to rid-keyed, at most)."""
 MEMORY_TARGETS: dict[str, float] = {
@@ -615,14 +760,16 @@ def _limits_lines(rows: Sequence[Row], kv: Row, limits: dict[str, float]) -> lis
         f"{limits['clock read']:.0f} + record build {limits['record build']:.0f} + ring "
         f"append {limits['ring append']:.0f} = {floor + call:.0f} ns"
     )
+    by_name = {r.name: r for r in rows}
     for r in rows:
         limit = RATIO_TARGETS.get(r.name)
-        if limit is None or r.name == kv.name:
+        bare = by_name.get("batched, no audit" if r.name.startswith("batched") else kv.name)
+        if limit is None or bare is None or r.name == bare.name:
             continue
-        budget = (limit * base - kv.median_us) * 1000 / RECORDS
-        spent = (r.median_us - kv.median_us) * 1000 / RECORDS
+        budget = (limit * base - bare.median_us) * 1000 / RECORDS
+        spent = (r.median_us - bare.median_us) * 1000 / RECORDS
         lines.append(
-            f"  {r.name}: the target leaves {budget:.0f} ns per record over no audit; "
+            f"  {r.name}: the target leaves {budget:.0f} ns per record over {bare.name}; "
             f"spent {spent:.0f} ns"
         )
     return lines
@@ -633,6 +780,7 @@ def format_table(
     memory: dict[int, dict[str, float]],
     limits: dict[str, float] | None = None,
     flat: dict[str, tuple[float, float]] | None = None,
+    floor: dict[str, float] | None = None,
 ) -> str:
     """The benchmark's printed table, with each target and whether it was met."""
     width = max(len(r.name) for r in rows)
@@ -665,8 +813,22 @@ def format_table(
     for r in rows:
         if r.name.startswith("transitions"):
             lines.append(f"kvlife is {r.median_us / kv.median_us:.0f}x faster than {r.name}")
+    by_name = {r.name: r for r in rows}
+    for r in rows:
+        if r.name.startswith("before: "):
+            now = by_name.get(r.name.removeprefix("before: "))
+            if now is not None:
+                lines.append(
+                    f"{now.name}: before {r.median_us:.2f} us ({r.ratio:.2f} x rid-keyed), now "
+                    f"{now.median_us:.2f} us ({now.ratio:.2f}): now / before "
+                    f"{now.median_us / r.median_us:.2f}"
+                )
     if limits:
         lines += _limits_lines(rows, kv, limits)
+    if floor:
+        lines += _floor_lines(
+            rows, floor | ({"clock read": limits["clock read"]} if limits else {})
+        )
     if flat:
         lines.append(f"costs that must not grow (big case / small case, target <= {FLAT_TARGET}):")
         for name, (small, big) in flat.items():
@@ -698,6 +860,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="live lifecycles for the memory figures (default 100000,1000000)",
     )
     parser.add_argument(
+        "--against",
+        metavar="DIR",
+        help="another kvlife source tree (fsm/, offload/, diagrams/: a checkout or a git "
+        "archive of another commit), whose single-call setups run in the same rounds",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="exit 1 when a target is missed (without it the figures are printed only)",
@@ -706,11 +874,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.batch < 1:
         parser.error("--rounds and --batch must be positive")
     print(f"measuring {args.rounds} rounds of {args.batch} lifecycles ...", file=sys.stderr)
-    rows = measure(rounds=args.rounds, batch=args.batch, slow_batch=min(100, args.batch))
+    against = None
+    if args.against is not None:
+        try:
+            against = load_tree(args.against)
+        except TreeError as exc:
+            parser.error(str(exc))
+    rows = measure(
+        rounds=args.rounds, batch=args.batch, slow_batch=min(100, args.batch), against=against
+    )
     print("measuring memory and flat costs ...", file=sys.stderr)
     memory = {live: measure_memory(live) for live in args.memory_live}
     flat = measure_flat_costs(rounds=max(3, min(args.rounds, 9)))
-    table = format_table(rows, memory, measure_limits(rounds=args.rounds), flat)
+    floor = measure_audit_floor(rounds=max(3, min(args.rounds, 9)))
+    table = format_table(rows, memory, measure_limits(rounds=args.rounds), flat, floor)
     print(table)
     print(
         "noise: how much a ratio moved between the interleaved rounds on this machine; a "

@@ -4,9 +4,11 @@ timing belongs in the benchmark's output, not in tests)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
+from kvlife.fsm import LifecycleRegistry, MemorySink
 from kvlife.fsm.bench import (
     RECORDS,
     RidKeyedBookkeeping,
@@ -16,6 +18,7 @@ from kvlife.fsm.bench import (
     main,
     measure_limits,
     measure_memory,
+    run_kvlife_batched,
     run_rid_keyed,
 )
 
@@ -41,8 +44,42 @@ def test_bench_prints_every_setup(capsys: pytest.CaptureFixture[str]) -> None:
         "costs that must not grow",
         "<= 0.50",
         "noise: how much a ratio moved",
+        "batched, no audit",
+        "batched + memory ring",
+        "batched + JSON lines (fsync never)",
+        "batched + memory ring: the target leaves",
+        "an audit record's floor on its way to a JSON-lines file",
+        "encode, 256 a call",
+        "write, 256 a write",
     ):
         assert name in out
+
+
+def test_bench_runs_another_tree_beside_this_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """--against: this source tree loaded a second time as the "before" tree."""
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--rounds", "1", "--batch", "20", "--memory-live", "500", "--against", str(root)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "before: kvlife + memory ring" in out
+    assert re.search(r"kvlife, no audit: before [\d.]+ us .* now / before [\d.]+", out), out
+
+
+def test_bench_refuses_a_directory_that_is_no_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--rounds", "1", "--against", str(tmp_path)])
+    assert info.value.code == 2
+    assert "not a kvlife source tree" in capsys.readouterr().err
+
+
+def test_the_batched_run_leaves_nothing_live() -> None:
+    registry = LifecycleRegistry(sinks=[MemorySink()])
+    run_kvlife_batched(registry, _requests(100))
+    stats = registry.statistics()
+    assert len(registry) == 0 and stats.released == 100
+    assert stats.records == 100 * RECORDS
 
 
 def test_a_missed_target_fails_the_run_only_with_check(
@@ -121,4 +158,4 @@ def test_limits_lines_do_the_arithmetic() -> None:
     assert "= 200 ns" in text  # 50 + 60 + 80 + 10
     # 0.80 x 10 us - 6 us = 2 us over RECORDS records; spent (9 - 6) us over RECORDS
     budget, spent = 2000 / RECORDS, 3000 / RECORDS
-    assert f"leaves {budget:.0f} ns per record over no audit; spent {spent:.0f} ns" in text
+    assert f"leaves {budget:.0f} ns per record over kvlife, no audit; spent {spent:.0f} ns" in text

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import note, settings
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -43,6 +43,7 @@ from kvlife.fsm import (
     WrongThreadError,
     check_audit,
 )
+from kvlife.fsm.audit import AuditRecord
 from kvlife.fsm.errors import REASONS
 from tests.strategies import RIDS, EqByRid, Req, Slotted, Unhashable, request_kinds
 
@@ -1074,3 +1075,233 @@ def test_a_recorded_protocol_violation_changes_nothing_but_the_log() -> None:
     with pytest.raises(TypeError):
         registry.record_violation("stray_report", Trigger.ACK, "x", rid="a", bad=[1])  # type: ignore[arg-type]
     assert len(sink) == written and registry.statistics().refusals["stray_report"] == 1
+
+
+# ---------------------------------------------------------------------- batches (apply)
+
+_BATCH_KINDS = ("start", "ack", "fail", "finish", "abort", "register")
+
+
+def _run_ops(
+    plan: list[tuple[str, int]], cuts: list[int], batched: bool, sink: Any
+) -> tuple[LifecycleRegistry, list[Any]]:
+    """Run ``plan`` (kind, index) on a fresh registry with ``sink``, in segments that end
+    at each of ``cuts`` and around each register: a segment's ops as single calls, or
+    (``batched``) as one ``apply``. A completion picks among the tickets of the segments
+    before its own, so both runs pick the same. Returns the registry and what each op gave
+    (result or error: type, reason, serial, op)."""
+    registry = LifecycleRegistry(sinks=[sink])
+    reqs = [Req(f"r{i % 3}") for i in range(6)]  # three rids, two objects each
+    visible: list[Ticket] = []
+    outcomes: list[Any] = []
+
+    def shape(result: Any) -> Any:
+        if isinstance(result, LifecycleError):
+            return (type(result).__name__, result.reason, result.serial, result.op)
+        if type(result) is Ticket:
+            return ("ticket", result.op, result.serial)
+        return ("lifecycle", result.serial, result.state.value)
+
+    def single(op: tuple[Any, ...]) -> Any:
+        trigger, target, *detail = op
+        extra = detail[0] if detail else {}
+        try:
+            if trigger is Trigger.START_OFFLOAD:
+                return registry.start_offload(target, **extra)
+            if trigger in (Trigger.ACK, Trigger.FAIL):
+                return registry.complete(target, trigger is Trigger.ACK, **extra)
+            if trigger is Trigger.FINISH:
+                return registry.finish(target, **extra)
+            return registry.abort(target, **extra)
+        except LifecycleError as exc:
+            return exc
+
+    segments: list[list[tuple[str, int]]] = [[]]
+    for position, (kind, index) in enumerate(plan):
+        if position in cuts or kind == "register":
+            segments.append([])
+        segments[-1].append((kind, index))
+        if kind == "register":
+            segments.append([])
+    triggers = {"start": Trigger.START_OFFLOAD, "finish": Trigger.FINISH, "abort": Trigger.ABORT}
+    for segment in segments:
+        if segment and segment[0][0] == "register":
+            try:
+                outcomes.append(shape(registry.register(reqs[segment[0][1] % len(reqs)])))
+            except LifecycleError as exc:
+                outcomes.append(shape(exc))
+            continue
+        ops: list[tuple[Any, ...]] = []
+        for kind, index in segment:
+            if kind in ("ack", "fail"):
+                if visible:
+                    trigger = Trigger.ACK if kind == "ack" else Trigger.FAIL
+                    ops.append((trigger, visible[index % len(visible)], {"n": index}))
+            else:
+                ops.append((triggers[kind], reqs[index % len(reqs)]))
+        results = registry.apply(_groups(ops)) if batched else [single(op) for op in ops]
+        visible += [r for r in results if type(r) is Ticket]
+        outcomes += [shape(r) for r in results]
+    return registry, outcomes
+
+
+def _groups(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Consecutive ops of one trigger as one group of a batch (details per target)."""
+    groups: list[tuple[Any, list[Any], list[Any]]] = []
+    for trigger, target, *detail in ops:
+        if not groups or groups[-1][0] is not trigger:
+            groups.append((trigger, [], []))
+        groups[-1][1].append(target)
+        groups[-1][2].append(detail[0] if detail else None)
+    return groups  # type: ignore[return-value]
+
+
+def _record_fields(records: list[AuditRecord]) -> list[tuple[Any, ...]]:
+    return [
+        (r.seq, r.rid, r.serial, r.trigger, r.src, r.dst, r.ok, r.reason, r.op, r.inflight,
+         r.detail)
+        for r in records
+    ]  # fmt: skip
+
+
+_PLANS = st.lists(
+    st.tuples(st.sampled_from(_BATCH_KINDS), st.integers(0, 11)), min_size=1, max_size=60
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plan=_PLANS, cuts=st.lists(st.integers(0, 60), max_size=12))
+def test_a_batch_gives_what_the_same_single_calls_give(
+    plan: list[tuple[str, int]], cuts: list[int]
+) -> None:
+    one, one_out = _run_ops(plan, cuts, batched=False, sink=MemorySink())
+    many, many_out = _run_ops(plan, cuts, batched=True, sink=MemorySink())
+    assert many_out == one_out
+    assert dict(many.refusals) == dict(one.refusals)
+    a, b = one.statistics(), many.statistics()
+    assert (a.live, a.registered, a.released, a.transitions, a.inflight, a.records) == (
+        b.live, b.registered, b.released, b.transitions, b.inflight, b.records,
+    )  # fmt: skip
+    assert _record_fields(many.sinks[0].records()) == _record_fields(one.sinks[0].records())
+
+
+def test_a_batch_of_completions_and_orders_in_one_call() -> None:
+    """Stores, their acks and the finishes of several requests in one call each, with
+    one refusal in the middle: the ops after it still run; one t_ns per batch."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    reqs = [Req(f"r{i}") for i in range(3)]
+    for req in reqs:
+        registry.register(req)
+    tickets = registry.apply([(Trigger.START_OFFLOAD, reqs, [{"kind": "store"}] * 3)])
+    assert [type(t) for t in tickets] == [Ticket] * 3
+    first = tickets[0]
+    assert isinstance(first, Ticket)
+    results = registry.apply([(Trigger.ACK, [first, first]), (Trigger.FINISH, reqs)])
+    assert isinstance(results[1], DuplicateAckError)
+    assert results[0] is results[2]  # the lifecycle, read after the batch: released
+    assert [r.state if type(r) is Lifecycle else None for r in results] == [R, None, R, F, F]
+    records = sink.records()
+    assert records[3].detail == {"kind": "store"}
+    assert len({r.t_ns for r in records[3:6]}) == 1  # one clock read per batch
+    assert [r.seq for r in records] == list(range(len(records)))
+    assert registry.refusals["duplicate_ack"] == 1
+
+
+@pytest.mark.parametrize(
+    ("op", "match"),
+    [
+        ((Trigger.ACK, ["not a ticket"]), "needs Tickets"),
+        ((Trigger.START_OFFLOAD,), r"\(trigger, targets"),
+        ((Trigger.START_OFFLOAD, iter([])), "list or tuple"),
+        (("start_offload", []), "trigger must be"),
+        ((Trigger.START_OFFLOAD, [None], [{"x": [1]}]), "not a scalar"),
+        ((Trigger.START_OFFLOAD, [None], [["x"]]), "dict or None"),
+        ((Trigger.START_OFFLOAD, [None], []), "one entry per target"),
+    ],
+)
+def test_a_bad_group_changes_nothing_of_the_batch(op: tuple[Any, ...], match: str) -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    registry.register(req)
+    before = snapshot(registry)
+    with pytest.raises(TypeError, match=match):
+        registry.apply([(Trigger.START_OFFLOAD, [req]), op])
+    assert snapshot(registry) == before
+    assert len(sink) == 1  # the registration only
+
+
+def test_a_batch_from_another_thread_changes_nothing() -> None:
+    registry = LifecycleRegistry()
+    req = Req("a")
+    registry.register(req)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            registry.apply([(Trigger.START_OFFLOAD, [req])])
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert isinstance(errors[0], WrongThreadError)
+    assert registry.lifecycle(req).state is State.ALLOCATED
+
+
+def test_a_raising_hook_in_a_batch_is_raised_after_the_whole_batch() -> None:
+    registry = LifecycleRegistry(sinks=[MemorySink()])
+    reqs = [Req("a"), Req("b")]
+    for req in reqs:
+        registry.register(req)
+    seen: list[str] = []
+
+    @registry.on_release
+    def hook(lc: Lifecycle, req: Any) -> None:
+        seen.append(lc.rid)
+        raise RuntimeError(f"hook for {lc.rid}")
+
+    with pytest.raises(RuntimeError, match="hook for a"):
+        registry.apply([(Trigger.FINISH, reqs)])
+    assert seen == ["a", "b"]
+    assert len(registry) == 0
+    assert [r.trigger for r in registry.sinks[0].records()][-2:] == ["finish", "finish"]
+
+
+class _Flaky:
+    """A sink that refuses every write (and write_many) while ``failing``."""
+
+    def __init__(self) -> None:
+        self.records: list[AuditRecord] = []
+        self.failing = False
+
+    def write(self, record: AuditRecord) -> None:
+        if self.failing:
+            raise OSError("disk full")
+        self.records.append(record)
+
+    def write_many(self, records: list[AuditRecord]) -> None:
+        if self.failing:
+            raise OSError("disk full")
+        self.records.extend(records)
+
+
+@pytest.mark.parametrize("many", [True, False])
+def test_a_failing_sink_loses_nothing_of_a_batch(many: bool) -> None:
+    sink = _Flaky()
+    if not many:
+        sink.write_many = None  # type: ignore[assignment,method-assign]
+    registry = LifecycleRegistry(sinks=[sink], sink_retry_s=0)
+    req = Req("a")
+    registry.register(req)
+    sink.failing = True
+    tickets = registry.apply([(Trigger.START_OFFLOAD, [req] * 3)])
+    assert registry.statistics().sinks[0].pending == 3
+    sink.failing = False
+    registry.apply([(Trigger.ACK, tickets), (Trigger.FINISH, [req])])
+    registry.flush()
+    assert [r.seq for r in sink.records] == list(range(8))
+    stats = registry.statistics().sinks[0]
+    assert (stats.pending, stats.dropped, stats.errors) == (0, 0, 1)

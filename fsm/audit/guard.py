@@ -196,6 +196,27 @@ class SinkGuard:
         else:
             ranges.append((first, last))
 
+    def keep_all(self, records: Iterable[AuditRecord]) -> None:
+        """The sink did not take ``records`` (its ``write_many`` raised, and the failure
+        was counted with ``failed``): keep them for a retry, in order."""
+        for record in records:
+            self._keep(record)
+
+    def write_many(self, records: list[AuditRecord]) -> None:
+        """Give the sink ``records`` in order, behind any backlog: together through its
+        ``write_many`` while it is healthy and has one, else one at a time; never
+        raises."""
+        many = getattr(self.sink, "write_many", None)
+        if many is None or not self.healthy:
+            for record in records:
+                self.write(record)
+            return
+        try:
+            many(records)
+        except Exception as exc:
+            self.failed(records[0], exc)
+            self.keep_all(records[1:])
+
     def write(self, record: AuditRecord) -> None:
         """Give the sink ``record``, behind any backlog (retried at most every
         ``retry_s``); never raises."""
@@ -351,6 +372,7 @@ class AuditPath:
         "_guards",
         "_retry_s",
         "_write",
+        "_write_many",
         "_writing",
         "gated",
         "records",
@@ -363,6 +385,8 @@ class AuditPath:
         self._gated: tuple[SinkGuard, ...] = ()  # sinks with an active() method
         self._writing: tuple[SinkGuard, ...] = ()  # sinks that take records now
         self._write: Callable[[AuditRecord], object] | None = None
+        # the one healthy sink's write_many while it is the only one and has one
+        self._write_many: Callable[[list[AuditRecord]], object] | None = None
         #: Records built so far: the next record's ``seq``.
         self.records = 0
         #: Whether some sink can be switched off (has an ``active()`` method): then the
@@ -417,10 +441,13 @@ class AuditPath:
         self._gated = tuple(g for g in self._guards if g.gated)
         self.gated = bool(self._gated)
         guards = self._writing = tuple(g for g in self._guards if g.active)
+        self._write_many = None
         if not guards:
             self._write = None
         elif len(guards) == 1 and guards[0].healthy:
             self._write = guards[0].sink.write  # the fast path: no guard until it fails
+            many = getattr(guards[0].sink, "write_many", None)
+            self._write_many = many if callable(many) else None
         else:
             self._write = self._fan_out
 
@@ -466,6 +493,45 @@ class AuditPath:
             self._write(record)  # type: ignore[misc]  # emit is called only while active
         except Exception as exc:  # only the fast path raises: the one sink writing now
             self._writing[0].failed(record, exc)
+            self._rewire()
+
+    def hand_over(self, records: list[AuditRecord]) -> None:
+        """Hand a batch's records (built by the registry's ``apply``, numbered from
+        ``records`` on, in order) to every sink that takes records: together to a sink
+        with ``write_many`` (it takes all or none), else one at a time. Never raises for a
+        sink; what a failing sink did not take is kept for it."""
+        seq = self.records
+        if records[0].seq != seq or records[-1].seq != seq + len(records) - 1:
+            raise ValueError(
+                f"a batch's records must be numbered {seq} on, got {records[0].seq}-"
+                f"{records[-1].seq}; nothing handed over"
+            )
+        self.records = seq + len(records)
+        many = self._write_many
+        if many is not None:
+            try:
+                many(records)
+            except Exception as exc:  # the one sink writing now: all of them kept for it
+                guard = self._writing[0]
+                guard.failed(records[0], exc)
+                guard.keep_all(records[1:])
+                self._rewire()
+            return
+        if self._write != self._fan_out:  # one healthy sink without write_many
+            for index, record in enumerate(records):
+                try:
+                    self._write(record)  # type: ignore[misc]  # called only while active
+                except Exception as exc:
+                    guard = self._writing[0]
+                    guard.failed(record, exc)
+                    guard.keep_all(records[index + 1 :])
+                    self._rewire()
+                    return
+            return
+        guards = self._writing
+        for guard in guards:
+            guard.write_many(records)
+        if len(guards) == 1 and guards[0].healthy:  # recovered: back to the fast path
             self._rewire()
 
     def flush(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import random
 import statistics
 import tempfile
@@ -41,6 +42,7 @@ from tests.engines.vllm_harness import (
 )
 
 KVLIFE = "kvlife.offload.engines.vllm"
+AGAINST = "kvlife_against.offload.engines.vllm"  # another kvlife tree: --against DIR
 NULL = "tests.engines.vllm_connectors"
 CONFIGS = ("none", "null", "vllm", "vllm+audit", "simple", "simple+audit", "kvlife", "kvlife+log")
 
@@ -74,9 +76,10 @@ def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
         audited = {"connector": inner, "audit_log": audit}
         return make_scheduler("KVLifeAuditConnectorHMA", KVLIFE, audited, blocks=4096, max_seqs=64)
     extra: dict[str, Any] = {"host_pages": host_blocks}
-    if config == "kvlife+log":  # with its audit log, as a server would run it
+    if config.startswith("kvlife+log"):  # with its audit log, as a server would run it
         extra["audit_log"] = audit
-    return make_scheduler("KVLifeConnector", KVLIFE, extra, blocks=4096, max_seqs=64)
+    module = AGAINST if config.endswith("@before") else KVLIFE
+    return make_scheduler("KVLifeConnector", module, extra, blocks=4096, max_seqs=64)
 
 
 def _worker_meta(config: str, jobs: Iterable[int]) -> Any:
@@ -87,6 +90,8 @@ def _worker_meta(config: str, jobs: Iterable[int]) -> Any:
         return OffloadingWorkerMetadata(completed_jobs=done)
     if config.startswith("simple"):
         return SimpleCPUOffloadWorkerMetadata(completed_store_events=done)
+    if config.endswith("@before"):  # the other tree's own class: its isinstance checks
+        return importlib.import_module(AGAINST).KVLifeWorkerMetadata(done=done)
     return KVLifeWorkerMetadata(done=done)
 
 
@@ -101,12 +106,51 @@ def _new_jobs(config: str, out: Any) -> list[int]:
     return []
 
 
+SCHEDULER_CALLS = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "get_kv_connector_stats",
+    "take_events",
+)
+"""The connector's scheduler-side calls the breakdown times."""
+
+
+def _timed(connector: Any, spent: dict[str, float]) -> None:
+    """Time each of ``connector``'s scheduler-side calls into ``spent`` (seconds)."""
+    for name in SCHEDULER_CALLS:
+        call = getattr(connector, name)
+
+        def timed(*args: Any, _call: Any = call, _name: str = name, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                spent[_name] += time.perf_counter() - started
+
+        setattr(connector, name, timed)
+
+
 def run(
-    config: str, *, seed: int, requests: int, concurrent: int, host_blocks: int, audit: str
+    config: str,
+    *,
+    seed: int,
+    requests: int,
+    concurrent: int,
+    host_blocks: int,
+    audit: str,
+    spent: dict[str, float] | None = None,
 ) -> list[float]:
-    """Seconds per step of ``schedule()`` + ``update_from_output()``."""
+    """Seconds per step of ``schedule()`` + ``update_from_output()``; with ``spent``, each
+    scheduler-side connector call is timed into it (a clock around each: not the timed
+    rounds)."""
     rng = random.Random(seed)
     scheduler = _scheduler(config, host_blocks, audit)
+    if spent is not None and scheduler.connector is not None:
+        _timed(scheduler.connector, spent)
     admitted = 0
     first = 10_000
 
@@ -204,6 +248,30 @@ def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98]
 
 
+def breakdown(
+    configs: tuple[str, ...], *, seed: int = 0, requests: int = 400, concurrent: int = 48
+) -> dict[str, dict[str, float]]:
+    """Microseconds per step each scheduler-side call of each config's connector took, in
+    one run each (a clock around every call), and their sum (``total``)."""
+    result = {}
+    with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp:
+        for config in configs:
+            spent = dict.fromkeys(SCHEDULER_CALLS, 0.0)
+            steps = run(
+                config,
+                seed=seed,
+                requests=requests,
+                concurrent=concurrent,
+                host_blocks=1024,
+                audit=f"{tmp}/{config}.jsonl",
+                spent=spent,
+            )
+            row = {name: value / len(steps) * 1e6 for name, value in spent.items()}
+            row["total"] = sum(row.values())
+            result[config] = row
+    return result
+
+
 def measure(
     *,
     seed: int = 0,
@@ -261,11 +329,22 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, of {', '.join(CONFIGS)} (no connector always runs)",
     )
     parser.add_argument("--no-copy", action="store_true", help="skip the copy speed")
+    parser.add_argument(
+        "--against",
+        metavar="DIR",
+        help="another kvlife source tree: its KVLifeConnector runs in the same rounds "
+        "(configs kvlife@before, kvlife+log@before)",
+    )
     args = parser.parse_args(argv)
     configs = tuple(c for c in args.configs.split(",") if c)
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)} (known: {', '.join(CONFIGS)})")
+    if args.against:
+        from kvlife.fsm.against import load_tree  # noqa: PLC0415
+
+        load_tree(args.against)
+        configs += tuple(f"{c}@before" for c in ("kvlife", "kvlife+log") if c in configs)
     result = measure(
         seed=args.seed,
         rounds=args.rounds,
@@ -289,9 +368,25 @@ def main(argv: list[str] | None = None) -> int:
                 "that does nothing"
             )
         print(
-            f"  {config:10s} median {row['median_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
+            f"  {config:17s} median {row['median_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
             f"max {row['max_us']:8.1f} us  ({int(row['steps'])} steps){ratios}"
         )
+    ours = tuple(c for c in configs if c.startswith("kvlife"))
+    if ours:
+        calls = breakdown(ours, seed=args.seed, requests=args.requests, concurrent=args.concurrent)
+        print("per-call breakdown, us per step (one run each, a clock around every call):")
+        for config, row in calls.items():
+            parts = ", ".join(
+                f"{name} {row[name]:.1f}" for name in SCHEDULER_CALLS if row[name] >= 0.05
+            )
+            print(f"  {config:17s} total {row['total']:6.1f}: {parts}")
+    for config in ("kvlife", "kvlife+log"):
+        before, now = result.get(f"{config}@before"), result.get(config)
+        if before is not None and now is not None:
+            print(
+                f"  {config}: now / before median {now['median_us'] / before['median_us']:.2f}, "
+                f"p99 {now['p99_us'] / before['p99_us']:.2f}"
+            )
     if not args.no_copy:
         speed = copy_speed()
         print(

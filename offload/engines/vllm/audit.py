@@ -905,10 +905,8 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         if watch is not None:
             watch.lifecycle(request)
         self._call("on_new_request", request)
-        if watch is not None:
-            if watch.lens is not None and watch.finishing:
-                watch.replaced(watch.lens, request)
-            watch.written()
+        if watch is not None and watch.lens is not None and watch.finishing:
+            watch.replaced(watch.lens, request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -921,7 +919,6 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             watch.claims.add(id(request))
         else:
             watch.claims.discard(id(request))
-        watch.written()
         return count, is_async
 
     def update_state_after_alloc(
@@ -940,16 +937,16 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
                 watch.load_blocks[ticket.op] = {
                     block for group in blocks.get_block_ids() for block in group
                 }
-        watch.written()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         watch = self.watch
         if watch is not None:  # once a step, even while nothing else changes
             watch.check_overdue()
         meta = self._call("build_connector_meta", scheduler_output)
-        if watch is not None and watch.lens is not None:
-            watch.issued(watch.lens, meta, scheduler_output)
-            watch.written()
+        if watch is not None:
+            if watch.lens is not None:
+                watch.issued(watch.lens, meta, scheduler_output)
+            watch.written()  # the end of schedule(): see CoreLog.written
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -962,7 +959,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         self._call("update_connector_output", connector_output)
         if lens is not None and watch.completing:  # a completion's clean-up may drop state
             watch.check_owners(lens, dict.fromkeys(watch.completing))
-        watch.written()
+        watch.written()  # vLLM reads the reports next, and may die on them (a stray one)
 
     def _finished(self, call: str, request: Request, block_ids: Any) -> tuple[bool, Any]:
         watch = self.watch
@@ -981,7 +978,6 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             if lens.flushes(request):
                 watch.flush(request)
         watch.end(request, **identity)
-        watch.written()
         return delay, params
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
@@ -1001,14 +997,16 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             raise
         if self.watch is not None and self.watch.events and events:
             self.watch.check_events(events)
-            self.watch.written()
         return events
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         kvlife = self.watch.stats() if self.watch is not None else None
-        return WrappedConnectorStats.of(
+        stats = WrappedConnectorStats.of(
             self.wrapped_class, self.wrapped.get_kv_connector_stats(), kvlife
         )
+        if self.watch is not None:
+            self.watch.written()  # vLLM's last connector call of update_from_output()
+        return stats
 
     # ------------------------------------------------------------------ both sides
 

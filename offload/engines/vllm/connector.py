@@ -218,7 +218,9 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._scheduler is None:
             return None  # the scheduler side counts everything
-        return self._scheduler.stats()
+        stats = self._scheduler.stats()
+        self._scheduler.written()  # vLLM's last connector call of update_from_output
+        return stats
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The host tier's KV events since the last call (none unless vLLM's
@@ -246,9 +248,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler side
     def on_new_request(self, request: Request) -> None:
-        side = self._scheduler_side()
-        side.on_new_request(request)
-        side.written()
+        self._scheduler_side().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -259,9 +259,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        side = self._scheduler_side()
-        side.load(request, blocks, num_external_tokens)
-        side.written()
+        self._scheduler_side().load(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         side = self._scheduler_side()
@@ -272,15 +270,12 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         side = self._scheduler_side()
         side.update_connector_output(connector_output)
-        side.written()
+        side.written()  # vLLM reads the reports next, and may die on them
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        side = self._scheduler_side()
-        delay = side.request_finished(request)
-        side.written()
-        return delay, None
+        return self._scheduler_side().request_finished(request), None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

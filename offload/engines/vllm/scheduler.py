@@ -122,10 +122,16 @@ class CoreLog:
         self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
 
     def written(self) -> None:
-        """The end of a connector call: its records go to the file now (no fsync), so
-        an engine core that is killed between calls loses none. vLLM kills its engine
-        core at every stop of a server, before any shutdown call reaches the
-        connector."""
+        """The end of a phase of an engine step (``schedule()``: ``build_connector_meta``;
+        ``update_from_output()``: ``update_connector_output``, before vLLM reads the
+        workers' reports, which it may die on, and ``get_kv_connector_stats``, vLLM's last
+        connector call there): the records go to the file now (no fsync), so an engine core that is
+        killed between steps loses none, and one killed outright within a step loses at
+        most that phase's (a request vLLM aborts between steps: its records are written
+        at the next step, or by the flush thread within ``audit_flush_s``). vLLM kills its
+        engine core at every stop of a server, before any shutdown call reaches the
+        connector; SIGTERM and SIGINT settle the log first. One write a phase, not one a
+        call: each costs a system call and a lock (about 5 us here)."""
         sink = self.sink
         if sink is not None and sink.waiting:
             sink.write_out()
