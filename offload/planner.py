@@ -55,6 +55,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from kvlife.fsm.overdue import OverdueWatch
@@ -82,6 +83,9 @@ def block_ids(slots: Iterable[Slot]) -> Iterator[int]:
 # Read once: reading an enum member off its class costs about 70 ns in CPython 3.11.
 _FINISHED_PENDING = State.FINISHED_PENDING
 _START_OFFLOAD = Trigger.START_OFFLOAD
+_ACK = Trigger.ACK
+_FAIL = Trigger.FAIL
+_NO_REPORTS: Mapping[int, int] = MappingProxyType({})
 
 MAX_REMEMBERED_ORDERS = 65536
 """Orders over whose tickets are kept, so that a late or repeated report of one is
@@ -623,25 +627,71 @@ class OffloadPlanner:
             UnknownOrderError: no order ``op`` was made (or it was forgotten). Nothing
                 changed.
         """
+        delivery = self._take_report(op, ok, count, taken)
+        if delivery is None:
+            return False
+        ticket, delivered_ok, ended = delivery
+        if self.registry.audited:
+            self.registry.deliver(ticket, delivered_ok, job=op)
+        else:
+            self.registry.deliver(ticket, delivered_ok)
+        return ended
+
+    def report_many(
+        self, done: Mapping[int, int], failed: Mapping[int, int] = _NO_REPORTS
+    ) -> list[UnknownOrderError]:
+        """A step's reports at once: ``done`` and ``failed`` map copy numbers to how many
+        workers reported them so (vLLM's worker metadata), taken in that order as
+        ``report`` takes each, with every ticket they end delivered in one registry batch
+        ([`apply()`][kvlife.fsm.registry.LifecycleRegistry.apply]): the same records and
+        refusals as one ``report`` after another. Returns an
+        [`UnknownOrderError`][kvlife.offload.planner.UnknownOrderError] per copy number
+        this planner never ordered (those changed nothing)."""
+        unknown: list[UnknownOrderError] = []
+        groups: list[tuple[Trigger, list[Ticket], list[dict[str, int] | None]]] = []
+        audited = self.registry.audited
+        for reports, ok in ((done, True), (failed, False)):
+            for op, count in reports.items():
+                try:
+                    delivery = self._take_report(op, ok, count, False)
+                except UnknownOrderError as exc:
+                    unknown.append(exc)
+                    continue
+                if delivery is None:
+                    continue
+                ticket, delivered_ok = delivery[0], delivery[1]
+                trigger = _ACK if delivered_ok else _FAIL
+                if not groups or groups[-1][0] is not trigger:
+                    groups.append((trigger, [], []))
+                groups[-1][1].append(ticket)
+                groups[-1][2].append({"job": op} if audited else None)
+        if groups:
+            self.registry.apply(groups)  # refusals are counted and audited there
+        return unknown
+
+    def _take_report(
+        self, op: int, ok: bool, count: int, taken: bool
+    ) -> tuple[Ticket, bool, bool] | None:
+        """``report``'s bookkeeping: returns the ticket to deliver, whether as done, and
+        whether the order ended now (``None``: nothing to deliver yet)."""
         order = self._orders.get(op)
         if order is None:
             ticket = self._over.get(op)
             if ticket is None:
                 raise UnknownOrderError(op)
-            self.registry.deliver(ticket, ok, job=op)  # refused: counted, audited
-            return False
+            return ticket, ok, False  # delivered again: refused, counted, audited
         if ok:
             order.reported += count
         else:
             order.failed += count
         if order.reported + order.failed < self.reporters:
-            return False
+            return None
         del self._orders[op]
         self._over[op] = order.ticket
         if len(self._over) > MAX_REMEMBERED_ORDERS:
             self._over.popitem(last=False)
         self._ended(op, order, taken)
-        return True
+        return order.ticket, order.failed == 0, True
 
     def order(self, op: int) -> Order:
         """The order ``op`` in flight (read it, never change it).
@@ -698,10 +748,6 @@ class OffloadPlanner:
                         spare = list(order.pages)
                     if spare:  # the same content was cached meanwhile
                         self.allocator.free(spare)
-        if self.registry.audited:
-            self.registry.deliver(order.ticket, not failed, job=op)
-        else:
-            self.registry.deliver(order.ticket, not failed)
 
     def _lift_fences(self, op: int, slots: Iterable[int]) -> None:
         fences = self._fences

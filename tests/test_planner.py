@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -486,3 +487,58 @@ def test_store_and_load_records_speak_the_one_ticket_vocabulary() -> None:
         {"kind": "load", "blocks": 2, "first_block": 1},
     ]
     assert all(set(detail) <= set(TICKET_DETAIL) for detail in started)
+
+
+def _reported_run(
+    plan: list[tuple[int, bool, int]], many: bool
+) -> tuple[OffloadPlanner, MemorySink, list[int]]:
+    """Six requests with one store each (two workers report every order), then ``plan``'s
+    reports (order index, ok, workers; index 6 names a copy never ordered): one at a
+    time, or (``many``) in one ``report_many`` per three reports."""
+    sink = MemorySink()
+    planner = OffloadPlanner(64, registry=LifecycleRegistry(sinks=[sink]), reporters=2)
+    ops = []
+    for i in range(6):
+        lc = _admitted(planner, f"r{i}", 4, first_slot=4 * i)
+        ops += [order.op for order in planner.store(lc, 4, _hashes(f"r{i}", 4))]
+    unknown: list[int] = []
+    chunk: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    for index, (which, ok, count) in enumerate(plan):
+        op = ops[which] if which < len(ops) else 10_000
+        if not many:
+            try:
+                planner.report(op, ok, count)
+            except UnknownOrderError as exc:
+                unknown.append(exc.op)
+            continue
+        reports = chunk[0 if ok else 1]
+        if op in reports:  # a mapping names each copy once: send what is gathered first
+            unknown += [exc.op for exc in planner.report_many(*chunk)]
+            chunk = ({}, {})
+            reports = chunk[0 if ok else 1]
+        reports[op] = count
+        if index % 3 == 2 or index == len(plan) - 1:
+            unknown += [exc.op for exc in planner.report_many(*chunk)]
+            chunk = ({}, {})
+    return planner, sink, unknown
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.booleans(), st.integers(1, 2)), max_size=30))
+def test_report_many_gives_what_one_report_after_another_gives(
+    plan: list[tuple[int, bool, int]],
+) -> None:
+    # report_many takes a chunk's done reports before its failed ones: the single run
+    # takes them in that order too
+    ordered: list[tuple[int, bool, int]] = []
+    for start in range(0, len(plan), 3):
+        part = plan[start : start + 3]
+        ordered += [r for r in part if r[1]] + [r for r in part if not r[1]]
+    one, one_sink, one_unknown = _reported_run(ordered, many=False)
+    many, many_sink, many_unknown = _reported_run(ordered, many=True)
+    assert many_unknown == one_unknown
+    assert many.counters() == one.counters() and many.account() == one.account()
+    fields = [(r.seq, r.trigger, r.serial, r.op, r.ok, r.reason, r.detail) for r in one_sink]
+    assert [(r.seq, r.trigger, r.serial, r.op, r.ok, r.reason, r.detail) for r in many_sink] == (
+        fields
+    )

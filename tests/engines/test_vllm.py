@@ -109,6 +109,49 @@ def test_the_id_reuse_race_is_harmless_with_kvlife(tmp_path: Any) -> None:
     ] * 2  # each late delivery named the old lifecycle and its copy
 
 
+def test_a_step_looks_only_at_requests_whose_blocks_changed_or_filled() -> None:
+    """build_connector_meta does Python work (``_due_stores``) for a request only in a step
+    where it is new, got blocks, or its computed tokens reach its next store: in most
+    decode steps of eight requests, none; and every block that filled is stored."""
+    engine = Engine(blocks=128, host_pages=128)
+    side = engine.connector._scheduler
+    looked: list[str] = []
+    due_stores = side._due_stores
+
+    def counted(req_id: str, *args: Any) -> Any:
+        looked.append(req_id)
+        return due_stores(req_id, *args)
+
+    side._due_stores = counted
+    rng = random.Random(3)
+    for i in range(8):
+        engine.scheduler.add_request(
+            make_request(f"r{i}", prompt=rng.randint(20, 60), max_tokens=40, first=1000 * i)
+        )
+    looked_at = scheduled = 0
+    while engine.scheduler.requests:
+        before = {rid: r.num_computed_tokens for rid, r in engine.scheduler.requests.items()}
+        looked.clear()
+        out = engine.step(release=list(engine.held))
+        cached = out.scheduled_cached_reqs
+        got_blocks = {rid for rid, ids in zip(cached.req_ids, cached.new_block_ids) if ids}
+        filled = {  # a block became full in this step
+            rid
+            for rid, n in out.num_scheduled_tokens.items()
+            if (before[rid] + n) // 16 > before[rid] // 16
+        }
+        new = {r.req_id for r in out.scheduled_new_reqs}
+        assert set(looked) <= new | got_blocks | filled, (looked, new, got_blocks, filled)
+        assert filled <= set(looked)  # nothing that filled was passed over
+        looked_at += len(looked)
+        scheduled += len(out.num_scheduled_tokens)
+    # 16 tokens a block: a decoding request fills one every 16 steps and gets one the step
+    # after; the walk over every scheduled request looked at each every step
+    assert looked_at < scheduled / 4, (looked_at, scheduled)
+    stored = sum(len(store.slots) for store in engine.stores)
+    assert stored == engine.connector.counters["stored_blocks"] > 0
+
+
 def test_an_abort_with_a_store_in_flight_releases_after_the_copy() -> None:
     engine = Engine()
     store = engine.prefill_holding_its_store(make_request("a", max_tokens=50))

@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import threading
+from itertools import compress, repeat
+from operator import add, ge
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +44,6 @@ from kvlife.offload.planner import (
     OffloadPlanner,
     Progress,
     StoreOrder,
-    UnknownOrderError,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.kvlife")
+
+_NEVER = repeat(float("inf"))  # due.get's default for an id kvlife holds no request under
 
 MEDIUM = "CPU"
 """The ``medium`` of the host tier's KV events (vLLM's own CPU offload says the same)."""
@@ -210,6 +213,9 @@ class SchedulerSide:
         self.stride = 1 if sliding else config.stride_blocks
         # the lifecycle (and its progress) of the request vLLM holds under an id now
         self.requests: dict[str, tuple[Lifecycle, Progress]] = {}
+        # computed tokens at which the next store of the request held under an id is due
+        # ((covered + stride) * block_size), kept where covered changes
+        self._due: dict[str, int] = {}
         self._reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # given to vLLM so far
         self._overdue_reported = 0
         self._gauges: dict[str, float] = {}  # the gauges vLLM was last given
@@ -219,7 +225,9 @@ class SchedulerSide:
 
     def on_new_request(self, request: Request) -> None:
         lc = self.planner.admit(request, rid=request.request_id)
-        self.requests[request.request_id] = (lc, self.planner.progress(lc))
+        progress = self.planner.progress(lc)
+        self.requests[request.request_id] = (lc, progress)
+        self._due[request.request_id] = (progress.covered + self.stride) * self.block_size
 
     def _live(self, request: Request) -> Lifecycle | None:
         """``request``'s lifecycle, when it is the request vLLM holds under its id now."""
@@ -229,11 +237,19 @@ class SchedulerSide:
         return self.planner.find(request)  # shown, but no longer held under its id
 
     def build_meta(self, out: SchedulerOutput) -> KVLifeConnectorMetadata:
+        """The step's connector metadata: the stores due, the loads vLLM allocated blocks
+        for, and the copies the workers must finish first (blocks reused or taken back).
+
+        Python work in proportion to what changed in the step: new requests, requests
+        that got new blocks or resumed, preempted ones, and those whose computed tokens
+        reach the next store (``due``, read for every scheduled request in one C-level
+        pass of ``map``); a step where no request crosses a store boundary and none gets
+        blocks does no Python work per request."""
         if self.overdue.check():
             logger.warning("kvlife: %s", overdue_line(self.overdue))
         meta, self._pending_loads = self._pending_loads, KVLifeConnectorMetadata()
         planner, live = self.planner, self.requests
-        size, stride, stores, wait = self.block_size, self.stride, meta.stores, meta.wait_jobs
+        stores, wait = meta.stores, meta.wait_jobs
         scheduled = out.num_scheduled_tokens
         for req_id in out.preempted_req_ids or ():
             entry = live.get(req_id)
@@ -247,14 +263,26 @@ class SchedulerSide:
                 continue
             lc, progress = entry
             wait |= planner.add_slots(lc, slots_of(new.block_ids), fresh=True)
-            full = (new.num_computed_tokens + scheduled[new.req_id]) // size
-            if full - progress.covered >= stride:
-                stores += self._store(lc, progress, full)
+            stores += self._due_stores(
+                new.req_id, lc, progress, new.num_computed_tokens + scheduled[new.req_id]
+            )
         cached = out.scheduled_cached_reqs
+        ids = cached.req_ids
+        if not ids:
+            return meta
         resumed = cached.resumed_req_ids
-        for req_id, new_ids, done in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
+        computed = cached.num_computed_tokens
+        # the requests whose blocks changed (new ones, or resumed) and those due a store:
+        # one pass in C over every scheduled request, Python only for these
+        totals = list(map(add, computed, map(scheduled.__getitem__, ids)))
+        due = self._due
+        picked = set(compress(range(len(ids)), cached.new_block_ids))
+        picked.update(compress(range(len(ids)), map(ge, totals, map(due.get, ids, _NEVER))))
+        if resumed:
+            picked.update(i for i, req_id in enumerate(ids) if req_id in resumed)
+        new_block_ids = cached.new_block_ids
+        for i in sorted(picked):
+            req_id, new_ids = ids[i], new_block_ids[i]
             entry = live.get(req_id)
             if entry is None:
                 if new_ids:
@@ -264,12 +292,19 @@ class SchedulerSide:
             if new_ids or req_id in resumed:
                 fresh = req_id in resumed
                 wait |= planner.add_slots(lc, slots_of(new_ids) if new_ids else (), fresh=fresh)
-            # a store is due once `stride` blocks are full past those covered (the
-            # planner's own progress, read here so that most steps make no call)
-            full = (done + scheduled[req_id]) // size
-            if full - progress.covered >= stride:
-                stores += self._store(lc, progress, full)
+            stores += self._due_stores(req_id, lc, progress, totals[i])
         return meta
+
+    def _due_stores(
+        self, req_id: str, lc: Lifecycle, progress: Progress, tokens: int
+    ) -> list[StoreOrder]:
+        """The stores of ``lc`` due once ``tokens`` are computed (none before ``stride``
+        blocks past those covered are full), and when its next store is due."""
+        size = self.block_size
+        full = tokens // size
+        orders = self._store(lc, progress, full) if full - progress.covered >= self.stride else []
+        self._due[req_id] = (progress.covered + self.stride) * size
+        return orders
 
     def _slots(self, block_ids: Any) -> Any:
         """A request's blocks as the planner's slots: group 0's block numbers, or, with
@@ -320,18 +355,17 @@ class SchedulerSide:
         order = self.planner.load(lc, count, device_blocks)
         if order is not None:
             self._pending_loads.loads.append(order)
+            entry = self.requests.get(request.request_id)
+            if entry is not None and entry[0] is lc:  # a load covers its blocks
+                self._due[request.request_id] = (entry[1].covered + self.stride) * self.block_size
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVLifeWorkerMetadata):
             return
-        report = self.planner.report
-        for counts, ok in ((meta.done, True), (meta.failed, False)):
-            for op, n in counts.items():
-                try:
-                    report(op, ok, n)
-                except UnknownOrderError as exc:  # never raised into vLLM
-                    logger.warning("kvlife: %s", exc)
+        # one registry batch for the step's reports; an unknown one is never raised
+        for exc in self.planner.report_many(meta.done, meta.failed):
+            logger.warning("kvlife: %s", exc)
 
     def request_finished(self, request: Request) -> bool:
         try:
@@ -344,6 +378,7 @@ class SchedulerSide:
         entry = self.requests.get(rid)
         if entry is not None and entry[0] is lc:
             del self.requests[rid]
+            self._due.pop(rid, None)
         self.planner.end(lc, aborted=aborted)
         return False  # vLLM frees the blocks and the id now; stores in flight fence them
 
