@@ -86,6 +86,9 @@ _START_OFFLOAD = Trigger.START_OFFLOAD
 _ACK = Trigger.ACK
 _FAIL = Trigger.FAIL
 _NO_REPORTS: Mapping[int, int] = MappingProxyType({})
+# The states the table lets a copy start in, for a check by identity (LIFECYCLE.permits
+# looks the row up through the enum's hash: about 280 ns a call).
+_STORABLE = tuple(state for state in State if LIFECYCLE.permits(state, Trigger.START_OFFLOAD))
 
 MAX_REMEMBERED_ORDERS = 65536
 """Orders over whose tickets are kept, so that a late or repeated report of one is
@@ -244,6 +247,14 @@ class Progress:
 
 
 HandOver = Callable[[Lifecycle, Any, list[Order]], None]
+
+_PLANNED = -1
+"""What ``_storing`` holds for a block planned for a store whose ticket is not started yet
+(the copy number replaces it when the order is made)."""
+
+# One run of a planned store: (progress, first block, pages, the keys, the run's offset in
+# them), ordered once its ticket is started.
+_Run = tuple["Progress", int, tuple[int, ...], Sequence[Hashable], int]
 """Owner mode's release hook: ``hand_over(lc, req, orders)`` (see the module's docstring)."""
 
 
@@ -441,12 +452,78 @@ class OffloadPlanner:
         Raises:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
         """
+        runs = self._plan_store(lc, full, hashes, stride, retry)
+        return [self._order_store(lc, *run) for run in runs]
+
+    def store_many(
+        self,
+        items: Sequence[tuple[Lifecycle, int, Sequence[Hashable]]],
+        *,
+        stride: int = 1,
+        retry: bool = True,
+    ) -> list[StoreOrder]:
+        """``store`` for each ``(lc, full, hashes)`` of ``items`` (a scheduler step's), with
+        every ticket started in one registry batch
+        ([`apply()`][kvlife.fsm.registry.LifecycleRegistry.apply]): the same orders, pages,
+        records and counters as one ``store`` after another, in that order.
+
+        Raises:
+            KeyError: a lifecycle is not a live lifecycle of this planner. The items
+                before it were planned and started, none after it.
+            WrongThreadError: called from a thread other than the registry's owner.
+                Nothing changed.
+        """
+        registry = self.registry
+        registry.apply(())  # the owner check, before any page is taken
+        planned: list[tuple[Lifecycle, _Run]] = []
+        try:
+            for lc, full, hashes in items:
+                for run in self._plan_store(lc, full, hashes, stride, retry):
+                    planned.append((lc, run))
+        finally:
+            orders = self._order_stores(planned)
+        return orders
+
+    def _order_stores(self, planned: list[tuple[Lifecycle, _Run]]) -> list[StoreOrder]:
+        """The orders of ``planned`` runs, their tickets started in one batch."""
+        if not planned:
+            return []
+        details = (
+            [{"kind": "store", "blocks": len(run[2]), "first_block": run[1]} for _, run in planned]
+            if self.registry.audited
+            else None
+        )
+        targets = [lc for lc, _ in planned]
+        group = (_START_OFFLOAD, targets) if details is None else (_START_OFFLOAD, targets, details)
+        tickets = self.registry.apply([group])
+        orders = []
+        for (_, run), ticket in zip(planned, tickets, strict=True):
+            if type(ticket) is not Ticket:  # pragma: no cover - the state was checked
+                _, _, taken, keys, offset = run
+                for key in keys[offset : offset + len(taken)]:
+                    if self._storing.get(key) == _PLANNED:
+                        del self._storing[key]
+                self.allocator.free(taken)
+                raise ticket  # type: ignore[misc]
+            orders.append(self._make_order(ticket, *run))
+        return orders
+
+    def _plan_store(
+        self,
+        lc: Lifecycle,
+        full: int,
+        hashes: Sequence[Hashable],
+        stride: int,
+        retry: bool,
+    ) -> list[_Run]:
+        """``store``'s planning: the runs of blocks to copy and their pages (taken, and the
+        progress covered past them); the orders are made by the caller."""
         progress = self._progress[lc.serial]
         first = progress.covered
         if full - first < stride:  # the common case, decided before anything is counted
             return []
         full = min(full, len(progress.slots), len(hashes))
-        if full - first < stride or not LIFECYCLE.permits(lc.state, _START_OFFLOAD):
+        if full - first < stride or lc.state not in _STORABLE:
             return []
         cache, storing = self.cache, self._storing
         keys = hashes[first:full]
@@ -466,14 +543,17 @@ class OffloadPlanner:
         if not count:
             return []
         if absent[-1] - absent[0] == count - 1:  # one run: the common case
-            return [self._order_store(lc, progress, first + absent[0], pages, keys, absent[0])]
-        orders: list[StoreOrder] = []
-        used = 0
-        for start, run in page_runs(absent):
-            taken = pages[used : used + run]
-            orders.append(self._order_store(lc, progress, first + start, taken, keys, start))
-            used += run
-        return orders
+            runs = [(progress, first + absent[0], pages, keys, absent[0])]
+        else:
+            runs = []
+            used = 0
+            for start, run in page_runs(absent):
+                runs.append((progress, first + start, pages[used : used + run], keys, start))
+                used += run
+        if self._hand_over is None:  # planned: a later plan of the batch leaves them
+            for _, _, taken, _, offset in runs:
+                storing.update(dict.fromkeys(keys[offset : offset + len(taken)], _PLANNED))
+        return runs
 
     def store_owned(
         self,
@@ -535,16 +615,29 @@ class OffloadPlanner:
         detail: Mapping[str, int | float | str | bool | None] | None = None,
     ) -> StoreOrder:
         """One store of blocks ``start ..`` (``len(pages)`` of them) whose hashes are
-        ``keys[offset ..]``."""
+        ``keys[offset ..]``, its ticket started alone."""
         count = len(pages)
-        slots = tuple(progress.slots[start : start + count])
-        names = tuple(keys[offset : offset + count])
         if not self.registry.audited:  # no record is built: no detail to build and check
             ticket = self.registry.start_offload(lc)
         elif detail is None:
             ticket = self.registry.start_offload(lc, kind="store", blocks=count, first_block=start)
         else:
             ticket = self.registry.start_offload(lc, **detail)
+        return self._make_order(ticket, progress, start, pages, keys, offset)
+
+    def _make_order(
+        self,
+        ticket: Ticket,
+        progress: Progress,
+        start: int,
+        pages: tuple[int, ...],
+        keys: Sequence[Hashable],
+        offset: int,
+    ) -> StoreOrder:
+        """The order of a store whose ticket was started."""
+        count = len(pages)
+        slots = tuple(progress.slots[start : start + count])
+        names = tuple(keys[offset : offset + count])
         op = ticket.op
         if self.overdue is not None:
             self.overdue.opened(ticket, "store")

@@ -542,3 +542,58 @@ def test_report_many_gives_what_one_report_after_another_gives(
     assert [(r.seq, r.trigger, r.serial, r.op, r.ok, r.reason, r.detail) for r in many_sink] == (
         fields
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 8)), min_size=1, max_size=12),
+    st.integers(1, 2),
+    st.integers(6, 40),
+)
+def test_store_many_gives_what_one_store_after_another_gives(
+    plan: list[tuple[int, int]], stride: int, pages: int
+) -> None:
+    """Items (request, full blocks) of shared and distinct hashes, on a host cache that
+    may run short: the same orders, records, counters and account either way."""
+
+    def run(many: bool) -> tuple[list[StoreOrder], OffloadPlanner, MemorySink]:
+        sink = MemorySink()
+        planner = OffloadPlanner(pages, registry=LifecycleRegistry(sinks=[sink]))
+        lcs = [_admitted(planner, f"r{i}", 8, first_slot=8 * i) for i in range(5)]
+        hashes = [_hashes("shared" if i % 2 else f"own{i}", 8) for i in range(5)]
+        items = [(lcs[i], full, hashes[i]) for i, full in plan]
+        if many:
+            orders = planner.store_many(items, stride=stride)
+        else:
+            orders = [o for lc, full, h in items for o in planner.store(lc, full, h, stride=stride)]
+        return orders, planner, sink
+
+    one_orders, one, one_sink = run(False)
+    many_orders, many, many_sink = run(True)
+    assert many_orders == one_orders
+    assert many.counters() == one.counters() and many.account() == one.account()
+    assert [(r.seq, r.trigger, r.serial, r.op, r.detail) for r in many_sink] == [
+        (r.seq, r.trigger, r.serial, r.op, r.detail) for r in one_sink
+    ]
+
+
+def test_store_many_from_another_thread_takes_no_page() -> None:
+    import threading  # noqa: PLC0415
+
+    from kvlife.fsm import WrongThreadError  # noqa: PLC0415
+
+    planner = OffloadPlanner(8)
+    lc = _admitted(planner, "a", 4)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            planner.store_many([(lc, 4, _hashes("a", 4))])
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert isinstance(errors[0], WrongThreadError)
+    assert planner.account().free == 8 and planner.inflight == 0

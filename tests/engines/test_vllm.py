@@ -110,19 +110,19 @@ def test_the_id_reuse_race_is_harmless_with_kvlife(tmp_path: Any) -> None:
 
 
 def test_a_step_looks_only_at_requests_whose_blocks_changed_or_filled() -> None:
-    """build_connector_meta does Python work (``_due_stores``) for a request only in a step
+    """build_connector_meta does Python work (``_look``) for a request only in a step
     where it is new, got blocks, or its computed tokens reach its next store: in most
     decode steps of eight requests, none; and every block that filled is stored."""
     engine = Engine(blocks=128, host_pages=128)
     side = engine.connector._scheduler
     looked: list[str] = []
-    due_stores = side._due_stores
+    look = side._look
 
     def counted(req_id: str, *args: Any) -> Any:
         looked.append(req_id)
-        return due_stores(req_id, *args)
+        return look(req_id, *args)
 
-    side._due_stores = counted
+    side._look = counted
     rng = random.Random(3)
     for i in range(8):
         engine.scheduler.add_request(

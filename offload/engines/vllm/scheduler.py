@@ -43,7 +43,6 @@ from kvlife.offload.planner import (
     COUNTERS,
     OffloadPlanner,
     Progress,
-    StoreOrder,
 )
 
 if TYPE_CHECKING:
@@ -249,7 +248,9 @@ class SchedulerSide:
             logger.warning("kvlife: %s", overdue_line(self.overdue))
         meta, self._pending_loads = self._pending_loads, KVLifeConnectorMetadata()
         planner, live = self.planner, self.requests
-        stores, wait = meta.stores, meta.wait_jobs
+        wait = meta.wait_jobs
+        looked: list[tuple[str, Progress]] = []  # requests whose next store is due again
+        items: list[tuple[Lifecycle, int, Any]] = []  # the stores due: one batch
         scheduled = out.num_scheduled_tokens
         for req_id in out.preempted_req_ids or ():
             entry = live.get(req_id)
@@ -263,13 +264,12 @@ class SchedulerSide:
                 continue
             lc, progress = entry
             wait |= planner.add_slots(lc, slots_of(new.block_ids), fresh=True)
-            stores += self._due_stores(
-                new.req_id, lc, progress, new.num_computed_tokens + scheduled[new.req_id]
-            )
+            tokens = new.num_computed_tokens + scheduled[new.req_id]
+            self._look(new.req_id, lc, progress, tokens, looked, items)
         cached = out.scheduled_cached_reqs
         ids = cached.req_ids
         if not ids:
-            return meta
+            return self._stored(meta, looked, items)
         resumed = cached.resumed_req_ids
         computed = cached.num_computed_tokens
         # the requests whose blocks changed (new ones, or resumed) and those due a store:
@@ -292,19 +292,49 @@ class SchedulerSide:
             if new_ids or req_id in resumed:
                 fresh = req_id in resumed
                 wait |= planner.add_slots(lc, slots_of(new_ids) if new_ids else (), fresh=fresh)
-            stores += self._due_stores(req_id, lc, progress, totals[i])
-        return meta
+            self._look(req_id, lc, progress, totals[i], looked, items)
+        return self._stored(meta, looked, items)
 
-    def _due_stores(
-        self, req_id: str, lc: Lifecycle, progress: Progress, tokens: int
-    ) -> list[StoreOrder]:
-        """The stores of ``lc`` due once ``tokens`` are computed (none before ``stride``
-        blocks past those covered are full), and when its next store is due."""
+    def _look(
+        self,
+        req_id: str,
+        lc: Lifecycle,
+        progress: Progress,
+        tokens: int,
+        looked: list[tuple[str, Progress]],
+        items: list[tuple[Lifecycle, int, Any]],
+    ) -> None:
+        """``lc`` has ``tokens`` computed once the step ran: add its store to ``items``
+        when ``stride`` blocks past those covered are full (with several groups, only
+        blocks every group holds: a row with ``None`` ends them), and note it in
+        ``looked`` (its next store's due point is set after the batch)."""
+        looked.append((req_id, progress))
+        full = tokens // self.block_size
+        if full - progress.covered < self.stride:
+            return
+        if self.groups > 1:
+            rows = progress.slots
+            for j in range(progress.covered, min(full, len(rows))):
+                if None in rows[j]:  # type: ignore[operator]  # rows with several groups
+                    full = j
+                    break
+        items.append((lc, full, lc.req.block_hashes))
+
+    def _stored(
+        self,
+        meta: KVLifeConnectorMetadata,
+        looked: list[tuple[str, Progress]],
+        items: list[tuple[Lifecycle, int, Any]],
+    ) -> KVLifeConnectorMetadata:
+        """Plan the step's due stores in one batch, then when each looked-at request's
+        next store is due."""
+        if items:
+            meta.stores += self.planner.store_many(items, stride=self.stride, retry=self.retry)
+        due, step = self._due, self.stride
         size = self.block_size
-        full = tokens // size
-        orders = self._store(lc, progress, full) if full - progress.covered >= self.stride else []
-        self._due[req_id] = (progress.covered + self.stride) * size
-        return orders
+        for req_id, progress in looked:
+            due[req_id] = (progress.covered + step) * size
+        return meta
 
     def _slots(self, block_ids: Any) -> Any:
         """A request's blocks as the planner's slots: group 0's block numbers, or, with
@@ -316,19 +346,6 @@ class SchedulerSide:
             tuple(block or None for block in row)
             for row in itertools.zip_longest(*block_ids, fillvalue=0)
         ]
-
-    def _store(self, lc: Lifecycle, progress: Progress, full: int) -> list[StoreOrder]:
-        """Plan ``lc``'s stores up to block ``full``; with several groups, only of blocks
-        every group holds (a row with ``None`` ends them)."""
-        if self.groups > 1:
-            rows = progress.slots
-            for j in range(progress.covered, min(full, len(rows))):
-                if None in rows[j]:  # type: ignore[operator]  # rows with several groups
-                    full = j
-                    break
-        return self.planner.store(
-            lc, full, lc.req.block_hashes, stride=self.stride, retry=self.retry
-        )
 
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
         """Blocks of ``request`` past ``num_computed_tokens`` that the host cache holds,
