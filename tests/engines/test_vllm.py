@@ -134,7 +134,9 @@ def test_a_step_looks_only_at_requests_whose_blocks_changed_or_filled() -> None:
         looked.clear()
         out = engine.step(release=list(engine.held))
         cached = out.scheduled_cached_reqs
-        got_blocks = {rid for rid, ids in zip(cached.req_ids, cached.new_block_ids) if ids}
+        got_blocks = {
+            rid for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True) if ids
+        }
         filled = {  # a block became full in this step
             rid
             for rid, n in out.num_scheduled_tokens.items()
@@ -956,6 +958,25 @@ def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
         assert result[config]["median_us"] > 0 and result[config]["p99_ratio"] > 0
     speed = copy_speed(layers=2, blocks=64, copied=8, reps=3)
     assert speed["store_gbs"] > 0 and speed["load_gbs"] > 0 and speed["mib"] == 1.0
+
+
+def test_the_scheduler_benchmark_breaks_kvlifes_calls_down_and_runs_another_tree(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pathlib import Path  # noqa: PLC0415
+
+    from tests.engines.vllm_bench import SCHEDULER_CALLS, breakdown, main  # noqa: PLC0415
+
+    calls = breakdown(("kvlife",), requests=30, concurrent=6)["kvlife"]
+    assert set(calls) == {*SCHEDULER_CALLS, "total"}
+    assert calls["build_connector_meta"] > 0 and calls["update_connector_output"] > 0
+    assert calls["total"] == pytest.approx(sum(calls[name] for name in SCHEDULER_CALLS))
+    root = Path(__file__).resolve().parents[2]  # this tree, loaded again as the "before"
+    argv = ["--configs", "kvlife", "--rounds", "1", "--requests", "30", "--concurrent", "6"]
+    assert main([*argv, "--no-copy", "--against", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "kvlife@before" in out and "per-call breakdown" in out
+    assert "kvlife: now / before median" in out
 
 
 def test_in_an_engine_core_process_a_termination_signal_settles_the_log_first(

@@ -48,6 +48,8 @@ CONFIGS = ("none", "null", "vllm", "vllm+audit", "simple", "simple+audit", "kvli
 
 
 def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
+    module = AGAINST if config.endswith("@before") else KVLIFE  # whose kvlife: see --against
+    config = config.removesuffix("@before")
     if config == "none":
         return make_scheduler(None, blocks=4096, max_seqs=64)  # type: ignore[arg-type]
     if config == "null":  # a connector that claims nothing, stores nothing, delays nothing
@@ -65,7 +67,7 @@ def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
                 max_seqs=64,
             )
         audited = {"connector": inner, "audit_log": audit}
-        return make_scheduler("KVLifeAuditConnectorHMA", KVLIFE, audited, blocks=4096, max_seqs=64)
+        return make_scheduler("KVLifeAuditConnectorHMA", module, audited, blocks=4096, max_seqs=64)
     if config.startswith("vllm"):
         bytes_per_block = 2 * BLOCK * 12 * 64 * 2  # the harness model: K+V, fp16
         extra = {"cpu_bytes_to_use": host_blocks * bytes_per_block}
@@ -74,11 +76,10 @@ def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
         # vLLM's connector inside kvlife's audit wrapper, with its log, as a server runs it
         inner = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
         audited = {"connector": inner, "audit_log": audit}
-        return make_scheduler("KVLifeAuditConnectorHMA", KVLIFE, audited, blocks=4096, max_seqs=64)
+        return make_scheduler("KVLifeAuditConnectorHMA", module, audited, blocks=4096, max_seqs=64)
     extra: dict[str, Any] = {"host_pages": host_blocks}
     if config.startswith("kvlife+log"):  # with its audit log, as a server would run it
         extra["audit_log"] = audit
-    module = AGAINST if config.endswith("@before") else KVLIFE
     return make_scheduler("KVLifeConnector", module, extra, blocks=4096, max_seqs=64)
 
 
@@ -332,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--against",
         metavar="DIR",
-        help="another kvlife source tree: its KVLifeConnector runs in the same rounds "
-        "(configs kvlife@before, kvlife+log@before)",
+        help="another kvlife source tree: its KVLifeConnector and audit wrapper run in the "
+        "same rounds (configs kvlife@before, kvlife+log@before, vllm+audit@before, "
+        "simple+audit@before, for those of --configs)",
     )
     args = parser.parse_args(argv)
     configs = tuple(c for c in args.configs.split(",") if c)
@@ -344,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvlife.fsm.against import load_tree  # noqa: PLC0415
 
         load_tree(args.against)
-        configs += tuple(f"{c}@before" for c in ("kvlife", "kvlife+log") if c in configs)
+        compared = ("kvlife", "kvlife+log", "vllm+audit", "simple+audit")
+        configs += tuple(f"{c}@before" for c in compared if c in configs)
     result = measure(
         seed=args.seed,
         rounds=args.rounds,
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} {row[name]:.1f}" for name in SCHEDULER_CALLS if row[name] >= 0.05
             )
             print(f"  {config:17s} total {row['total']:6.1f}: {parts}")
-    for config in ("kvlife", "kvlife+log"):
+    for config in ("kvlife", "kvlife+log", "vllm+audit", "simple+audit"):
         before, now = result.get(f"{config}@before"), result.get(config)
         if before is not None and now is not None:
             print(
