@@ -55,6 +55,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from threading import get_ident
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -474,7 +475,8 @@ class OffloadPlanner:
                 Nothing changed.
         """
         registry = self.registry
-        registry.apply(())  # the owner check, before any page is taken
+        if get_ident() != registry.owner_thread:
+            registry.apply(())  # raises WrongThreadError before any page is taken
         planned: list[tuple[Lifecycle, _Run]] = []
         try:
             for lc, full, hashes in items:
@@ -488,6 +490,9 @@ class OffloadPlanner:
         """The orders of ``planned`` runs, their tickets started in one batch."""
         if not planned:
             return []
+        if len(planned) == 1:  # a batch of one costs more than the single call
+            lc, run = planned[0]
+            return [self._order_store(lc, *run)]
         details = (
             [{"kind": "store", "blocks": len(run[2]), "first_block": run[1]} for _, run in planned]
             if self.registry.audited
@@ -741,8 +746,7 @@ class OffloadPlanner:
         [`UnknownOrderError`][kvlife.offload.planner.UnknownOrderError] per copy number
         this planner never ordered (those changed nothing)."""
         unknown: list[UnknownOrderError] = []
-        groups: list[tuple[Trigger, list[Ticket], list[dict[str, int] | None]]] = []
-        audited = self.registry.audited
+        deliveries: list[tuple[Ticket, bool, int]] = []
         for reports, ok in ((done, True), (failed, False)):
             for op, count in reports.items():
                 try:
@@ -750,16 +754,24 @@ class OffloadPlanner:
                 except UnknownOrderError as exc:
                     unknown.append(exc)
                     continue
-                if delivery is None:
-                    continue
-                ticket, delivered_ok = delivery[0], delivery[1]
-                trigger = _ACK if delivered_ok else _FAIL
+                if delivery is not None:
+                    deliveries.append((delivery[0], delivery[1], op))
+        registry, audited = self.registry, self.registry.audited
+        if len(deliveries) == 1:  # a batch of one costs more than the single call
+            ticket, ok, op = deliveries[0]
+            if audited:
+                registry.deliver(ticket, ok, job=op)
+            else:
+                registry.deliver(ticket, ok)
+        elif deliveries:
+            groups: list[tuple[Trigger, list[Ticket], list[dict[str, int] | None]]] = []
+            for ticket, ok, op in deliveries:
+                trigger = _ACK if ok else _FAIL
                 if not groups or groups[-1][0] is not trigger:
                     groups.append((trigger, [], []))
                 groups[-1][1].append(ticket)
                 groups[-1][2].append({"job": op} if audited else None)
-        if groups:
-            self.registry.apply(groups)  # refusals are counted and audited there
+            registry.apply(groups)  # refusals are counted and audited there
         return unknown
 
     def _take_report(
