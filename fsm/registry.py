@@ -881,11 +881,11 @@ class LifecycleRegistry:
             _check_group(group)
         emit = self._emit
         records: list[AuditRecord] | None = None
-        seq = now = 0
+        seq = now = nxt = 0  # nxt: the seq of the batch's next record
         if emit is not None:
             records = []
             now = _now()
-            seq = self._audit.records
+            seq = nxt = self._audit.records
             # the single calls' refusal paths emit through self._emit: their records are
             # built in order, with the batch's clock read, beside the accepted ones'
             self._emit = _collector(records, seq, now)
@@ -912,6 +912,7 @@ class LifecycleRegistry:
                                 self._refuse_table(lc, _T_START, None)
                         except LifecycleError as exc:
                             append(exc)
+                            nxt = seq + len(records) if records is not None else 0  # a refusal's
                             continue
                         lc._started += 1
                         inflight = lc._inflight = inflight + 1
@@ -924,10 +925,11 @@ class LifecycleRegistry:
                         ticket._open = True
                         if records is not None:
                             records.append(
-                                AuditRecord(seq + len(records), now, lc._rid, lc._serial,
+                                AuditRecord(nxt, now, lc._rid, lc._serial,
                                             "start_offload", _NAMES[s], _NAMES[dst], True, None,
                                             op, inflight, dict(detail) if detail else {})
                             )  # fmt: skip
+                            nxt += 1
                         append(ticket)
                     continue
                 if kind is _T_ACK or kind is _T_FAIL:
@@ -941,6 +943,9 @@ class LifecycleRegistry:
                                 self._refuse_ticket(ticket, ok)
                             except LifecycleError as exc:
                                 append(exc)
+                                nxt = (
+                                    seq + len(records) if records is not None else 0
+                                )  # a refusal's
                                 continue
                         s = lc._s
                         inflight = lc._inflight
@@ -950,13 +955,15 @@ class LifecycleRegistry:
                         lc._s = dst  # type: ignore[assignment]  # an open ticket: a copy
                         if records is not None:
                             records.append(
-                                AuditRecord(seq + len(records), now, lc._rid, lc._serial, name,
+                                AuditRecord(nxt, now, lc._rid, lc._serial, name,
                                             _NAMES[s], _NAMES[dst], True, None, ticket._op,  # type: ignore[index]
                                             inflight - 1, dict(detail) if detail else {})
                             )  # fmt: skip
+                            nxt += 1
                         append(lc)
                         if dst == _RELEASED:
                             first_error = self._release_in_batch(lc, first_error)
+                            nxt = seq + len(records) if records is not None else 0  # a hook's
                     continue
                 end = _FINISH if kind is _T_FINISH else _ABORT
                 outcome = end[3]
@@ -972,18 +979,21 @@ class LifecycleRegistry:
                             self._refuse_table(lc, kind, None)
                     except LifecycleError as exc:
                         append(exc)
+                        nxt = seq + len(records) if records is not None else 0  # a refusal's
                         continue
                     lc._s = dst
                     lc._outcome = outcome
                     if records is not None:
                         records.append(
-                            AuditRecord(seq + len(records), now, lc._rid, lc._serial, end[1],
+                            AuditRecord(nxt, now, lc._rid, lc._serial, end[1],
                                         _NAMES[s], _NAMES[dst], True, None, None, inflight,
                                         dict(detail) if detail else {})
                         )  # fmt: skip
+                        nxt += 1
                     append(lc)
                     if dst == _RELEASED:
                         first_error = self._release_in_batch(lc, first_error)
+                        nxt = seq + len(records) if records is not None else 0  # a hook's
         finally:
             if records is not None:
                 self._emit = emit

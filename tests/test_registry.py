@@ -1305,3 +1305,28 @@ def test_a_failing_sink_loses_nothing_of_a_batch(many: bool) -> None:
     assert [r.seq for r in sink.records] == list(range(8))
     stats = registry.statistics().sinks[0]
     assert (stats.pending, stats.dropped, stats.errors) == (0, 0, 1)
+
+
+def test_a_hook_that_writes_a_record_within_a_batch_keeps_the_order() -> None:
+    """A release hook may write (a violation it noticed): its record comes right after the
+    transition that released, and every seq of the batch is in order."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    reqs = [Req("a"), Req("b")]
+    for req in reqs:
+        registry.register(req)
+
+    @registry.on_release
+    def note(lc: Lifecycle, req: Any) -> None:
+        registry.record_violation("stray_report", Trigger.ACK, "noticed", rid=lc.rid)
+
+    tickets = registry.apply([(Trigger.START_OFFLOAD, reqs)])
+    registry.apply([(Trigger.FINISH, reqs), (Trigger.ACK, tickets)])
+    records = sink.records()
+    assert [r.seq for r in records] == list(range(len(records)))
+    assert [(r.trigger, r.rid, r.reason) for r in records[-4:]] == [
+        ("ack", "a", None),
+        ("ack", "a", "stray_report"),
+        ("ack", "b", None),
+        ("ack", "b", "stray_report"),
+    ]
