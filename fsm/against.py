@@ -1,7 +1,7 @@
 """Another kvlife source tree, loaded beside the installed one, for benchmarks that compare
 two versions in one process (``kvlife bench fsm --against DIR``, ``make bench-vllm
-AGAINST=DIR``): the same workload, interleaved, on the same machine state, so a ratio
-between the two is not the noise between two runs.
+AGAINST=DIR``, ``make bench AGAINST=DIR``): the same workload, interleaved, on the same
+machine state, so a ratio between the two is not the noise between two runs.
 
 ``load_tree(DIR)`` makes the tree's ``fsm/``, ``offload/`` and ``diagrams/`` folders (a
 checkout or a ``git archive`` of this repository at another commit) importable as
