@@ -154,6 +154,35 @@ def test_a_step_looks_only_at_requests_whose_blocks_changed_or_filled() -> None:
     assert stored == engine.connector.counters["stored_blocks"] > 0
 
 
+def test_the_log_is_current_between_steps_and_written_twice_a_step(tmp_path: Any) -> None:
+    """A request added or aborted between steps is in the file at once (an idle or paused
+    engine's log is current); within a step the records go out at the end of each half,
+    not after every call."""
+    audit = tmp_path / "kvlife.jsonl"
+    engine = Engine(audit_log=str(audit), audit_flush_s=3600)
+    sink = engine.connector._scheduler.sink
+    writes: list[int] = []
+    write_out = sink.write_out
+
+    def counted() -> None:
+        writes.append(len(sink._file.buffer))
+        write_out()
+
+    sink.write_out = counted
+    engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=4))
+    assert [r.trigger for r in read_audit(audit).records] == ["register"]
+    engine.scheduler.add_request(make_request("b", prompt=40, max_tokens=4, first=3000))
+    engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert [r.trigger for r in read_audit(audit).records][-1] == "abort"
+    writes.clear()
+    for _ in range(3):
+        engine.step(release=list(engine.held))
+    assert 0 < len(writes) <= 2 * 3  # at most twice a step, whatever the calls in it
+    assert not sink.waiting  # nothing held back at the end of a step
+    engine.run_until_idle()
+    assert check_audit(AuditReader(audit), expect_released=True).ok
+
+
 def test_an_abort_with_a_store_in_flight_releases_after_the_copy() -> None:
     engine = Engine()
     store = engine.prefill_holding_its_store(make_request("a", max_tokens=50))

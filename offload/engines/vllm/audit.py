@@ -372,8 +372,11 @@ class _Watch:
     ) -> None:
         self.block_size = block_size
         self.log = CoreLog(path, config.audit, witness)
-        #: The end of a connector call: see ``CoreLog.written``.
+        #: Write the records out now: see ``CoreLog.written``.
         self.written = self.log.written
+        #: See ``CoreLog.step_ended`` and ``CoreLog.between_steps``.
+        self.step_ended = self.log.step_ended
+        self.between_steps = self.log.between_steps
         self.registry = self.log.registry
         self.registry.on_release(self._released)
         #: Tickets open longer than ``audit_overdue_s``, told at each step.
@@ -905,8 +908,10 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         if watch is not None:
             watch.lifecycle(request)
         self._call("on_new_request", request)
-        if watch is not None and watch.lens is not None and watch.finishing:
-            watch.replaced(watch.lens, request)
+        if watch is not None:
+            if watch.lens is not None and watch.finishing:
+                watch.replaced(watch.lens, request)
+            watch.between_steps()  # vLLM adds requests between steps
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -946,7 +951,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
         if watch is not None:
             if watch.lens is not None:
                 watch.issued(watch.lens, meta, scheduler_output)
-            watch.written()  # the end of schedule(): see CoreLog.written
+            watch.step_ended("schedule")
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -978,6 +983,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             if lens.flushes(request):
                 watch.flush(request)
         watch.end(request, **identity)
+        watch.between_steps()  # an abort between steps; a finish goes with its step's
         return delay, params
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
@@ -1005,7 +1011,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
             self.wrapped_class, self.wrapped.get_kv_connector_stats(), kvlife
         )
         if self.watch is not None:
-            self.watch.written()  # vLLM's last connector call of update_from_output()
+            self.watch.step_ended("output")  # vLLM's last connector call there
         return stats
 
     # ------------------------------------------------------------------ both sides

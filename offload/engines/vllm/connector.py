@@ -219,7 +219,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return None  # the scheduler side counts everything
         stats = self._scheduler.stats()
-        self._scheduler.written()  # vLLM's last connector call of update_from_output
+        self._scheduler.step_ended("output")  # vLLM's last connector call there
         return stats
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -248,7 +248,9 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- scheduler side
     def on_new_request(self, request: Request) -> None:
-        self._scheduler_side().on_new_request(request)
+        side = self._scheduler_side()
+        side.on_new_request(request)
+        side.between_steps()  # vLLM adds requests between steps
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -264,7 +266,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         side = self._scheduler_side()
         meta = side.build_meta(scheduler_output)
-        side.written()
+        side.step_ended("schedule")
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -275,7 +277,10 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side().request_finished(request), None
+        side = self._scheduler_side()
+        delay = side.request_finished(request)
+        side.between_steps()  # an abort between steps; a finish goes with its step's
+        return delay, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
