@@ -250,26 +250,38 @@ def _p99(values: list[float]) -> float:
 
 
 def breakdown(
-    configs: tuple[str, ...], *, seed: int = 0, requests: int = 400, concurrent: int = 48
+    configs: tuple[str, ...],
+    *,
+    seed: int = 0,
+    requests: int = 400,
+    concurrent: int = 48,
+    rounds: int = 2,
 ) -> dict[str, dict[str, float]]:
-    """Microseconds per step each scheduler-side call of each config's connector took, in
-    one run each (a clock around every call), and their sum (``total``)."""
-    result = {}
+    """Microseconds per step each scheduler-side call of each config's connector took (a
+    clock around every call), the median over ``rounds`` runs per config, in alternating
+    order (the first run of a process is slower), and their sum (``total``)."""
+    spent_per_run: dict[str, list[dict[str, float]]] = {config: [] for config in configs}
     with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp:
-        for config in configs:
-            spent = dict.fromkeys(SCHEDULER_CALLS, 0.0)
-            steps = run(
-                config,
-                seed=seed,
-                requests=requests,
-                concurrent=concurrent,
-                host_blocks=1024,
-                audit=f"{tmp}/{config}.jsonl",
-                spent=spent,
-            )
-            row = {name: value / len(steps) * 1e6 for name, value in spent.items()}
-            row["total"] = sum(row.values())
-            result[config] = row
+        for r in range(rounds):
+            for config in configs if r % 2 == 0 else tuple(reversed(configs)):
+                spent = dict.fromkeys(SCHEDULER_CALLS, 0.0)
+                steps = run(
+                    config,
+                    seed=seed + r,
+                    requests=requests,
+                    concurrent=concurrent,
+                    host_blocks=1024,
+                    audit=f"{tmp}/{config}-{r}.jsonl",
+                    spent=spent,
+                )
+                spent_per_run[config].append(
+                    {name: value / len(steps) * 1e6 for name, value in spent.items()}
+                )
+    result = {}
+    for config, runs in spent_per_run.items():
+        row = {name: statistics.median(one[name] for one in runs) for name in SCHEDULER_CALLS}
+        row["total"] = sum(row.values())
+        result[config] = row
     return result
 
 
@@ -377,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     ours = tuple(c for c in configs if c.startswith("kvlife"))
     if ours:
         calls = breakdown(ours, seed=args.seed, requests=args.requests, concurrent=args.concurrent)
-        print("per-call breakdown, us per step (one run each, a clock around every call):")
+        print(
+            "per-call breakdown, us per step (median of 2 runs each, alternating order, a "
+            "clock around every call):"
+        )
         for config, row in calls.items():
             parts = ", ".join(
                 f"{name} {row[name]:.1f}" for name in SCHEDULER_CALLS if row[name] >= 0.05
