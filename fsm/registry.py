@@ -144,17 +144,8 @@ def _collector(records: list[AuditRecord], seq: int, now: int) -> Emit:
     among the batch's records (its ``seq`` follows theirs, its ``t_ns`` is the batch's)
     and handed to the sinks with them."""
 
-    def collect(
-        rid: str | None,
-        serial: int | None,
-        trigger: TriggerName,
-        src: StateName | None,
-        dst: StateName | None,
-        reason: Reason | None,
-        op: int | None,
-        inflight: int,
-        detail: dict[str, DetailValue],
-    ) -> None:
+    def collect(*row: Any) -> None:  # AuditPath.emit's nine arguments
+        (rid, serial, trigger, src, dst, reason, op, inflight, detail) = row
         records.append(
             AuditRecord(
                 seq + len(records), now, rid, serial, trigger, src, dst, reason is None,

@@ -453,7 +453,7 @@ class OffloadPlanner:
         Raises:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
         """
-        runs = self._plan_store(lc, full, hashes, stride, retry)
+        runs = self._plan_store(lc, full, hashes, stride, retry, hold=False)
         return [self._order_store(lc, *run) for run in runs]
 
     def store_many(
@@ -480,7 +480,7 @@ class OffloadPlanner:
         planned: list[tuple[Lifecycle, _Run]] = []
         try:
             for lc, full, hashes in items:
-                for run in self._plan_store(lc, full, hashes, stride, retry):
+                for run in self._plan_store(lc, full, hashes, stride, retry, hold=True):
                     planned.append((lc, run))
         finally:
             orders = self._order_stores(planned)
@@ -520,9 +520,13 @@ class OffloadPlanner:
         hashes: Sequence[Hashable],
         stride: int,
         retry: bool,
+        *,
+        hold: bool,
     ) -> list[_Run]:
         """``store``'s planning: the runs of blocks to copy and their pages (taken, and the
-        progress covered past them); the orders are made by the caller."""
+        progress covered past them); the orders are made by the caller. ``hold``: mark the
+        blocks as being stored now (``_PLANNED``), for plans of the same batch made before
+        the orders (a single store makes its order at once, which marks them)."""
         progress = self._progress[lc.serial]
         first = progress.covered
         if full - first < stride:  # the common case, decided before anything is counted
@@ -555,7 +559,7 @@ class OffloadPlanner:
             for start, run in page_runs(absent):
                 runs.append((progress, first + start, pages[used : used + run], keys, start))
                 used += run
-        if self._hand_over is None:  # planned: a later plan of the batch leaves them
+        if hold and self._hand_over is None:  # a later plan of the batch leaves them
             for _, _, taken, _, offset in runs:
                 storing.update(dict.fromkeys(keys[offset : offset + len(taken)], _PLANNED))
         return runs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -77,3 +79,19 @@ class Slotted:
 
 REQUEST_KINDS = (Req, EqByRid, Unhashable, Slotted)
 request_kinds = st.sampled_from(REQUEST_KINDS)
+
+
+def raised_in_thread(call: Callable[[], object]) -> BaseException | None:
+    """What ``call()`` raised when run on a thread of its own (``None`` if nothing)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return errors[0] if errors else None

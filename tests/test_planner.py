@@ -24,6 +24,7 @@ from kvlife.offload.planner import (
     StoreOrder,
     UnknownOrderError,
 )
+from tests.strategies import raised_in_thread
 
 
 class Req:
@@ -578,22 +579,10 @@ def test_store_many_gives_what_one_store_after_another_gives(
 
 
 def test_store_many_from_another_thread_takes_no_page() -> None:
-    import threading  # noqa: PLC0415
-
     from kvlife.fsm import WrongThreadError  # noqa: PLC0415
 
     planner = OffloadPlanner(8)
     lc = _admitted(planner, "a", 4)
-    errors: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            planner.store_many([(lc, 4, _hashes("a", 4))])
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    thread.join()
-    assert isinstance(errors[0], WrongThreadError)
+    error = raised_in_thread(lambda: planner.store_many([(lc, 4, _hashes("a", 4))]))
+    assert isinstance(error, WrongThreadError)
     assert planner.account().free == 8 and planner.inflight == 0

@@ -45,7 +45,15 @@ from kvlife.fsm import (
 )
 from kvlife.fsm.audit import AuditRecord
 from kvlife.fsm.errors import REASONS
-from tests.strategies import RIDS, EqByRid, Req, Slotted, Unhashable, request_kinds
+from tests.strategies import (
+    RIDS,
+    EqByRid,
+    Req,
+    Slotted,
+    Unhashable,
+    raised_in_thread,
+    request_kinds,
+)
 
 A, O, F, R = State.ALLOCATED, State.OFFLOADING, State.FINISHED_PENDING, State.RELEASED
 
@@ -1236,18 +1244,8 @@ def test_a_batch_from_another_thread_changes_nothing() -> None:
     registry = LifecycleRegistry()
     req = Req("a")
     registry.register(req)
-    errors: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            registry.apply([(Trigger.START_OFFLOAD, [req])])
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    thread.join()
-    assert isinstance(errors[0], WrongThreadError)
+    error = raised_in_thread(lambda: registry.apply([(Trigger.START_OFFLOAD, [req])]))
+    assert isinstance(error, WrongThreadError)
     assert registry.lifecycle(req).state is State.ALLOCATED
 
 

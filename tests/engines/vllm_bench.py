@@ -24,7 +24,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -249,6 +249,34 @@ def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98]
 
 
+def _interleaved(
+    configs: tuple[str, ...],
+    *,
+    rounds: int,
+    seed: int,
+    requests: int,
+    concurrent: int,
+    timed: bool = False,
+) -> Iterator[tuple[str, list[float], dict[str, float] | None]]:
+    """``run`` every config ``rounds`` times, the order reversed every other round (the
+    first run of a process is slower), each round on its own seed; yields each run's
+    config, step times and (``timed``) the seconds each scheduler-side call took."""
+    with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp:
+        for r in range(rounds):
+            for config in configs if r % 2 == 0 else tuple(reversed(configs)):
+                spent = dict.fromkeys(SCHEDULER_CALLS, 0.0) if timed else None
+                steps = run(
+                    config,
+                    seed=seed + r,
+                    requests=requests,
+                    concurrent=concurrent,
+                    host_blocks=1024,
+                    audit=f"{tmp}/{config}-{r}.jsonl",
+                    spent=spent,
+                )
+                yield config, steps, spent
+
+
 def breakdown(
     configs: tuple[str, ...],
     *,
@@ -261,22 +289,13 @@ def breakdown(
     clock around every call), the median over ``rounds`` runs per config, in alternating
     order (the first run of a process is slower), and their sum (``total``)."""
     spent_per_run: dict[str, list[dict[str, float]]] = {config: [] for config in configs}
-    with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp:
-        for r in range(rounds):
-            for config in configs if r % 2 == 0 else tuple(reversed(configs)):
-                spent = dict.fromkeys(SCHEDULER_CALLS, 0.0)
-                steps = run(
-                    config,
-                    seed=seed + r,
-                    requests=requests,
-                    concurrent=concurrent,
-                    host_blocks=1024,
-                    audit=f"{tmp}/{config}-{r}.jsonl",
-                    spent=spent,
-                )
-                spent_per_run[config].append(
-                    {name: value / len(steps) * 1e6 for name, value in spent.items()}
-                )
+    for config, steps, spent in _interleaved(
+        configs, rounds=rounds, seed=seed, requests=requests, concurrent=concurrent, timed=True
+    ):
+        assert spent is not None
+        spent_per_run[config].append(
+            {name: value / len(steps) * 1e6 for name, value in spent.items()}
+        )
     result = {}
     for config, runs in spent_per_run.items():
         row = {name: statistics.median(one[name] for one in runs) for name in SCHEDULER_CALLS}
@@ -297,18 +316,10 @@ def measure(
     interleaved runs (each run's steps pooled), and the ratios to no connector."""
     configs = ("none", *(c for c in configs if c != "none"))
     steps: dict[str, list[float]] = {config: [] for config in configs}
-    with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp:
-        for r in range(rounds):
-            order = configs if r % 2 == 0 else tuple(reversed(configs))
-            for config in order:
-                steps[config] += run(
-                    config,
-                    seed=seed + r,
-                    requests=requests,
-                    concurrent=concurrent,
-                    host_blocks=1024,
-                    audit=f"{tmp}/{config}-{r}.jsonl",
-                )
+    for config, times, _ in _interleaved(
+        configs, rounds=rounds, seed=seed, requests=requests, concurrent=concurrent
+    ):
+        steps[config] += times
     result = {
         config: {
             "median_us": statistics.median(times) * 1e6,
