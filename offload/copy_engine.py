@@ -5,9 +5,17 @@ produced the KV (the current stream at launch). Each chunk of pages is gathered 
 device on a *gather* stream into a reused page-major staging buffer (whole aligned pages:
 one ``index_select`` per component straight into page-major order; other slots: per token
 into component-major staging, then one transpose) and copied to pinned host memory on a
-*copy* stream; two staging buffers alternate, so the gather of chunk i+1 overlaps the copy
-of chunk i. The job's completion event is recorded on the copy stream after its last
-copy; only then does [`CopyEngine.launch()`][kvlife.offload.copy_engine.CopyEngine.launch] return.
+*copy* stream; two staging buffers per stream alternate, so the gather of chunk i+1
+overlaps the copy of chunk i. The job's completion event is recorded on the copy stream
+after its last copy; only then does
+[`CopyEngine.launch()`][kvlife.offload.copy_engine.CopyEngine.launch] return. A load runs
+the other way through the same buffers.
+
+No launch waits on the device and no copy allocates device memory: everything a copy
+uses is made when the engine is built (staging, events, an
+[`IndexRing`][kvlife.offload.index_ring.IndexRing] that carries slot indices to the device
+from pinned memory), and every kernel the copy paths launch is launched once there, so
+CUDA's lazy module loading (the default) never loads one behind queued device work.
 
 CPU path: the same API; a copy runs synchronously at launch, or, with ``defer=True``,
 when the caller runs it ([`CopyJob.run()`][kvlife.offload.copy_engine.CopyJob.run]) -- which is how
@@ -35,6 +43,7 @@ import torch
 
 from kvlife.offload.host_callback import HostCallbacks
 from kvlife.offload.host_pool import HostPagePool, HostPages, page_runs
+from kvlife.offload.index_ring import IndexRing
 from kvlife.offload.layout import KVLayout
 
 
@@ -187,7 +196,9 @@ class CopyEngine:
         self._next_stream = 0
         shape_cm = (layout.components, chunk_pages * layout.page_size, layout.elems)
         shape_pm = (chunk_pages, layout.components, layout.page_size, layout.elems)
-        buffers = 2 if self.cuda else 1
+        # CUDA: two staging buffers per stream, so that a store and a load on two
+        # streams never wait on each other's buffers
+        buffers = 2 * streams if self.cuda else 1
         # On the CPU, staging is needed only for slots that are not whole aligned pages:
         # made on first use.
         self._staging_cm = [
@@ -213,10 +224,71 @@ class CopyEngine:
         if self.cuda:
             self._gather_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
             self._copy_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
-            # staging buffer b is free again once the copy that read it is done
+            # staging buffer b is free again once the copy that read it is done, and
+            # filled once the gather (store) or the host copy (load) that wrote it is
             self._staging_free = [torch.cuda.Event() for _ in range(buffers)]
-            self._gathered = [torch.cuda.Event() for _ in range(buffers)]
-            self._buffer = 0
+            self._filled = [torch.cuda.Event() for _ in range(buffers)]
+            self._turn = [0] * streams  # which of its two buffers a stream uses next
+            # every copy in flight holds host pages: twice the pool's tokens and pages
+            # is room for a store of each page and a load of each page at once, beside
+            # what the warm-up sends
+            self._warm_counts = sorted(
+                {min(k, chunk_pages, len(self._paged[0])) for k in (1, 2, 17, chunk_pages)}
+            )
+            warm = buffers * sum(self._warm_counts) * (page + 1)
+            capacity = warm + 2 * host.capacity * (page + 1)
+            self._indices = IndexRing(capacity, self.device, pin=True)
+            self._warm()
+
+    def _warm(self) -> None:
+        """Launch, once, the kernels and copies the CUDA store and load paths use, on
+        this engine's own tensors (same dtypes, strides and index types), for chunks of
+        1, 2, 17 and ``chunk_pages`` pages (PyTorch picks other kernels for one page,
+        and for more than 16 indices), and record every event they reuse, so that no
+        later launch is the first of its kernel.
+
+        CUDA loads a kernel at its first launch by default (``CUDA_MODULE_LOADING=LAZY``),
+        and that load can wait for the work queued on the device: behind a long prefill,
+        or a stream that waits on the host, the first offload would block the scheduler
+        thread. Here, at build, such a wait is part of building. Device pages ``0..k-1``
+        are read and written back with their own bytes; the current stream waits for
+        that before its later work, so nothing races it.
+        """
+        page = self.layout.page_size
+        compute = torch.cuda.current_stream(self.device)
+        gather_stream = self._gather_streams[0]
+        copy_stream = self._copy_streams[0]
+        gather_stream.wait_stream(compute)
+        copy_stream.wait_stream(compute)
+        scratch = torch.empty((1, *self._staging_pm[0].shape[1:]), dtype=self.layout.dtype,
+                              pin_memory=True)  # fmt: skip
+        for buffer in range(len(self._staging_pm)):  # every stream's buffers, on stream 0
+            for k in self._warm_counts:
+                staged = self._staging_pm[buffer][:k]
+                with torch.cuda.stream(gather_stream):
+                    gather_stream.wait_event(self._staging_free[buffer])
+                    if self.layout.kind != "blocks":  # token slots, a partial page too
+                        tokens = self._on_device(torch.arange(k * page), gather_stream)
+                        self._gather(tokens[:-1], k * page - 1, k, buffer)
+                        self._gather(tokens, k * page, k, buffer)
+                    device_pages = self._on_device(torch.arange(k), gather_stream)
+                    self._gather_pages(device_pages, staged)
+                    self._filled[buffer].record(gather_stream)
+                with torch.cuda.stream(copy_stream):  # a store's copy, then a load's
+                    copy_stream.wait_event(self._filled[buffer])
+                    scratch.copy_(staged[:1], non_blocking=True)
+                    staged[:1].copy_(scratch, non_blocking=True)
+                    self._filled[buffer].record(copy_stream)
+                with torch.cuda.stream(gather_stream):  # the pages get their own bytes back
+                    gather_stream.wait_event(self._filled[buffer])
+                    self._scatter_pages(device_pages, staged)
+                    self._staging_free[buffer].record(gather_stream)
+        done = torch.cuda.Event()
+        done.record(gather_stream)
+        self._indices.seal(done)
+        for stream in (*self._gather_streams, *self._copy_streams):
+            compute.wait_stream(stream)
+        self._warm_keep = scratch  # read by the copies above until they are done
 
     @property
     def copy_streams(self) -> tuple[torch.cuda.Stream, ...]:
@@ -260,7 +332,7 @@ class CopyEngine:
             except Exception as exc:  # e.g. a launch failure: the fail path
                 # chunks launched before the failure may still write the host pages: wait
                 # for them, so the fail path can free the pages safely.
-                self._copy_streams[stream].synchronize()
+                self._settle_failed(stream)
                 failed = CopyJob(pages, n, stream, None)
                 failed.error = exc
                 return failed
@@ -399,24 +471,43 @@ class CopyEngine:
             staged = self._gather(index[start : start + tokens], tokens, len(chunk), 0)
             self._copy_to_host(staged, chunk, non_blocking=False)
 
+    def _on_device(self, values: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+        """CPU indices on the device through the index ring, copied on ``stream`` (no
+        allocation, no wait); device indices as they are."""
+        if values.device.type != "cpu":
+            return values
+        return self._indices.put(values, stream)
+
+    def _settle_failed(self, stream: int) -> None:
+        """After a launch failed part way: wait for what it queued, give its indices back."""
+        self._gather_streams[stream].synchronize()
+        self._copy_streams[stream].synchronize()
+        self._indices.abandon()
+
+    def _next_buffer(self, stream: int) -> int:
+        turn = self._turn[stream]
+        self._turn[stream] = turn ^ 1
+        return 2 * stream + turn
+
     def _launch_cuda(self, index: torch.Tensor, pages: HostPages, stream: int) -> CopyJob:
         page = self.layout.page_size
         whole = len(index) // page
-        device_pages = None
-        if whole and index.device.type == "cpu":  # checked on the host: no device sync
-            device_pages = self._aligned_pages(index[: whole * page])
-            if device_pages is not None:
-                device_pages = device_pages.to(self.device, non_blocking=True)
-        index = index.to(self.device, non_blocking=True)
-        if device_pages is None and self.layout.kind == "blocks":
-            device_pages = index  # a block layout's slots are its pages
         compute = torch.cuda.current_stream(self.device)
         gather_stream = self._gather_streams[stream]
         copy_stream = self._copy_streams[stream]
-        gather_stream.wait_stream(compute)  # the KV (and the index) were made on compute
+        gather_stream.wait_stream(compute)  # the KV (and a device index) were made on compute
+        device_pages = None
+        if self.layout.kind == "blocks":
+            device_pages = index  # a block layout's slots are its pages
+        elif whole and index.device.type == "cpu":  # checked on the host: no device sync
+            device_pages = self._aligned_pages(index[: whole * page])
+        # the token index is read only for token-level slots and a partial last page
+        if device_pages is not None:
+            device_pages = self._on_device(device_pages, gather_stream)
+        if device_pages is None or whole * page != len(index):
+            index = self._on_device(index, gather_stream)
         for first_token, tokens, chunk in self._chunks(len(index), pages):
-            buffer = self._buffer
-            self._buffer = (buffer + 1) % len(self._staging_pm)
+            buffer = self._next_buffer(stream)
             with torch.cuda.stream(gather_stream):
                 gather_stream.wait_event(self._staging_free[buffer])
                 if device_pages is not None and tokens == len(chunk) * page:
@@ -429,13 +520,14 @@ class CopyEngine:
                     staged = self._gather(
                         index[first_token : first_token + tokens], tokens, len(chunk), buffer
                     )
-                self._gathered[buffer].record(gather_stream)
+                self._filled[buffer].record(gather_stream)
             with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(self._gathered[buffer])
+                copy_stream.wait_event(self._filled[buffer])
                 self._copy_to_host(staged, chunk, non_blocking=True)
                 self._staging_free[buffer].record(copy_stream)
         done = torch.cuda.Event()
         done.record(copy_stream)
+        self._indices.seal(done)
         job = CopyJob(pages, len(index), stream, done, keep=(index, device_pages))
         if self._callbacks is not None:
             self._callbacks.after(copy_stream, job)
@@ -448,9 +540,13 @@ class CopyEngine:
         inverse of [`launch()`][kvlife.offload.copy_engine.CopyEngine.launch].
 
         CPU: the copy runs at once and the job is done when this returns. CUDA: the host
-        pages go to the device on a copy stream and are scattered into the pool there; the
-        job's event marks the end, and work on the current stream that reads the slots
-        must wait for it (``torch.cuda.current_stream().wait_event(job.event)``).
+        pages go to the device a chunk at a time into a staging buffer on a copy stream
+        and are scattered into the pool on a gather stream (both wait first for the work
+        queued on the current stream); the job's event marks the end, and work on the
+        current stream that reads the slots must wait for it
+        (``torch.cuda.current_stream().wait_event(job.event)``). Pass ``slots`` as a list
+        or a CPU tensor: they are checked on the host (a CUDA tensor is copied to the
+        host first, which waits for the device).
 
         Raises ``ValueError`` (before anything is copied) for slots that are not whole
         aligned pages, out of range, or not as many pages as ``pages``. A copy that
@@ -478,22 +574,7 @@ class CopyEngine:
             job.recorded = False
         try:
             if self.cuda:
-                copy_stream = self._copy_streams[stream]
-                copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(copy_stream):
-                    staged = torch.empty(
-                        (len(pages), self.layout.components, page, self.layout.elems),
-                        dtype=self.layout.dtype,
-                        device=self.device,
-                    )
-                    self._from_host(pages, staged)
-                    targets = device_pages.to(self.device, non_blocking=True)
-                    self._scatter_pages(targets, staged)
-                    done = torch.cuda.Event()
-                    done.record(copy_stream)
-                job.event = done
-                job._keep = (staged, targets)
-                job.recorded = True
+                self._load_cuda(pages, device_pages, stream, job)
             else:
                 offset = 0
                 for first, count in pages.runs():
@@ -503,15 +584,48 @@ class CopyEngine:
                     offset += count
         except Exception as exc:  # a failed copy is data: the fail path
             if self.cuda:
-                self._copy_streams[stream].synchronize()
+                self._settle_failed(stream)
             job.error = exc
             job.event = None
             job.recorded = True
         return job
 
-    def _from_host(self, pages: HostPages, staged: torch.Tensor) -> None:
+    def _load_cuda(
+        self, pages: HostPages, device_pages: torch.Tensor, stream: int, job: CopyJob
+    ) -> None:
+        """Host pages to the device a chunk at a time, through the same two staging
+        buffers as stores (no allocation): the host copy of chunk i+1 on the copy stream
+        overlaps the scatter of chunk i on the gather stream."""
+        compute = torch.cuda.current_stream(self.device)
+        copy_stream = self._copy_streams[stream]
+        gather_stream = self._gather_streams[stream]
+        # the slots may still be read (or written) by work queued on compute
+        copy_stream.wait_stream(compute)
+        gather_stream.wait_stream(compute)
+        targets = self._on_device(device_pages, gather_stream)
+        indices = pages.indices
+        for first in range(0, len(indices), self.chunk_pages):
+            chunk = indices[first : first + self.chunk_pages]
+            buffer = self._next_buffer(stream)
+            staged = self._staging_pm[buffer][: len(chunk)]
+            with torch.cuda.stream(copy_stream):
+                copy_stream.wait_event(self._staging_free[buffer])
+                self._from_host(chunk, staged)
+                self._filled[buffer].record(copy_stream)
+            with torch.cuda.stream(gather_stream):
+                gather_stream.wait_event(self._filled[buffer])
+                self._scatter_pages(targets[first : first + len(chunk)], staged)
+                self._staging_free[buffer].record(gather_stream)
+        done = torch.cuda.Event()
+        done.record(gather_stream)
+        self._indices.seal(done)
+        job.event = done
+        job._keep = (targets,)
+        job.recorded = True
+
+    def _from_host(self, chunk: tuple[int, ...], staged: torch.Tensor) -> None:
         offset = 0
-        for first, count in pages.runs():
+        for first, count in page_runs(chunk):
             staged[offset : offset + count].copy_(
                 self.host.page_view(first, count), non_blocking=True
             )

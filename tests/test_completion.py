@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvlife.offload import CompletionQueue, CopyEngine, CopyJob, HostPagePool, KVLayout
-from tests.cuda_gate import StreamGate
+from kvlife.offload.host_callback import StreamGate
 
 LAYOUT = KVLayout(
     "per_layer", layers=1, slots=4096, heads=1, head_dim=2, dtype=torch.float32, page_size=1

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -341,3 +347,30 @@ def test_cuda_a_block_layout_stores_and_loads_byte_for_byte() -> None:
     torch.cuda.synchronize()
     assert store.query() and load.query() and load.error is None
     assert torch.equal(buffer[0], before[3]) and torch.equal(buffer[5], before[8])
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("scenario", ["gate", "compute"])
+def test_cuda_no_call_waits_on_the_device_in_a_fresh_process(scenario: str) -> None:
+    """Under CUDA's default lazy module loading, in a process where nothing ran before:
+    stores and loads launched behind a closed gate on the copy stream, or behind a long
+    kernel on the compute stream, each return at once, none is done before the device
+    is let go, none allocates device memory, and the bytes come out equal."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MODULE_LOADING"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.cuda_probe", scenario],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert max(seen["calls_s"]) < 0.5, seen
+    assert not any(seen["done_before_release"]), seen
+    assert seen["errors"] == [] and seen["bytes_equal"], seen
+    assert seen["allocations_during_calls"] == 0 and seen["index_overflows"] == 0, seen
+    assert not seen["gate_timed_out"], seen

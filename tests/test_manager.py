@@ -28,7 +28,7 @@ from kvlife.fsm import (
     check_audit,
 )
 from kvlife.offload import Blake2bPageHasher, KVLayout, OffloadResult, PageAccount
-from tests.cuda_gate import StreamGate
+from kvlife.offload.host_callback import StreamGate
 from tests.engine import FakeEngine, host_matches
 from tests.strategies import EqByRid, Req
 from tests.test_layout import LAYOUTS

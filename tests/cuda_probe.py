@@ -1,0 +1,101 @@
+"""A fresh process that builds a CopyEngine and times its calls while the device is busy.
+
+Run by the CUDA tests (``python -m tests.cuda_probe SCENARIO``) under CUDA's default lazy
+module loading, so that nothing an earlier test launched has loaded a kernel already:
+
+* ``gate``: the engine's copy stream is held by a host-function gate; stores and loads
+  are launched behind it;
+* ``compute``: a long kernel runs on the compute stream; stores and loads are launched
+  after it.
+
+Prints one JSON object: each call's seconds, whether any copy was done before the device
+was let go, whether the bytes came out equal, and the caching allocator's allocation
+count around the calls.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from kvlife.offload.copy_engine import CopyEngine
+from kvlife.offload.host_callback import StreamGate
+from kvlife.offload.host_pool import HostPagePool
+from kvlife.offload.layout import KVLayout
+
+PAGE = 16
+
+
+def _allocations() -> int:
+    return int(torch.cuda.memory_stats().get("allocation.all.allocated", 0))
+
+
+def probe(scenario: str, rounds: int = 4) -> dict[str, object]:
+    """Build an engine, hold the device (``gate`` or ``compute``), time ``rounds`` stores
+    of 1, 3, 17 and 40 pages and as many loads, then let the device go and check bytes."""
+    layout = KVLayout("per_layer", layers=4, slots=512 * PAGE, heads=2, head_dim=64,
+                      dtype=torch.bfloat16, page_size=PAGE)  # fmt: skip
+    kv = [t.cuda().normal_() for t in layout.allocate()]
+    host = HostPagePool(layout, 256, pin_memory=True)
+    engine = CopyEngine(layout, kv, host, chunk_pages=16)
+    torch.cuda.synchronize()
+    sizes = [1, 3, 17, 40][:rounds]
+    gen = torch.Generator().manual_seed(1)
+    order = torch.randperm(512, generator=gen).tolist()
+    sources = [order[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
+    targets = [order[200 + sum(sizes[:i]) : 200 + sum(sizes[: i + 1])] for i in range(len(sizes))]
+    calls: list[float] = []
+    jobs = []
+    before = _allocations()
+    gate = None
+    if scenario == "gate":
+        gate = StreamGate(engine.copy_streams[0], timeout_s=30)
+    else:
+        torch.cuda._sleep(4_000_000_000)  # about 2 s at 2 GHz on the compute stream
+    stored = []
+    for pages_of, src in zip(sizes, sources, strict=True):
+        pages = host.alloc(pages_of)
+        assert pages is not None
+        slots = [p * PAGE + t for p in src for t in range(PAGE)]
+        if pages_of == 3:
+            slots = slots[:-5]  # a partial last page: the token path
+        t0 = time.perf_counter()
+        jobs.append(engine.launch(slots, pages))
+        calls.append(time.perf_counter() - t0)
+        stored.append((pages, slots))
+    for (pages, _), dst in zip(stored, targets, strict=True):
+        slots = [p * PAGE + t for p in dst for t in range(PAGE)]
+        t0 = time.perf_counter()
+        jobs.append(engine.load(pages, slots))
+        calls.append(time.perf_counter() - t0)
+    allocated = _allocations() - before
+    done_early = [job.query() for job in jobs]
+    if gate is not None:
+        gate.open()
+    torch.cuda.synchronize()
+    views = layout.component_views(kv)
+    equal = True
+    for (pages, slots), dst in zip(stored, targets, strict=True):
+        n = len(slots)
+        expected = torch.stack([v[torch.tensor(slots, device="cuda")] for v in views]).cpu()
+        equal &= torch.equal(host.read_tokens(pages, n), expected)
+        loaded = [p * PAGE + t for p in dst for t in range(PAGE)][:n]
+        back = torch.stack([v[torch.tensor(loaded, device="cuda")] for v in views]).cpu()
+        equal &= torch.equal(back, expected)
+    return {
+        "scenario": scenario,
+        "calls_s": calls,
+        "done_before_release": done_early,
+        "errors": [repr(job.error) for job in jobs if job.error is not None],
+        "bytes_equal": bool(equal),
+        "allocations_during_calls": allocated,
+        "index_overflows": engine._indices.overflows,
+        "gate_timed_out": bool(gate.timed_out) if gate is not None else False,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe(sys.argv[1])))
