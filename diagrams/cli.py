@@ -48,6 +48,7 @@ from kvlife.fsm.audit import (
     Segment,
     Verdict,
     audit_files,
+    ending_lines,
     segment_records,
 )
 from kvlife.fsm.audit.explain import (
@@ -501,6 +502,8 @@ def _say_verdict(
     """Tell ``audit check``'s verdict on stderr (with the first unreadable line, if any)
     and return its exit status."""
     verdict = _verdict(args, report, reader)
+    for line in ending_lines(report):
+        print(f"{path}: {line}", file=sys.stderr)
     print(f"{path}: {verdict}", file=sys.stderr)
     if reader.problem_count:
         print(_problems_line(path, reader), file=sys.stderr)
@@ -710,10 +713,18 @@ def _audit(args: argparse.Namespace) -> int:
         "lost_records": report.lost_records,
         "unreadable_lines": reader.problem_count,
         "torn_tail_bytes": reader.torn_tail,
+        "segments_closed": sum(e.status == "closed" for e in report.endings),
+        "segments_cut_short": len(report.cut_short),
+        "segments_open": sum(e.status == "open" for e in report.endings),
+        "in_flight_at_end": sum(
+            e.open_tickets for e in report.endings if e.status in ("cut", "open")
+        ),
     }
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
+        for line in ending_lines(report):
+            print(line)
         for key, value in rows.items():
             if isinstance(value, dict):
                 for k, v in value.items():
@@ -729,7 +740,7 @@ def _audit(args: argparse.Namespace) -> int:
 def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditReport) -> int:
     result = _verdict(args, report, reader)
     ok = result.ok
-    verdict = "OK" if ok else "FAILED"
+    verdict = "FAILED" if not ok else "CUT SHORT" if result.cut_short else "OK"
     if args.json:
         print(
             json.dumps(
@@ -754,16 +765,25 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
                     "violations": [vars(v) | {"meaning": v.meaning} for v in report.violations],
                     "live": [vars(i) for i in report.live[:1000]],
                     "live_count": len(report.live),
+                    "endings": [
+                        {k: v for k, v in vars(e).items() if k != "closing"}
+                        for e in report.endings[:1000]
+                    ],
+                    "cut_short": len(report.cut_short),
+                    "open_at_end": [vars(o) for o in report.open_at_end],
+                    "exit_status": result.exit_status,
                 },
                 indent=2,
             )
         )
-        return 0 if ok else 1
+        return result.exit_status
     files = f" ({len(reader.files)} files)" if len(reader.files) > 1 else ""
     print(
         f"{args.log}{files}: {report.records} records in {report.segments} segment(s), "
         f"{report.lifecycles} lifecycles, {len(report.live)} live at the end"
     )
+    for line in ending_lines(report):
+        print(line)
     if reader.torn_tail:
         print(f"torn last line skipped ({reader.torn_tail} bytes): a crash mid-write")
     for marker in report.lost[:20]:
@@ -787,6 +807,11 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
         print(
             f"overdue: {report.overdue} ticket(s) open longer than their limit while the log "
             f"was written, {late} of them completed later{counted}"
+        )
+    if result.cut_short and ok:
+        print(
+            "the log was cut short: its writer stopped (a crash, a kill, a full disk) with "
+            "the copies above in flight; they are not the watched component's fault"
         )
     print(verdict)
     return result.exit_status

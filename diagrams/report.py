@@ -34,7 +34,7 @@ from typing import Final
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.log_graph import log_graph
 from kvlife.diagrams.timeline import plot_timeline
-from kvlife.fsm.audit import AuditChecker, AuditReport, Event, Verdict, fed
+from kvlife.fsm.audit import AuditChecker, AuditReport, Event, Verdict, ending_lines, fed
 from kvlife.fsm.audit.explain import late_sentence, reused_in_flight
 from kvlife.fsm.audit.handover import Handover
 from kvlife.fsm.audit.reader import segment_records
@@ -309,7 +309,11 @@ def build_report(
     fields = {
         "title": html.escape(title),
         "verdict": html.escape(f"Verdict (kvlife audit check): {verdict}"),
-        "verdict_class": "ok" if verdict.ok else "failed",
+        "verdict_class": "failed" if not verdict.ok else "cut" if verdict.cut_short else "ok",
+        "endings": "".join(
+            f"<p class='ending'>{html.escape(line)}</p>"
+            for line in ending_lines(table_checker.report)
+        ),
         "summary": html.escape(
             f"{data.records} records, {data.total} lifecycles over {data.end_ms:.1f} ms"
         ),
@@ -325,7 +329,7 @@ def build_report(
 
 
 _FIELD: Final = re.compile(
-    r"@(title|verdict_class|verdict|summary|notes|diagram|timeline|handovers|data)@"
+    r"@(title|verdict_class|verdict|endings|summary|notes|diagram|timeline|handovers|data)@"
 )
 
 MAX_HANDOVER_ROWS: Final = 500
@@ -396,6 +400,8 @@ tr.selected { background: #d6e8f7 !important; }
 #verdict { font-size: 1.2em; font-weight: bold; padding: .3em .6em; display: inline-block; }
 #verdict.ok { background: #e5f5e0; color: #006d2c; }
 #verdict.failed { background: #fee0d2; color: #a50f15; }
+#verdict.cut { background: #fff3cd; color: #7a4b00; }
+p.ending { margin: .2em 0; font-family: monospace; white-space: pre-wrap; color: #7a4b00; }
 tr.violation td { background: #fee0d2; } .why { color: #6a3d9a; }
 #history table { margin-top: .5em; } #columns dt { font-weight: bold; display: inline; }
 #columns dd { display: inline; margin: 0 1em 0 .3em; } #columns { font-size: .9em; color: #444; }
@@ -405,6 +411,7 @@ a.serial { color: #08519c; }
 <body>
 <h1>@title@</h1>
 <p id="verdict" class="@verdict_class@">@verdict@</p>
+<div id="endings">@endings@</div>
 <p id="summary">@summary@</p>
 @notes@
 <div id="unreadable"></div>

@@ -446,7 +446,17 @@ class LifecycleRegistry:
         """
         self._check_thread("attach")
         self._audit.attach(sink)
+        bind = getattr(sink, "bind_state", None)
+        if callable(bind):  # the closing record counts what is still live and in flight
+            bind(self._closing_state)
         self._rewire()
+
+    def _closing_state(self) -> tuple[int, int]:
+        """(live lifecycles, copies in flight), for a sink's closing record: read from
+        any thread, or a signal handler, without a lock (a snapshot may be a transition
+        behind)."""
+        lifecycles = self._snapshot()
+        return len(lifecycles), sum(lc._inflight for lc in lifecycles)
 
     def detach(self, sink: Any) -> None:
         """Stop sending records to ``sink`` (found by identity), after a last retry of

@@ -71,7 +71,7 @@ def test_hostile_rid_stays_in_one_record(rid: str, tmp_path: Path) -> None:
         registry.complete(registry.start_offload(registry.register(req)))
         registry.finish(req)
     raw = path.read_bytes()
-    assert raw.count(b"\n") == 5  # header + 4 records, no line broken by the rid
+    assert raw.count(b"\n") == 6  # header, 4 records, closing: no line broken by the rid
     assert b"\xe2\x80\xa8" not in raw and b"\x00" not in raw
     log = read_audit(path)
     assert not log.problems and log.torn_tail == 0
@@ -253,7 +253,7 @@ def test_lines_that_are_not_records_after_the_header_are_problems(tmp_path: Path
     with path.open("a") as f:
         f.write('["not", "an", "object"]\n{"kvlife_audit": 2}\n')
     log = read_audit(path)
-    after = len(records) + 1  # the header, then the records
+    after = len(records) + 2  # the header, the records, the closing record
     assert [p.line for p in log.problems] == [after + 1, after + 2] and log.problem_count == 2
     assert log.records == records
     assert "unsupported audit schema version 2" in log.problems[1].message

@@ -13,14 +13,18 @@ from kvlife.fsm.audit import (
     MAX_VIOLATIONS,
     AuditChecker,
     AuditRecord,
+    AuditReport,
     AuditTableMismatchError,
     LostRecords,
     Segment,
+    Verdict,
     ViolationKind,
     check_audit,
+    ending_lines,
     make_header,
     read_audit,
 )
+from kvlife.fsm.audit.records import make_closing
 from tests.strategies import Req
 from tests.violations import EDITS, UNRECORDED, clean_log, edited_log
 
@@ -214,3 +218,130 @@ def test_each_violation_kind_is_found_directly_by_the_checker(kind: str, tmp_pat
     assert found[:1] == [(AT[kind], "r")], [(v.kind, v.seq) for v in report.violations]
     assert not report.ok
     assert check_audit(read_audit(clean_log(tmp_path / "again.jsonl")), expect_released=True).ok
+
+
+# --- how a log ended: closed, cut short, still open, unknown -----------------------------
+
+
+def _ended(witness: str, *, closes: bool, closing: str | None) -> list[object]:
+    """``_watched``'s log, its header saying whether its writer closes segments, ended by
+    a closing record ``closing`` (``None``: none)."""
+    _, sink, _ = _watched(witness)
+    events: list[object] = [Segment(0, make_header(witness=witness, closes=closes), "")]
+    events += sink.records()
+    if closing is not None:
+        events.append(make_closing(closing, len(sink.records()), (1, 1)))  # type: ignore[arg-type]
+    return events
+
+
+def _check(events: list[object], *, alive: bool = False) -> AuditReport:
+    checker = AuditChecker(alive=lambda pid: alive)
+    for event in events:
+        checker.feed(event)  # type: ignore[arg-type]
+    return checker.finish()
+
+
+def test_a_ticket_open_at_the_end_of_a_closed_log_is_unreported() -> None:
+    report = _check(_ended("LMCacheMPConnector", closes=True, closing="close"))
+    assert [e.status for e in report.endings] == ["closed"] and report.endings[0].how == "close"
+    assert [(v.kind, v.rid) for v in report.violations] == [("unreported", "open")]
+    assert report.open_at_end == [] and Verdict.of(report).exit_status == 1
+    assert ending_lines(report) == []  # a clean close is not news
+
+
+def test_a_ticket_open_at_the_end_of_a_cut_log_is_no_verdict_but_listed() -> None:
+    report = _check(_ended("LMCacheMPConnector", closes=True, closing=None))
+    [ending] = report.endings
+    assert ending.status == "cut" and ending.open_tickets == 1 and ending.live == 1
+    assert report.ok and report.violations == []
+    [at_cut] = report.open_at_end
+    assert (at_cut.rid, at_cut.kind, at_cut.state, at_cut.status) == (
+        "open",
+        "delayed_free",
+        "finished_pending",
+        "cut",
+    )
+    assert at_cut.age_s is not None and at_cut.age_s >= 0
+    verdict = Verdict.of(report)
+    assert verdict.ok and verdict.exit_status == 3 and verdict.open_at_cut == 1
+    assert str(verdict).startswith("CUT SHORT: 1 writer stopped without closing the log (1 copy")
+    lines = ending_lines(report)
+    assert "CUT SHORT" in lines[0] and "1 copy in flight at the cut" in lines[0]
+    assert "rid 'open'" in lines[1] and "(delayed_free)" in lines[1]
+
+
+def test_a_log_whose_writer_still_runs_is_open_not_cut() -> None:
+    report = _check(_ended("LMCacheMPConnector", closes=True, closing=None), alive=True)
+    assert [e.status for e in report.endings] == ["open"] and report.ok
+    assert Verdict.of(report).exit_status == 0 and report.open_at_end[0].status == "open"
+    assert "OPEN" in ending_lines(report)[0]
+
+
+def test_a_log_of_a_writer_without_closing_records_keeps_todays_verdicts() -> None:
+    report = _check(_ended("LMCacheMPConnector", closes=False, closing=None))
+    assert [e.status for e in report.endings] == ["unknown"]
+    assert [v.kind for v in report.violations] == ["unreported"]
+    assert (
+        "closing unknown" in " ".join(ending_lines(report)) or "unknown" in ending_lines(report)[0]
+    )
+
+
+def test_a_log_closed_on_a_signal_lists_what_was_in_flight_without_a_verdict() -> None:
+    report = _check(_ended("LMCacheMPConnector", closes=True, closing="signal"))
+    [ending] = report.endings
+    assert ending.status == "closed" and ending.how == "signal" and ending.stopping == "signal"
+    assert report.ok and Verdict.of(report).exit_status == 0
+    assert [o.status for o in report.open_at_end] == ["signal"]
+    assert "closed on a signal" in ending_lines(report)[0]
+
+
+def test_records_after_a_closing_record_open_the_segment_again() -> None:
+    events = _ended("", closes=True, closing="signal")
+    closing = events.pop()
+    events.insert(-1, closing)  # the last record came after the closing record
+    report = _check(events)
+    assert [e.status for e in report.endings] == ["cut"]
+
+
+def test_overdue_written_before_a_cut_keeps_its_meaning() -> None:
+    _, sink, _ = _watched("C")
+    registry_records = sink.records()
+    last = registry_records[-1]
+    overdue = last.replace(
+        seq=last.seq + 1,
+        trigger="ack",
+        src="finished_pending",
+        dst=None,
+        ok=False,
+        reason="overdue",
+        op=2,
+        inflight=1,
+        detail={"kind": "delayed_free", "age_s": 200.0, "limit_s": 120.0},
+    )
+    events = [Segment(0, make_header(witness="C", closes=True), ""), *registry_records, overdue]
+    report = _check(events)
+    assert [v.kind for v in report.violations] == ["overdue"]
+    assert report.endings[0].status == "cut" and len(report.open_at_end) == 1
+
+
+def test_expect_released_does_not_call_a_cut_log_a_leak() -> None:
+    events = _ended("", closes=True, closing=None)
+    checker = AuditChecker(expect_released=True, alive=lambda pid: False)
+    for event in events:
+        checker.feed(event)  # type: ignore[arg-type]
+    assert checker.finish().ok
+    checker = AuditChecker(expect_released=True, alive=lambda pid: False)
+    for event in _ended("", closes=True, closing="close"):
+        checker.feed(event)  # type: ignore[arg-type]
+    assert [v.kind for v in checker.finish().violations] == ["leaked"]
+
+
+def test_several_writers_are_counted_by_how_they_ended() -> None:
+    first = _ended("", closes=True, closing="close")
+    second = _ended("", closes=True, closing=None)
+    second[0] = Segment(1, make_header(closes=True), "")
+    report = _check([*first, *second])
+    assert [e.status for e in report.endings] == ["closed", "cut"]
+    lines = ending_lines(report)
+    assert lines[0].startswith("2 writers: 1 closed their log, 1 stopped without closing it")
+    assert "segment 1" in lines[1]

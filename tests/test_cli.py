@@ -247,7 +247,7 @@ def test_stats_and_diagram_report_unreadable_lines_and_exit_1(
     assert main(["audit", "stats", str(path)]) == 1
     captured = capsys.readouterr()
     assert "records                              5" in captured.out
-    assert "1 unreadable line(s)" in captured.err and "junk.jsonl:7" in captured.err
+    assert "1 unreadable line(s)" in captured.err and "junk.jsonl:8" in captured.err
     assert main(["diagram", "--format", "dot", "--from-log", str(path)]) == 1
     captured = capsys.readouterr()
     assert "digraph" in captured.out and "1 unreadable line(s)" in captured.err
@@ -737,7 +737,7 @@ def test_an_unreadable_line_is_named_by_line_and_column(
         f.write('{"seq": 8, oops}\n')
     assert main(["audit", "check", str(log)]) == 1
     out = capsys.readouterr().out
-    assert "unreadable line clean.jsonl:10: not JSON: " in out
+    assert "unreadable line clean.jsonl:11: not JSON: " in out  # after the closing record
     assert "object keys must be strings at column 12" in out and "(byte" not in out
 
 
@@ -906,3 +906,125 @@ def test_check_counts_an_overdue_ticket_that_completed_and_fails_it_when_asked(
     assert (said["overdue"], said["overdue_completed"]) == (1, 1)
     assert main(["audit", "check", str(log), "--overdue-fails"]) == 1
     assert "VIOLATION overdue" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------ a log cut short
+
+_DYING_WRITER = """
+import sys, time
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+class Req:
+    def __init__(self, rid): self.rid = rid
+sink = JsonLinesSink(sys.argv[1], witness="LMCacheMPConnector", open_marker=True,
+                     flush_interval_s=60)
+registry = LifecycleRegistry(sinks=[sink])
+done, held = Req("done-1"), Req("bystander-1")
+for req in (done, held):
+    registry.register(req)
+ticket = registry.start_offload(done, kind="delayed_free")
+registry.finish(done)
+registry.complete(ticket)
+registry.start_offload(held, kind="delayed_free")
+registry.finish(held)
+sink.write_out()  # what an engine does after each step
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _killed_writer(path: Path) -> int:
+    """A writer (a watched connector's log, one delayed free still open) killed with
+    SIGKILL after writing its records out: the log of an engine that died. Returns its
+    pid."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _DYING_WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "ready"
+    process.kill()
+    process.wait(timeout=30)
+    process.stdout.close()
+    return process.pid
+
+
+def test_a_log_cut_short_by_a_kill_says_so_and_exits_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    pid = _killed_writer(path)
+    assert Path(f"{path}.open").exists()
+    assert main(["audit", "check", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "unreported" not in out and "VIOLATION" not in out
+    assert f"segment 0 (pid {pid}, LMCacheMPConnector): CUT SHORT" in out
+    assert "1 copy in flight at the cut" in out and f"its .open marker says: pid {pid}" in out
+    assert "in flight at the cut: rid 'bystander-1' lifecycle 1 copy 1 (delayed_free)" in out
+    assert out.rstrip().endswith("CUT SHORT")
+    assert main(["audit", "check", "--json", str(path)]) == 3
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "CUT SHORT" and data["ok"] and data["exit_status"] == 3
+    assert data["cut_short"] == 1 and data["endings"][0]["status"] == "cut"
+    assert [o["rid"] for o in data["open_at_end"]] == ["bystander-1"]
+
+
+@pytest.mark.parametrize("view", ["why", "report", "timeline", "diagram", "stats"])
+def test_every_view_says_first_that_the_log_was_cut_short(
+    view: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    pid = _killed_writer(path)
+    argv = {
+        "why": ["audit", "why", str(path), "--rid", "bystander-1"],
+        "report": ["audit", "report", str(path), "-o", str(tmp_path / "r.html")],
+        "timeline": ["audit", "timeline", str(path), "-o", str(tmp_path / "t.png")],
+        "diagram": ["diagram", "--format", "dot", "--from-log", str(path)],
+        "stats": ["audit", "stats", str(path)],
+    }[view]
+    status = main(argv)
+    captured = capsys.readouterr()
+    said = f"segment 0 (pid {pid}, LMCacheMPConnector): CUT SHORT"
+    if view == "why":
+        assert status == 3 and captured.out.splitlines()[0].startswith(said)
+        assert "verdict on the whole log (kvlife audit check): CUT SHORT" in captured.out
+    elif view == "stats":
+        assert status == 0 and captured.out.splitlines()[0].startswith(said)
+        assert "segments_cut_short                   1" in captured.out
+    else:
+        assert status == 3 and said in captured.err and "CUT SHORT: 1 writer" in captured.err
+    if view == "report":
+        page = (tmp_path / "r.html").read_text()
+        assert 'class="cut"' in page and "CUT SHORT" in page and "bystander-1" in page
+
+
+def test_a_directory_of_logs_says_which_writers_closed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _killed_writer(tmp_path / "core1.jsonl")
+    with JsonLinesSink(tmp_path / "core0.jsonl") as sink:
+        registry = LifecycleRegistry(sinks=[sink])
+        registry.finish(registry.register(Req("a")).req)
+        registry.flush()
+    assert main(["audit", "check", str(tmp_path)]) == 3
+    out = capsys.readouterr().out
+    assert "2 writers: 1 closed their log, 1 stopped without closing it (cut short)" in out
+    assert "segment 1 (pid" in out  # core1, read after core0
+
+
+def test_a_live_writers_log_is_open_not_cut_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    sink = JsonLinesSink(path, witness="C", open_marker=True)
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("in-flight")
+    registry.register(req)
+    registry.start_offload(req, kind="store")
+    registry.flush()
+    try:
+        assert main(["audit", "check", str(path)]) == 0  # this process writes it: open
+        out = capsys.readouterr().out
+        assert "OPEN, its writer is running on this machine" in out and "unreported" not in out
+    finally:
+        sink.close()
+    assert main(["audit", "check", str(path)]) == 1  # closed with the ticket open
+    assert "VIOLATION unreported" in capsys.readouterr().out

@@ -4,6 +4,7 @@ owner-only files, rotation, writes after close; a full disk in a subprocess."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import re
@@ -19,6 +20,7 @@ import pytest
 
 from kvlife.fsm import LifecycleRegistry, MemorySink
 from kvlife.fsm.audit import (
+    AuditRecord,
     AuditSinkClosedError,
     JsonLinesSink,
     LostRecords,
@@ -70,6 +72,8 @@ def test_a_sink_never_closed_is_flushed_at_interpreter_exit(tmp_path: Path) -> N
     log = read_audit(path)
     assert len(log.records) == 4000 and not log.problems
     assert check_audit(log, expect_released=True).ok
+    closing = log.segments[0].closing  # closed at exit: the log says so
+    assert closing is not None and closing.kvlife_closed == "exit" and closing.records == 4000
 
 
 def test_a_collected_sink_writes_its_buffer(tmp_path: Path) -> None:
@@ -423,3 +427,77 @@ def test_the_flush_thread_fsyncs_without_holding_the_writer(
         time.sleep(0.05)
     sink.close()
     assert [r.rid for r in read_audit(tmp_path / "a.jsonl").records] == ["a", "b"]
+
+
+# --- the closing record: a log that closed says so ---------------------------------------
+
+
+def test_a_closed_sink_ends_its_segment_with_a_closing_record(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    sink = JsonLinesSink(path, fsync="never")
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 3)  # released
+    held = Req("held")
+    registry.start_offload(registry.register(held))  # live, one copy in flight
+    registry.flush()
+    sink.close()
+    log = read_audit(path)
+    assert log.segments[0].header is not None and log.segments[0].header.closes
+    closing = log.segments[0].closing
+    assert closing is not None and closing.kvlife_closed == "close"
+    assert (closing.records, closing.live, closing.open_tickets) == (len(log.records), 1, 1)
+    assert json.loads(path.read_text().splitlines()[-1])["kvlife_closed"] == "close"
+    report = check_audit(log)
+    assert [e.status for e in report.endings] == ["closed"]
+
+
+def test_a_settled_sink_says_it_closed_on_a_signal_and_a_later_close_closes_again(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    sink = JsonLinesSink(path, flush_interval_s=60, open_marker=True)
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 2)
+    assert sink.settle()
+    assert not Path(f"{path}.open").exists()
+    log = read_audit(path)
+    assert log.segments[0].closing is not None
+    assert log.segments[0].closing.kvlife_closed == "signal"
+    _lifecycles(registry, 1)  # the writer went on after all
+    registry.flush()
+    sink.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line.get("kvlife_closed") for line in lines if "kvlife_closed" in line] == [
+        "signal",
+        "close",
+    ]
+    assert read_audit(path).segments[0].closing.kvlife_closed == "close"  # type: ignore[union-attr]
+
+
+def test_a_sink_not_attached_to_a_registry_counts_nothing_live(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    with JsonLinesSink(path) as sink:
+        sink.write(
+            AuditRecord(0, 1, "r", 0, "register", None, "allocated", True, None, None, 0, {})
+        )
+    closing = read_audit(path).segments[0].closing
+    assert closing is not None and (closing.records, closing.live, closing.open_tickets) == (
+        1,
+        None,
+        None,
+    )
+
+
+def test_a_rotated_segment_ends_with_one_closing_record_in_its_last_file(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    sink = JsonLinesSink(path, fsync="never", max_bytes=2000, backups=10)
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 40)
+    registry.flush()
+    sink.close()
+    assert sink.rotations > 0
+    texts = [p.read_text() for p in sorted(tmp_path.glob("audit.jsonl*"))]
+    assert sum(text.count("kvlife_closed") for text in texts) == 1
+    assert "kvlife_closed" in path.read_text().splitlines()[-1]
+    report = check_audit(read_audit(path))
+    assert [e.status for e in report.endings] == ["closed"]

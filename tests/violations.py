@@ -171,7 +171,9 @@ UNRECORDED = frozenset({"leaked", "unreported"})
 def edited_log(clean: Path, kind: str, path: Path) -> Path:
     """``clean`` with the edit that makes a ``kind`` violation, written to ``path``."""
     lines = [json.loads(text) for text in clean.read_text().splitlines()]
-    edited = EDITS[kind](lines)
+    # the edits work on the records; the writer's closing record stays the last line
+    closing = [line for line in lines if "kvlife_closed" in line]
+    edited = EDITS[kind]([line for line in lines if "kvlife_closed" not in line]) + closing
     path.write_text("".join(json.dumps(line) + "\n" for line in edited))
     return path
 

@@ -23,17 +23,45 @@ instance as it was; every ``ack``/``fail`` completes a copy that the same instan
 started and that was not completed before; serials are never reused; nothing happens to
 a released instance. A log that starts mid-way (a ring, rotated-out backups) or lost
 records takes each instance it first meets mid-history as it finds it.
+
+How each segment ended ([`SegmentEnding`][kvlife.fsm.audit.checker.SegmentEnding]): closed
+(its last line is a closing record), cut short (its writer closes segments and this one
+ended without a closing record: a crash, a kill, a full disk), open (no closing record
+yet, and its writer is running on this machine: the log is still being written), or
+unknown (written before closing records existed). Tickets still open at the end of a
+closed segment (or one whose ending is unknown) are ``unreported`` when a wrapper wrote
+it; at the end of a segment cut short or still open they are listed in
+``report.open_at_end`` ([`OpenAtEnd`][kvlife.fsm.audit.checker.OpenAtEnd]): copies in flight
+when the writer stopped (or now), not the watched component's fault.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import dataclasses
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from kvlife.fsm.audit.handover import Handover, HandoverJoin
-from kvlife.fsm.audit.reader import AuditFormatError, AuditLog, AuditReader, Event, Segment
-from kvlife.fsm.audit.records import REGISTER, AuditRecord, LostRecords
+from kvlife.fsm.audit.reader import (
+    AuditFormatError,
+    AuditLog,
+    AuditReader,
+    Event,
+    Segment,
+    open_marker,
+)
+from kvlife.fsm.audit.records import (
+    REGISTER,
+    AuditHeader,
+    AuditRecord,
+    ClosingHow,
+    ClosingRecord,
+    LostRecords,
+)
 from kvlife.fsm.errors import PROTOCOL_REASONS
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
 
@@ -64,6 +92,134 @@ ViolationKind = Literal[
     "freed_before_read",
     "handover_mismatch",
 ]
+
+
+SegmentStatus = Literal["closed", "cut", "open", "unknown"]
+"""How a segment ended: see [`SegmentEnding`][kvlife.fsm.audit.checker.SegmentEnding]."""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (``kill(pid, 0)``)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    except OSError:
+        return False
+    return True
+
+
+StopKind = Literal["cut", "open", "signal"]
+"""How a writer was stopping when copies in flight at its segment's end are no verdict:
+see [`SegmentEnding.stopping`][kvlife.fsm.audit.checker.SegmentEnding.stopping]."""
+
+
+@dataclass(frozen=True)
+class SegmentEnding:
+    """How one writer's segment of a log ended.
+
+    ``status``: ``closed`` (its last line is a closing record: ``how`` says how it was
+    closed, see [`ClosingHow`][kvlife.fsm.audit.records.ClosingHow]); ``cut`` (its writer
+    ends segments with a closing record and this one has none: the writer stopped
+    without closing it, a crash, a kill or a full disk); ``open`` (no closing record,
+    and the writer's pid runs on this machine: the log is still being written, or the
+    pid was reused); ``unknown`` (written by a kvlife that wrote no closing records).
+
+    ``last_t_ns`` and ``last_wall`` are the last record's times (``None`` for a segment
+    without records); ``open_tickets`` and ``live`` the copies in flight and lifecycles
+    live at the segment's end, as replayed; ``marker`` what the ``PATH.open`` marker
+    beside the log says, for the last segment of a log whose marker is there;
+    ``begins_mid_way`` the segment's first records are not in the log (rotated out, or
+    a ring).
+    """
+
+    segment: int
+    status: SegmentStatus
+    pid: int
+    file: str
+    witness: str
+    how: ClosingHow | None
+    last_t_ns: int | None
+    last_wall: float | None
+    records: int
+    open_tickets: int
+    live: int
+    marker: str | None = None
+    closing: ClosingRecord | None = None
+    begins_mid_way: bool = False
+
+    @property
+    def stopping(self) -> StopKind | None:
+        """How the writer was stopping at the segment's end, when copies then in flight
+        are no verdict on anyone: ``cut`` (stopped without closing), ``open`` (still
+        running), ``signal`` (closed on SIGTERM or SIGINT, a kill following); ``None``
+        when it closed otherwise, or its ending is unknown."""
+        if self.status == "cut" or self.status == "open":  # noqa: PLR1714 - narrows for mypy
+            return self.status
+        return "signal" if self.how == "signal" else None
+
+    def line(self) -> str:
+        """One line for the first screen of every view: who wrote the segment, how it
+        ended, and what was in flight then."""
+        who = (
+            f"segment {self.segment} (pid {self.pid}{f', {self.witness}' if self.witness else ''})"
+        )
+        when = ""
+        if self.last_wall is not None:
+            when = f", last record {_clock(self.last_wall)}"
+        flight = f"{copies(self.open_tickets)} in flight"
+        if self.status == "closed" and self.how == "signal":
+            return (
+                f"{who}: closed on a signal (SIGTERM or SIGINT: the process was being "
+                f"stopped){when}, {flight} then"
+            )
+        if self.status == "closed":
+            return f"{who}: closed ({self.how}){when}"
+        if self.status == "unknown":
+            return f"{who}: closing unknown (written before closing records){when}"
+        marker = f"; its .open marker says: {self.marker}" if self.marker else ""
+        if self.status == "open":
+            return (
+                f"{who}: OPEN, its writer is running on this machine (still being "
+                f"written?){when}, {flight} so far{marker}"
+            )
+        return (
+            f"{who}: CUT SHORT: its writer stopped without closing the log{when}, "
+            f"{flight} at the cut{marker}"
+        )
+
+
+def copies(n: int) -> str:
+    """``no copy``, ``1 copy``, ``2 copies``."""
+    return "no copy" if not n else f"{n} cop{'y' if n == 1 else 'ies'}"
+
+
+def _clock(wall: float) -> str:
+    return (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall)) + f".{int(wall * 1000) % 1000:03d}"
+    )
+
+
+@dataclass(frozen=True)
+class OpenAtEnd:
+    """A copy in flight at the end of a segment that was cut short or is still open:
+    its lifecycle (``serial``, ``rid``, state at the end), its copy number, the ``kind``
+    its start gave (``store``, ``load``, ``delayed_free``; ``None`` when none), and how
+    long it had been in flight at the segment's last record (``age_s``; ``None`` when its
+    start is not in the log)."""
+
+    segment: int
+    serial: int
+    rid: str | None
+    state: str
+    op: int
+    kind: str | None
+    age_s: float | None
+    status: StopKind
 
 
 class AuditTableMismatchError(AuditFormatError):
@@ -201,6 +357,15 @@ class AuditReport:
     #: Prefill/decode hand-overs, joined across the logs read (see
     #: [`kvlife.fsm.audit.handover`][kvlife.fsm.audit.handover]).
     handovers: list[Handover] = field(default_factory=list)
+    #: How each segment ended, in log order.
+    endings: list[SegmentEnding] = field(default_factory=list)
+    #: Copies in flight at the end of segments cut short or still open (not violations).
+    open_at_end: list[OpenAtEnd] = field(default_factory=list)
+
+    @property
+    def cut_short(self) -> list[SegmentEnding]:
+        """The segments whose writer stopped without closing them."""
+        return [e for e in self.endings if e.status == "cut"]
 
     @property
     def ok(self) -> bool:
@@ -211,16 +376,19 @@ class AuditReport:
 @dataclass(frozen=True)
 class Verdict:
     """What ``kvlife audit check`` concludes from a report and the reader's unreadable
-    lines: every tool that shows a log shows this and exits as ``check`` does (0 when
-    ``ok``, else 1).
+    lines: every tool that shows a log shows this and exits as ``check`` does.
 
     Not ok when the log has violations, unreadable lines, or records a failing sink lost
-    (unless ``allow_lost``)."""
+    (unless ``allow_lost``). ``cut_short`` counts the segments whose writer stopped
+    without closing them and ``open_at_cut`` the copies in flight then: a log cut short
+    with nothing else wrong is ok, but says so, and exits 3."""
 
     ok: bool
     violations: int
     lost_records: int
     unreadable_lines: int
+    cut_short: int = 0
+    open_at_cut: int = 0
 
     @classmethod
     def of(
@@ -229,22 +397,37 @@ class Verdict:
         """The verdict on ``report``."""
         lost_ok = allow_lost or not report.lost_records
         ok = report.ok and not unreadable_lines and lost_ok
-        return cls(ok, report.violation_count, report.lost_records, unreadable_lines)
+        cut = report.cut_short
+        at_cut = sum(e.open_tickets for e in cut)
+        return cls(
+            ok, report.violation_count, report.lost_records, unreadable_lines, len(cut), at_cut
+        )
 
     @property
     def exit_status(self) -> int:
-        """0 when ``ok``, else 1."""
-        return 0 if self.ok else 1
+        """1 when not ``ok``; else 3 when a segment was cut short; else 0."""
+        if not self.ok:
+            return 1
+        return 3 if self.cut_short else 0
 
     def __str__(self) -> str:
-        """``OK``, or ``FAILED: 1 violation, 3 lost records, 2 unreadable lines`` (the
-        parts that are not zero)."""
+        """``OK``; ``CUT SHORT: 1 writer stopped without closing its log (2 copies in
+        flight then); nothing else wrong``; or ``FAILED: 1 violation, 3 lost records, 2
+        unreadable lines`` (the parts that are not zero, and the cut when there is one)."""
+        cut = ""
+        if self.cut_short:
+            writers = "writer" if self.cut_short == 1 else "writers"
+            cut = (
+                f"{self.cut_short} {writers} stopped without closing the log "
+                f"({copies(self.open_at_cut)} in flight then)"
+            )
         if self.ok:
-            return "OK"
+            return f"CUT SHORT: {cut}; nothing else wrong" if cut else "OK"
         parts = [
             _count(self.violations, "violation"),
             _count(self.lost_records, "lost record"),
             _count(self.unreadable_lines, "unreadable line"),
+            cut,
         ]
         return "FAILED: " + ", ".join(p for p in parts if p)
 
@@ -299,21 +482,38 @@ _DONE: Final = 2  # a released serial, a completed copy
 
 class _SegmentState:
     __slots__ = (
+        "began_mid_way",
+        "closed_at",
+        "closing",
+        "file",
+        "header",
         "index",
+        "last_t_ns",
         "live",
         "lost",
         "op_owner",
+        "op_start",
         "ops",
         "overdue",
         "partial",
         "previous_seq",
+        "records",
         "serials",
         "witness",
     )
 
-    def __init__(self, index: int, witness: str = "") -> None:
+    def __init__(self, index: int, header: AuditHeader | None = None, file: str = "") -> None:
         self.index = index
-        self.witness = witness  # the watched component, when a wrapper wrote the segment
+        self.header = header
+        self.file = file
+        # the watched component, when a wrapper wrote the segment
+        self.witness = header.witness if header is not None else ""
+        self.closing: ClosingRecord | None = None
+        self.closed_at: tuple[int | None, int, int] = (None, 0, 0)  # (seq, lost, records)
+        self.last_t_ns: int | None = None
+        self.records = 0
+        self.began_mid_way = False
+        self.op_start: dict[int, tuple[int, object]] = {}  # copies in flight: op -> (t_ns, kind)
         self.live: dict[int, _Replay] = {}
         self.serials = _Marks()
         self.ops = _Marks()
@@ -351,6 +551,8 @@ class AuditChecker:
         keep_instances: keep every instance's final state in ``report.instances``.
         overdue_fails: every ``overdue`` record is a violation, even when its ticket
             completed later.
+        alive: whether a writer's pid runs (tells a segment still being written from
+            one cut short); ``kill(pid, 0)`` on this machine by default.
     """
 
     def __init__(
@@ -360,7 +562,9 @@ class AuditChecker:
         accept_tables: Iterable[str] = (),
         keep_instances: bool = False,
         overdue_fails: bool = False,
+        alive: Callable[[int], bool] = pid_alive,
     ) -> None:
+        self._alive = alive
         self.expect_released = expect_released
         self.overdue_fails = overdue_fails
         self.accept_tables = frozenset(accept_tables) | {LIFECYCLE.digest}
@@ -382,6 +586,10 @@ class AuditChecker:
             self._new_segment(event)
         elif type(event) is LostRecords:
             self._lost(event)
+        elif type(event) is ClosingRecord:
+            seg = self._seg()
+            seg.closing = event
+            seg.closed_at = (seg.previous_seq, len(seg.lost), seg.records)
         else:
             raise TypeError(f"not an audit event: {type(event).__name__}")
 
@@ -396,7 +604,7 @@ class AuditChecker:
                 digest=digest,
             )
         self._close_segment()
-        self._segment = _SegmentState(self.report.segments, event.header.witness)
+        self._segment = _SegmentState(self.report.segments, event.header, event.file)
         self._join.segment(event.header, event.file, self.report.segments)
         self.report.segments += 1
 
@@ -455,10 +663,12 @@ class AuditChecker:
         previous = seg.previous_seq
         if previous is None:
             if r.seq != 0:
-                seg.partial = True  # the log starts mid-way (a ring, rotated-out files)
+                seg.partial = seg.began_mid_way = True  # a ring, rotated-out files
         elif r.seq != previous + 1:
             self._gap(seg, previous, r)
         seg.previous_seq = r.seq
+        seg.last_t_ns = r.t_ns
+        seg.records += 1
         serial = r.serial
         live = seg.live
         if not r.ok:
@@ -542,6 +752,7 @@ class AuditChecker:
         if trigger == "start_offload":
             if op is not None:
                 seg.op_owner[op] = serial
+                seg.op_start[op] = (r.t_ns, r.detail.get("kind"))
                 seg.ops.set(op, _SEEN)
         elif trigger == "ack" or trigger == "fail":  # noqa: PLR1714 - two literals, hot loop
             self._completion(seg, inst, r, serial)
@@ -629,6 +840,7 @@ class AuditChecker:
             self._bad("unknown_op", r.seq, serial, f"{r.trigger} without a copy number", rid=r.rid)
             return
         owner = seg.op_owner.pop(op, None)
+        seg.op_start.pop(op, None)
         if seg.overdue and seg.overdue.pop(op, None) is not None:
             self.report.overdue_completed += 1
         if owner is None:
@@ -680,7 +892,11 @@ class AuditChecker:
             return
         for seq, serial, rid, message in seg.overdue.values():
             self._bad("overdue", seq, serial, f"{message}; never completed", rid=rid)
-        if seg.witness:
+        ending = self._ending(seg)
+        self.report.endings.append(ending)
+        if ending.stopping is not None:  # in flight when the writer stopped: no verdict
+            self._open_at_end(seg, ending.stopping)
+        elif seg.witness:
             open_ops: dict[int, list[int]] = {}
             for op, owner in seg.op_owner.items():
                 open_ops.setdefault(owner, []).append(op)
@@ -703,6 +919,69 @@ class AuditChecker:
             self._left(inst.rid, serial)
         self._segment = None
 
+    def _ending(self, seg: _SegmentState) -> SegmentEnding:
+        header = seg.header
+        closing = seg.closing
+        closed = closing is not None and seg.closed_at == (
+            seg.previous_seq,
+            len(seg.lost),
+            seg.records,
+        )
+        status: SegmentStatus
+        if closed:
+            status = "closed"
+        elif header is None or not header.closes:
+            status = "unknown"
+        else:
+            status = "open" if self._alive(header.pid) else "cut"
+        last_wall = None
+        if header is not None and seg.last_t_ns is not None:
+            last_wall = header.wall_start + (seg.last_t_ns - header.t_ns_start) / 1e9
+        open_tickets = sum(inst.inflight for inst in seg.live.values())
+        return SegmentEnding(
+            seg.index,
+            status,
+            header.pid if header is not None else 0,
+            seg.file,
+            seg.witness,
+            closing.kvlife_closed if closed and closing is not None else None,
+            seg.last_t_ns,
+            last_wall,
+            seg.records,
+            open_tickets,
+            len(seg.live),
+            closing=closing if closed else None,
+            begins_mid_way=seg.began_mid_way,
+        )
+
+    def _open_at_end(self, seg: _SegmentState, status: StopKind) -> None:
+        """List the copies in flight at the end of a segment cut short or still open."""
+        kept = self.report.open_at_end
+        end = seg.last_t_ns
+        for op, serial in sorted(seg.op_owner.items()):
+            if len(kept) >= MAX_VIOLATIONS:
+                return
+            inst = seg.live.get(serial)
+            started = seg.op_start.get(op)
+            age = None
+            kind = None
+            if started is not None:
+                t_ns, said = started
+                kind = said if isinstance(said, str) else None
+                age = (end - t_ns) / 1e9 if end is not None else None
+            kept.append(
+                OpenAtEnd(
+                    seg.index,
+                    serial,
+                    inst.rid if inst is not None else None,
+                    inst.state if inst is not None else "?",
+                    op,
+                    kind,
+                    age,
+                    status,
+                )
+            )
+
     def _left(self, rid: str | None, serial: int) -> None:
         """An instance stopped being live (released, or its segment ended)."""
         self._live_total -= 1
@@ -723,12 +1002,19 @@ class AuditChecker:
             return self.report
         self._joined = True
         self.report.handovers = self._join.finish()
+        self._mark_open_logs()
+        ended = {e.segment: e.status for e in self.report.endings}
+        for handover in self.report.handovers:
+            for side in [handover.prefill, *handover.decode]:
+                if side is not None:
+                    side.log_ending = ended.get(side.segment, "")
         for handover in self.report.handovers:
             for kind, side, message in handover.verdicts:
                 self._bad(kind, side.seq, side.serial, message, side.rid, side.segment)
         if self.expect_released:
+            stopped = {e.segment for e in self.report.endings if e.stopping is not None}
             for inst in self.report.live:
-                if not inst.uncertain:
+                if not inst.uncertain and inst.segment not in stopped:
                     self._bad(
                         "leaked",
                         None,
@@ -738,6 +1024,68 @@ class AuditChecker:
                         rid=inst.rid,
                     )
         return self.report
+
+    def _mark_open_logs(self) -> None:
+        """Give the last segment of each log read from a file the ``PATH.open`` marker
+        beside it, when the writer left one."""
+        endings = self.report.endings
+        last: dict[str, int] = {}
+        for index, ending in enumerate(endings):
+            if ending.file:
+                last[re.sub(r"\.[1-9][0-9]*$", "", ending.file)] = index
+        for base, index in last.items():
+            text = open_marker(base)
+            if text is not None and endings[index].status != "closed":
+                endings[index] = dataclasses.replace(endings[index], marker=text)
+
+
+MAX_AT_CUT_LISTED: Final = 10
+"""Copies in flight at a cut listed per segment on a first screen; the rest are counted."""
+
+
+def ending_lines(report: AuditReport, *, rid: str | None = None) -> list[str]:
+    """What every view says first about how the log's writers stopped: nothing when
+    every segment was closed cleanly; else one line per segment cut short or still open
+    (writer pid, last record's time, copies in flight, the ``.open`` marker) with the
+    copies in flight then (``rid``'s first), a line for segments whose ending is unknown,
+    and, for several writers, how many closed."""
+    endings = report.endings
+    if all(e.status == "closed" and not (e.how == "signal" and e.open_tickets) for e in endings):
+        return []
+    lines: list[str] = []
+    if len(endings) > 1:
+        counts = {
+            status: sum(e.status == status for e in endings)
+            for status in ("closed", "cut", "open", "unknown")
+        }
+        lines.append(
+            f"{len(endings)} writers: {counts['closed']} closed their log, "
+            f"{counts['cut']} stopped without closing it (cut short), {counts['open']} "
+            f"still open, {counts['unknown']} of unknown ending"
+        )
+    at_end = sorted(report.open_at_end, key=lambda o: (o.rid != rid, o.segment, o.op))
+    for ending in endings:
+        stopping = ending.stopping
+        if stopping is not None and (stopping != "signal" or ending.open_tickets):
+            lines.append(ending.line())
+            mine = [o for o in at_end if o.segment == ending.segment]
+            when = {"cut": "at the cut", "open": "now", "signal": "at the signal"}[stopping]
+            for item in mine[:MAX_AT_CUT_LISTED]:
+                age = "" if item.age_s is None else f", {item.age_s:.1f} s in flight"
+                lines.append(
+                    f"  in flight {when}: rid {item.rid!r} lifecycle {item.serial} copy "
+                    f"{item.op}{f' ({item.kind})' if item.kind else ''}, {item.state}{age}"
+                )
+            if len(mine) > MAX_AT_CUT_LISTED:
+                lines.append(f"  ... {len(mine) - MAX_AT_CUT_LISTED} more in flight {when}")
+    unknown = [e.segment for e in endings if e.status == "unknown"]
+    if unknown:
+        lines.append(
+            f"{len(unknown)} segment(s) written by a kvlife without closing records "
+            f"({', '.join(map(str, unknown[:10]))}): whether their writer closed them is "
+            "unknown"
+        )
+    return lines
 
 
 def fed(events: Iterable[Event], checker: AuditChecker) -> Iterator[Event]:
@@ -793,7 +1141,15 @@ __all__ = [
     "AuditReport",
     "AuditTableMismatchError",
     "InstanceSummary",
+    "OpenAtEnd",
+    "SegmentEnding",
+    "SegmentStatus",
+    "StopKind",
+    "Verdict",
     "Violation",
     "ViolationKind",
     "check_audit",
+    "copies",
+    "ending_lines",
+    "pid_alive",
 ]

@@ -23,6 +23,7 @@ from kvlife.fsm.audit.checker import (
     AuditChecker,
     Verdict,
     Violation,
+    ending_lines,
     fed,
     violations_by_record,
 )
@@ -420,6 +421,8 @@ def tell(
         what = f"lifecycle #{serial} of rid {rid!r}" if serial is not None else f"rid {rid!r}"
         raise LookupError(f"the log has no record of {what}")
     lines: list[str] = []
+    if checker is not None and (stopped := ending_lines(checker.report, rid=rid)):
+        lines += [*stopped, ""]  # how the writers stopped comes first
     if serial is None:
         lines.append(
             f"rid {rid!r}: {len(history.lifecycles)} lifecycle(s) in the log"

@@ -89,6 +89,9 @@ class HandoverSide:
     ended_how: str = ""  # finish, abort
     overdue: bool = False
     seq: int | None = None  # the record that opened the ticket
+    #: How the side's log segment ended (``closed``, ``cut``, ``open``, ``unknown``; see
+    #: the checker's ``SegmentEnding``); set when the checker finishes.
+    log_ending: str = ""
 
 
 @dataclass
@@ -371,6 +374,15 @@ def tell_handover(h: Handover) -> list[str]:
             lines.append("    no load: the request never read the blocks")
         elif d.closed is None:
             lines.append("    ... and the load was still open at the end of its log")
+    sides = [("prefill", p)] if p is not None else []
+    for name, side in [*sides, *(("decode", d) for d in h.decode)]:
+        if side.log_ending == "cut":
+            lines.append(
+                f"  the {name} side's log ({_where(side)}) was cut short: its server stopped "
+                "without closing it, so what it did not write did not happen before the cut"
+            )
+        elif side.log_ending == "open":
+            lines.append(f"  the {name} side's log ({_where(side)}) is still being written")
     for kind, side, message in h.verdicts:
         lines.append(f"  !! VIOLATION {kind} (decode #{side.serial} rid {side.rid!r}): {message}")
     return lines

@@ -35,6 +35,7 @@ from kvlife.fsm.audit.records import (
     AuditHeader,
     AuditRecord,
     AuditSchemaError,
+    ClosingRecord,
     LostRecords,
     check_record,
 )
@@ -46,6 +47,7 @@ MAX_PROBLEMS: Final = 100
 _RECORD: Final = msgspec.json.Decoder(AuditRecord)
 _LOST: Final = msgspec.json.Decoder(LostRecords)
 _HEADER: Final = msgspec.json.Decoder(AuditHeader)
+_CLOSING: Final = msgspec.json.Decoder(ClosingRecord)
 _ANY: Final = msgspec.json.Decoder()
 
 
@@ -80,7 +82,10 @@ class Segment:
     file: str
 
 
-Event = Segment | AuditRecord | LostRecords
+Event = Segment | AuditRecord | LostRecords | ClosingRecord
+"""What a reader yields: a segment begins, a record, a lost-records marker, or a closing
+record (the segment's writer closed it; see
+[`ClosingRecord`][kvlife.fsm.audit.records.ClosingRecord])."""
 
 
 def segment_records(events: Iterable[Event]) -> Iterator[tuple[int, AuditRecord]]:
@@ -173,6 +178,7 @@ class AuditReader:
         self.problem_count = 0
         self.records = 0
         self.lost_markers = 0
+        self.closings = 0
         self.segments = 0
         self._started = False
 
@@ -219,6 +225,9 @@ class AuditReader:
                         elif type(event) is LostRecords:
                             self.lost_markers += 1
                             yield event
+                        elif type(event) is ClosingRecord:
+                            self.closings += 1
+                            yield event
                         continue
                     if number == 1:
                         raise self._not_a_log(file)
@@ -247,9 +256,23 @@ class AuditReader:
             f"{file} is not a kvlife audit log: its first line is not a kvlife header"
         )
 
+    def open_markers(self) -> dict[str, str]:
+        """What the ``PATH.open`` marker beside each log read says (a writer keeps one
+        while its log is open: its pid and when it opened), by log path; logs without
+        one are left out."""
+        markers: dict[str, str] = {}
+        for file in self.files:
+            base = str(file)
+            if base in markers or re.search(r"\.[1-9][0-9]*$", file.name):
+                continue  # a rotated backup: its log's marker is beside the newest file
+            text = open_marker(file)
+            if text is not None:
+                markers[base] = text
+        return markers
+
     def _other_line(
         self, file: Path, number: int, start: int, line: bytes
-    ) -> AuditHeader | LostRecords | None:
+    ) -> AuditHeader | LostRecords | ClosingRecord | None:
         """A line that is not a record: a header, a lost marker, or a problem. A file's
         first line must be a header of this schema version."""
         try:
@@ -289,6 +312,12 @@ class AuditReader:
                 self._problem(file, number, start, f"bad lost-records marker: {exc}")
                 return None
             return marker
+        if isinstance(obj, dict) and "kvlife_closed" in obj:
+            try:
+                return _CLOSING.decode(line)
+            except msgspec.DecodeError as exc:
+                self._problem(file, number, start, f"bad closing record: {exc}")
+                return None
         try:
             _RECORD.decode(line)
         except msgspec.DecodeError as exc:
@@ -296,13 +325,24 @@ class AuditReader:
         return None
 
 
+def open_marker(path: str | os.PathLike[str]) -> str | None:
+    """What ``PATH.open`` says (``pid N, opened TIME``), or ``None`` when there is none."""
+    marker = Path(f"{path}.open")
+    try:
+        return marker.read_text(errors="replace").strip() or "unknown"
+    except OSError:
+        return None
+
+
 @dataclass
 class AuditSegment:
-    """The records written after one header (one registry's sink), in memory."""
+    """The records written after one header (one registry's sink), in memory, and the
+    closing record that ended it (``None``: it did not end with one)."""
 
     header: AuditHeader | None
     records: list[AuditRecord] = field(default_factory=list)
     lost: list[LostRecords] = field(default_factory=list)
+    closing: ClosingRecord | None = None
 
 
 @dataclass
@@ -340,6 +380,8 @@ class AuditLog:
             if marker is not None:
                 yield marker
                 yield from lost
+            if segment.closing is not None:
+                yield segment.closing
 
 
 def read_audit(
@@ -360,10 +402,13 @@ def read_audit(
     for event in reader:
         if type(event) is AuditRecord:
             log.segments[-1].records.append(event)
+            log.segments[-1].closing = None  # records after a closing record reopen it
         elif type(event) is Segment:
             log.segments.append(AuditSegment(header=event.header))
         elif type(event) is LostRecords:
             log.segments[-1].lost.append(event)
+        elif type(event) is ClosingRecord:
+            log.segments[-1].closing = event
     log.torn_tail = reader.torn_tail
     log.problems = reader.problems
     log.problem_count = reader.problem_count
@@ -381,5 +426,6 @@ __all__ = [
     "Event",
     "Segment",
     "audit_files",
+    "open_marker",
     "read_audit",
 ]

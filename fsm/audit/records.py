@@ -6,7 +6,10 @@ segment in the next file with a header of the same ``segment`` id and the next `
 Then come [`AuditRecord`][kvlife.fsm.audit.records.AuditRecord] lines (one per accepted or refused
 transition, ``seq`` gap-free per segment) and, only after a sink failed,
 [`LostRecords`][kvlife.fsm.audit.records.LostRecords] markers naming the ``seq`` range that could
-not be written.
+not be written. A writer that closes its segment cleanly ends it with a
+[`ClosingRecord`][kvlife.fsm.audit.records.ClosingRecord]: a segment whose header says its writer
+closes (``closes``) and that ends without one was cut short (a crash, a kill, a full
+disk).
 
 Decoding is typed (msgspec): a line is a record only if every field has the schema's
 type and value set, so the reader validates at C speed.
@@ -114,6 +117,10 @@ class AuditHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     segment: str = ""
     part: _Count = 0
     witness: str = ""
+    #: The writer ends the segment with a closing record when it closes cleanly: a
+    #: segment that ends without one was cut short. ``False`` in logs written before
+    #: closing records existed: how they ended is unknown.
+    closes: bool = False
 
     def continues(self, previous: AuditHeader | None) -> bool:
         """Whether this header continues ``previous``'s segment (a rotated file)."""
@@ -137,6 +144,41 @@ class LostRecords(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=T
     error: str
 
 
+ClosingHow = Literal["close", "signal", "exit"]
+"""How a writer closed its segment: ``close`` (the sink was closed), ``signal`` (the
+process was told to stop, SIGTERM or SIGINT, and settled its log first; a kill usually
+follows), ``exit`` (interpreter exit, or the sink was collected)."""
+
+
+class ClosingRecord(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
+    """The last line of a segment whose writer closed it cleanly.
+
+    ``kvlife_closed`` says how (see [`ClosingHow`][kvlife.fsm.audit.records.ClosingHow]);
+    ``t_ns`` (``time.monotonic_ns()``) and ``wall`` (``time.time()``) when; ``records``
+    how many records (and lost markers) the writer wrote in the segment; ``live`` and
+    ``open_tickets`` the lifecycles still live and the copies still in flight as the
+    writer's registry counted them at that moment (``None`` when the sink was not
+    attached to a registry). Records after it (a writer that settled on a signal and
+    went on) make the segment open again: only a closing record that is the segment's
+    last line closes it.
+    """
+
+    kvlife_closed: ClosingHow
+    t_ns: int
+    wall: float
+    records: _Count
+    live: _Count | None = None
+    open_tickets: _Count | None = None
+
+
+def make_closing(
+    how: ClosingHow, records: int, state: tuple[int, int] | None = None
+) -> ClosingRecord:
+    """A closing record now; ``state`` is ``(live lifecycles, copies in flight)``."""
+    live, open_tickets = state if state is not None else (None, None)
+    return ClosingRecord(how, time.monotonic_ns(), time.time(), records, live, open_tickets)
+
+
 RECORD_FIELDS: Final[tuple[str, ...]] = AuditRecord.__struct_fields__
 """Field names in schema order."""
 
@@ -151,7 +193,9 @@ _LINE_BREAKS: Final = (
 )
 
 
-def encode_lines(items: Iterable[AuditRecord | LostRecords | AuditHeader]) -> bytes:
+def encode_lines(
+    items: Iterable[AuditRecord | LostRecords | AuditHeader | ClosingRecord],
+) -> bytes:
     """Encode records (and markers) as JSON lines (UTF-8, each line ending in a newline).
 
     Strings are escaped by msgspec: quotes, backslashes, newlines and every control
@@ -199,10 +243,12 @@ def record_from_dict(obj: Any) -> AuditRecord:
     return check_record(record)
 
 
-def make_header(segment: str | None = None, part: int = 0, witness: str = "") -> AuditHeader:
+def make_header(
+    segment: str | None = None, part: int = 0, witness: str = "", *, closes: bool = False
+) -> AuditHeader:
     """The header a segment (and each of its rotated files) starts with; ``witness``
-    names the component a watching writer audits (see
-    [`AuditHeader`][kvlife.fsm.audit.records.AuditHeader])."""
+    names the component a watching writer audits, ``closes`` says the writer ends the
+    segment with a closing record (see [`AuditHeader`][kvlife.fsm.audit.records.AuditHeader])."""
     return AuditHeader(
         kvlife_audit=SCHEMA_VERSION,
         library_version=__version__,
@@ -213,6 +259,7 @@ def make_header(segment: str | None = None, part: int = 0, witness: str = "") ->
         segment=segment if segment is not None else secrets.token_hex(8),
         part=part,
         witness=witness,
+        closes=closes,
     )
 
 
@@ -232,6 +279,8 @@ __all__ = [
     "AuditHeader",
     "AuditRecord",
     "AuditSchemaError",
+    "ClosingHow",
+    "ClosingRecord",
     "DetailValue",
     "LostRecords",
     "StateName",
@@ -239,6 +288,7 @@ __all__ = [
     "check_record",
     "encode_lines",
     "encode_record",
+    "make_closing",
     "make_header",
     "record_from_dict",
 ]

@@ -9,7 +9,9 @@ not taken: the registry keeps it in a bounded backlog and offers it again (see
 * [`MemorySink`][kvlife.fsm.audit.sinks.MemorySink] -- an in-memory ring of the newest records.
 * [`JsonLinesSink`][kvlife.fsm.audit.sinks.JsonLinesSink] -- a JSON-lines file: header per
   segment, fsync policy, owner-only permissions, size-based rotation, flushed at interpreter
-  exit and when collected, never a partial line in the middle of the file.
+  exit and when collected, never a partial line in the middle of the file, a closing
+  record at the end of every segment it closes (so a log that ends without one was cut
+  short).
 * [`LoggingSink`][kvlife.fsm.audit.sinks.LoggingSink] -- one stdlib ``logging`` call per record.
 """
 
@@ -31,9 +33,11 @@ from kvlife.fsm.audit.guard import format_ranges, seq_ranges
 from kvlife.fsm.audit.records import (
     AuditHeader,
     AuditRecord,
+    ClosingHow,
     LostRecords,
     encode_lines,
     encode_record,
+    make_closing,
     make_header,
 )
 
@@ -185,7 +189,10 @@ class _JsonFile:
         self.records_written = 0
         self.in_file = 0  # records in the current file: a file with none is not rotated
         self.rotations = 0
-        self.header = make_header(witness=witness)
+        # (live lifecycles, copies in flight) of the registry the sink is attached to,
+        # for the closing record; weak, so that the sink keeps no registry alive
+        self.state: weakref.WeakMethod[Callable[[], tuple[int, int]]] | None = None
+        self.header = make_header(witness=witness, closes=True)
         self.fd: int | None = None
         self.size = 0
         self.fd, self.size = self._open(self.header)
@@ -242,7 +249,9 @@ class _JsonFile:
                 older = rotated_name(self.path, index - 1)
                 if older.exists():
                     os.replace(older, rotated_name(self.path, index))
-        header = make_header(self.header.segment, self.header.part + 1, self.header.witness)
+        header = make_header(
+            self.header.segment, self.header.part + 1, self.header.witness, closes=True
+        )
         new_fd, size = self._open(header)
         os.close(fd)
         self.fd, self.size, self.header = new_fd, size, header
@@ -262,11 +271,21 @@ class _JsonFile:
         self.in_file += len(buffer)
         buffer.clear()
 
-    def close(self) -> None:
+    def write_closing(self, how: ClosingHow) -> None:
+        """Write what is buffered, then the closing record (no fsync for a signal: the
+        process is about to be killed, and the kernel has the lines)."""
+        self.flush(sync=how != "signal")
+        counted = self.state() if self.state is not None else None
+        state = counted() if counted is not None else None
+        self.write(
+            encode_lines((make_closing(how, self.records_written, state),)), sync=how != "signal"
+        )
+
+    def close(self, how: ClosingHow = "close") -> None:
         with self.lock:
             if self.fd is None:
                 return
-            self.flush()
+            self.write_closing(how)
             os.close(self.fd)
             self.fd = None
             if self.marker is not None:
@@ -281,7 +300,7 @@ class _JsonFile:
         if self.fd is None:
             return
         try:
-            self.close()
+            self.close("exit")
         except Exception as exc:
             seqs = [item.seq for item in self.buffer if isinstance(item, AuditRecord)]
             _log.error(
@@ -568,10 +587,11 @@ class JsonLinesSink:
             file.flush(sync=False)
 
     def settle(self) -> bool:
-        """Write buffered records out (no ``fsync``) and remove the ``PATH.open`` marker,
-        leaving the sink open: the writer is about to be stopped (a termination signal)
-        and the log is whole up to now. Records written after this are written as
-        before; the marker does not come back.
+        """Write buffered records out and a closing record (``signal``; no ``fsync``) and
+        remove the ``PATH.open`` marker, leaving the sink open: the writer is about to be
+        stopped (a termination signal) and the log is whole up to now. Records written
+        after this are written as before (and make the segment open again: a later
+        ``close()`` writes another closing record); the marker does not come back.
 
         Safe to call from a signal handler in a sink with ``flush_interval_s``, where every
         write holds the sink's lock: it never waits for it. Returns ``False`` (nothing
@@ -587,7 +607,7 @@ class JsonLinesSink:
         try:
             if file.fd is None:
                 return True
-            file.flush(sync=False)
+            file.write_closing("signal")
             if file.marker is not None:
                 with contextlib.suppress(OSError):
                     file.marker.unlink()
@@ -610,8 +630,15 @@ class JsonLinesSink:
         with self._file.lock:
             self._file.flush()
 
+    def bind_state(self, state: Callable[[], tuple[int, int]]) -> None:
+        """Count, in the closing record, what ``state()`` returns when the segment is
+        closed: ``(live lifecycles, copies in flight)``. A registry binds this when the
+        sink is attached (a bound method, held weakly)."""
+        self._file.state = weakref.WeakMethod(state)
+
     def close(self) -> None:
-        """Flush and close the file. Closing twice is harmless.
+        """Flush, end the segment with a closing record, and close the file. Closing
+        twice is harmless.
 
         Raises ``OSError`` when the final write fails; the sink then stays open with its
         records buffered, so a later [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close]

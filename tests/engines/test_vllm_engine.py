@@ -14,6 +14,7 @@ import gc
 import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -345,6 +346,18 @@ def _server(
     64 blocks (so that requests are preempted); ``data_parallel`` engine cores, each on a
     core of its own; stopped with SIGINT to its process group, as an operator stops it.
     Yields its base URL."""
+    with _server_process(model, audit, log, kvlife=kvlife, data_parallel=data_parallel) as (
+        url,
+        _,
+    ):
+        yield url
+
+
+@contextlib.contextmanager
+def _server_process(
+    model: Path, audit: Path, log: Path, *, kvlife: bool = True, data_parallel: int = 1
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``_server``, yielding its process too (a test may stop it its own way first)."""
     port = free_port()
     # no timed flush during the run: what is in the file is what each call wrote out
     extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 3600}
@@ -378,7 +391,7 @@ def _server(
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(process, url, log, time.monotonic() + 240)
-            yield url
+            yield url, process
         finally:
             if not stop(process):
                 raise subprocess.TimeoutExpired(command, 90)  # Ctrl-C did not stop it
@@ -620,3 +633,63 @@ def test_the_engine_benchmark_measures_both_engines_side_by_side() -> None:
         assert result[key] > 0, key  # output tokens/s of each engine, each phase
     assert result["ttft_plain"] > 0 and result["ttft_kvlife"] > 0
     assert result["step_kvlife_us"] > result["connector_median_us"] > 0
+
+
+def _stream_forever(url: str, model: Path, started: Any) -> None:
+    """Stream long completions until the server goes away (in a thread)."""
+    import openai  # noqa: PLC0415
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with contextlib.suppress(Exception):  # the server is killed under the streams
+        for prompt in SERVED[:4]:
+            stream = client.completions.create(
+                model=str(model),
+                prompt=prompt,
+                max_tokens=400,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for _ in stream:
+                started.set()
+    client.close()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_server_closes_its_log_and_a_killed_one_is_told_cut_short(
+    model: Path, tmp_path: Path, how: str
+) -> None:
+    """An operator stops the server (SIGTERM to the API server: vLLM stops its engine
+    core, which settles the log first) or it dies (SIGKILL to every process, with
+    completions streaming): the first log ends with a closing record, the second is told
+    cut short, the copies then in flight listed, and no verdict on anyone."""
+    import threading  # noqa: PLC0415
+
+    audit, log = tmp_path / "kvlife.jsonl", tmp_path / "server.log"
+    started = threading.Event()
+    with _server_process(model, audit, log) as (url, process):
+        streams = threading.Thread(target=_stream_forever, args=(url, model, started))
+        streams.start()
+        assert started.wait(120), log.read_text()[-3000:]
+        if how == "SIGTERM":
+            os.kill(process.pid, signal.SIGTERM)
+        else:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=120)
+        streams.join(timeout=120)
+    report = check_audit(AuditReader(audit))
+    [ending] = report.endings
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvlife.diagrams.cli", "audit", "check", str(audit)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert report.violation_count == 0 and "VIOLATION" not in cli.stdout, cli.stdout
+    if how == "SIGKILL":
+        assert ending.status == "cut", ending
+        assert Path(f"{audit}.open").exists()  # the marker stays: the next opener is told
+        assert cli.returncode == 3 and "CUT SHORT" in cli.stdout, cli.stdout
+        assert f"pid {ending.pid}" in cli.stdout and "its .open marker says" in cli.stdout
+    else:
+        assert ending.status == "closed" and ending.how in ("signal", "close"), ending
+        assert cli.returncode == 0, cli.stdout
