@@ -2,7 +2,8 @@
 
 Usage: ``python tests/screenshot.py REPORT.html OUT.png [RID]`` -- opens the page in
 headless Chromium, filters the table to one rid (``req-7`` by default), selects its first
-lifecycle and captures the table and the story of the rid under it.
+lifecycle and captures the table and the story of the rid under it. With ``--top`` for
+``RID``: the page's first screen as it opens (the verdict and what it says first).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def main(report: Path, out: Path, rid: str = "req-7") -> None:
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(report.resolve().as_uri())
+        if rid == "--top":
+            page.set_viewport_size({"width": 1280, "height": 560})
+            page.screenshot(path=str(out))
+            browser.close()
+            return
         page.fill("#rid-filter", rid)
         page.locator("#lifecycles tbody tr").first.click()
         page.evaluate("document.querySelector('#filters').scrollIntoView()")

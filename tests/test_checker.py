@@ -3,6 +3,10 @@ lost ranges versus gaps, segments, table digests, bounded violation lists."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import get_args
 
@@ -24,6 +28,7 @@ from kvlife.fsm.audit import (
     make_header,
     read_audit,
 )
+from kvlife.fsm.audit.checker import pid_alive
 from kvlife.fsm.audit.records import make_closing
 from tests.strategies import Req
 from tests.violations import EDITS, UNRECORDED, clean_log, edited_log
@@ -345,3 +350,18 @@ def test_several_writers_are_counted_by_how_they_ended() -> None:
     lines = ending_lines(report)
     assert lines[0].startswith("2 writers: 1 closed their log, 1 stopped without closing it")
     assert "segment 1" in lines[1]
+
+
+def test_a_zombie_writer_is_not_alive_and_a_running_one_is() -> None:
+    assert pid_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while _state(child.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(child.pid)  # exited, not reaped yet: a zombie
+    child.wait()
+    assert not pid_alive(child.pid) and not pid_alive(0)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]

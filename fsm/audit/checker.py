@@ -43,6 +43,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final, Literal
 
 from kvlife.fsm.audit.handover import Handover, HandoverJoin
@@ -99,7 +100,9 @@ SegmentStatus = Literal["closed", "cut", "open", "unknown"]
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine (``kill(pid, 0)``)."""
+    """Whether a process ``pid`` runs on this machine: ``kill(pid, 0)`` finds it and,
+    where ``/proc`` tells, it is not a zombie (a killed process whose parent has not
+    reaped it yet, as an engine core killed with its server often is for a while)."""
     if pid <= 0:
         return False
     try:
@@ -107,10 +110,15 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: it exists
-        return True
+        pass
     except OSError:
         return False
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc here (or it is gone now): kill() found it
+    state = stat.rpartition(")")[2].split()[:1]  # the name in parentheses may hold spaces
+    return state not in (["Z"], ["X"])
 
 
 StopKind = Literal["cut", "open", "signal"]
@@ -277,7 +285,8 @@ VIOLATION_MEANINGS: Final[dict[str, str]] = {
     "stray_report": "the watched component reported a completion that no open ticket explains",
     "connector_raised": "the watched component raised while handling this lifecycle",
     "event_mismatch": "an event the watched component published contradicts what the engine holds",
-    "unreported": "a ticket of the watched component was still open when its log ended",
+    "unreported": "a ticket of the watched component was still open when its writer closed "
+    "the log (a log cut short lists such tickets instead, as in flight at the cut)",
     "overdue": "a ticket stayed open longer than its limit (and never completed afterwards)",
     "credited_elsewhere": "the watched component credited a copy's completion to another "
     "request object than the one it issued the copy for",

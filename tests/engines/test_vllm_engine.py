@@ -635,6 +635,16 @@ def test_the_engine_benchmark_measures_both_engines_side_by_side() -> None:
     assert result["step_kvlife_us"] > result["connector_median_us"] > 0
 
 
+async def _served(url: str, model: Path, batch: list[list[int]]) -> list[list[int] | None]:
+    import openai  # noqa: PLC0415
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    try:
+        return await asyncio.gather(*(_complete(client, model, p) for p in batch))
+    finally:
+        await client.close()
+
+
 def _stream_forever(url: str, model: Path, started: Any) -> None:
     """Stream long completions until the server goes away (in a thread)."""
     import openai  # noqa: PLC0415
@@ -667,15 +677,17 @@ def test_a_stopped_server_closes_its_log_and_a_killed_one_is_told_cut_short(
     audit, log = tmp_path / "kvlife.jsonl", tmp_path / "server.log"
     started = threading.Event()
     with _server_process(model, audit, log) as (url, process):
-        streams = threading.Thread(target=_stream_forever, args=(url, model, started))
-        streams.start()
-        assert started.wait(120), log.read_text()[-3000:]
-        if how == "SIGTERM":
+        if how == "SIGTERM":  # served, then stopped (uvicorn waits for open streams)
+            asyncio.run(asyncio.wait_for(_served(url, model, SERVED[:4]), timeout=300))
             os.kill(process.pid, signal.SIGTERM)
+            process.wait(timeout=120)
         else:
+            streams = threading.Thread(target=_stream_forever, args=(url, model, started))
+            streams.start()
+            assert started.wait(120), log.read_text()[-3000:]
             os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=120)
-        streams.join(timeout=120)
+            process.wait(timeout=120)
+            streams.join(timeout=120)
     report = check_audit(AuditReader(audit))
     [ending] = report.endings
     cli = subprocess.run(

@@ -250,8 +250,9 @@ def test_a_prefill_server_killed_before_the_read_is_told_on_the_decode_side(
     before the decode side reads its blocks. Without kvlife: NIXL's handshake fails on the
     decode worker after about 5 s and the client gets HTTP 500. The decode server's log
     tells the load overdue while it waits, then failed, named by the decode side's rid with
-    the prefill side's identity; the prefill server's log ends with the delayed free open
-    (``unreported``), and the two joined tell the hand-over that never finished."""
+    the prefill side's identity; the prefill server's log is cut short with the delayed
+    free open (in flight at the cut, not ``unreported``), and the two joined tell the
+    hand-over that never finished and that the prefill side's log was cut."""
     model = make_model(tmp_path / "llama")
     audit = {"audit_overdue_s": OVERDUE_S, "stats_interval_s": 0}
     configs = {
@@ -308,8 +309,13 @@ def test_a_prefill_server_killed_before_the_read_is_told_on_the_decode_side(
     text = _why(read.rid, tmp_path)
     assert f"hand-over of {rid!r}" in text
     assert "still open at the end of its log (the blocks were never freed)" in text
-    kinds = {(v.kind, v.rid) for v in both.violations}
-    assert ("unreported", rid) in kinds  # the prefill side's log ended with its free open
+    # the prefill server died: its log was cut short with the free open, which is not the
+    # connector's fault (no ``unreported``); the join says so
+    assert ("unreported", rid) not in {(v.kind, v.rid) for v in both.violations}
+    cut = [e for e in both.endings if e.status == "cut"]
+    assert [Path(e.file).name for e in cut] == ["prefill.jsonl"], both.endings
+    assert rid in {o.rid for o in both.open_at_end if o.kind == "delayed_free"}
+    assert "the prefill side's log (prefill.jsonl) was cut short" in text
 
 
 def test_a_client_that_disconnects_while_the_decode_side_reads(tmp_path: Path) -> None:
