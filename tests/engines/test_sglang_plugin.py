@@ -15,6 +15,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,7 @@ def test_the_switch_makes_sglangs_scheduler_build_kvlifes_manager(tmp_path: Path
     log = read_audit(path)
     report = check_audit(log, expect_released=True)
     assert report.ok, report
+    assert [(e.status, e.how) for e in report.endings] == [("closed", "close")]
     assert (report.lifecycles, report.released, report.reused_while_unreleased) == (2, 2, 1)
     assert {r.rid for r in log.records} == {"r"}  # one rid, two lifecycles, both released
 
@@ -129,6 +132,16 @@ def test_a_killed_scheduler_leaves_every_record_of_the_calls_that_returned(
     assert report.ok, report  # both lifecycles released, nothing missing
     assert (report.lifecycles, report.released) == (2, 2)
     assert Path(f"{path}.open").exists()  # the unclean stop is visible to the next opener
+    # and every view says the log was cut short, naming the scheduler's pid
+    assert [(e.status, e.pid) for e in report.endings] == [("cut", process.pid)]
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvlife.diagrams.cli", "audit", "check", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 3, cli.stdout + cli.stderr
+    assert f"(pid {process.pid}): CUT SHORT" in cli.stdout and "no copy in flight" in cli.stdout
 
 
 def test_without_the_switch_the_scheduler_builds_sglangs_own_manager(tmp_path: Path) -> None:
