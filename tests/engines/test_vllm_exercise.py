@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,8 @@ from kvlife.offload.engines.vllm.testing import (
     check_connector,
     exercise_cases,
 )
-from tests.engines.vllm_planted import CAUGHT_BY, config
+from tests.engines.vllm_planted import CAUGHT_BY, PANIC_HOOKS, HoldsPort, config
+from tests.engines.vllm_server import free_port
 
 KVLIFE = {
     "kv_connector": "KVLifeConnector",
@@ -157,3 +159,53 @@ def test_bad_config_text_raises_a_typed_error() -> None:
         parse_config("@/no/such/file.json")
     with pytest.raises(ValueError, match="unknown families"):
         exercise_cases(["basic", "sometimes"])
+
+
+# --- any connector: native panics, fixed ports, shutdown -----------------------------------
+
+
+def _panics(hook: str) -> dict[str, Any]:
+    return config("Panics") | {"kv_connector_extra_config": {"panic_in": hook}}
+
+
+@pytest.mark.parametrize("hook", [h for h in PANIC_HOOKS if h != "__init__"])
+def test_a_native_panic_in_any_hook_is_a_failed_run_with_its_seed_and_frame(
+    hook: str, tmp_path: Path
+) -> None:
+    run = run_one(_panics(hook), FAMILIES["basic"], 3, 40, tmp_path)
+    assert run.failed and run.seed == 3, run.describe()
+    assert run.raised is not None and run.raised.startswith("NativePanic")
+    assert f"{hook} contract violation" in run.raised
+    assert run.raised_at is not None and "vllm_planted.py" in run.raised_at
+    assert "in panic" in run.raised_at  # the innermost frame: where it was raised
+    if hook == "shutdown":
+        assert "at shutdown()" in run.raised
+    elif hook != "get_finished":  # a scheduler-side call: the wrapper wrote it down
+        assert "connector_raised" in run.verdicts, run.describe()
+
+
+def test_a_panic_at_build_or_at_the_check_shutdown_exits_2_in_one_line(tmp_path: Path) -> None:
+    common = ["--seeds", "1", "--steps", "20", "--out", str(tmp_path), "--families", "basic"]
+    status, out, err = _cli(json.dumps(_panics("__init__")), *common)
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "does not build: NativePanic: panicked at src/leader.rs" in err
+    status, out, err = _cli(json.dumps(_panics("shutdown")), *common)
+    assert status == 2 and "Panics built, then its shutdown() raised NativePanic" in err
+
+
+def test_a_connector_that_binds_a_fixed_port_is_shut_down_between_runs(tmp_path: Path) -> None:
+    port = free_port()
+    holds = config("HoldsPort") | {"kv_connector_extra_config": {"port": port}}
+    try:
+        reports, runs = exercise(holds, ["basic", "abort"], range(2), 30, tmp_path)
+        assert [r.failed for r in reports] == [0, 0] and len(runs) == 4
+        keeps = config("KeepsPort") | {"kv_connector_extra_config": {"port": free_port()}}
+        with pytest.raises(ExerciseConfigError) as told:
+            exercise(keeps, ["basic"], range(2), 30, tmp_path)
+        said = str(told.value)
+        assert said.startswith("KeepsPort built once and shut down, then did not build again")
+        assert "Address already in use" in said and "release it in shutdown()" in said
+    finally:
+        for bound in HoldsPort.held:
+            bound.close()
+        HoldsPort.held.clear()

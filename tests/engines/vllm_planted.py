@@ -9,6 +9,7 @@ exercise`` should catch (``CAUGHT_BY``).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -222,6 +223,104 @@ class WrongTokens(Planted):
     def first_block(self, request: Any) -> list[int]:
         tokens = list(request.all_token_ids[: self.block])
         return self.cache.setdefault(tokens[0], tokens)
+
+
+class NativePanic(BaseException):
+    """What pyo3 raises for a panic in a connector's Rust core (its ``PanicException``
+    derives from ``BaseException``, not ``Exception``)."""
+
+
+PANIC_HOOKS = (
+    "__init__",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "take_events",
+    "get_finished",
+    "shutdown",
+)
+"""The hooks ``Panics`` can panic in (its extra config's ``panic_in``)."""
+
+
+class Panics(Planted):
+    """A correct connector whose native core panics in one hook, named by its extra
+    config's ``panic_in`` (from the first call of that hook on)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.panic_in = extra.get("panic_in")
+        self.panic("__init__")
+
+    def panic(self, hook: str) -> None:
+        if self.panic_in == hook:
+            raise NativePanic(f"panicked at src/leader.rs: {hook} contract violation")
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        self.panic("get_num_new_matched_tokens")
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.panic("update_state_after_alloc")
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        self.panic("build_connector_meta")
+        return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.panic("update_connector_output")
+        super().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        self.panic("request_finished")
+        return super().request_finished(request, block_ids)
+
+    def take_events(self) -> list[Any]:
+        self.panic("take_events")
+        return super().take_events()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.panic("get_finished")
+        return super().get_finished(finished_req_ids)
+
+    def shutdown(self) -> None:
+        self.panic("shutdown")
+
+
+class HoldsPort(Planted):
+    """A correct connector whose scheduler side binds a fixed loopback port (its extra
+    config's ``port``), as KVBM's leader binds its ZMQ ports, and lets go of it in
+    ``shutdown()``."""
+
+    held: ClassVar[list[socket.socket]] = []  # every socket bound, for the tests to close
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.socket: socket.socket | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            port = vllm_config.kv_transfer_config.kv_connector_extra_config["port"]
+            bound = socket.socket()
+            try:
+                bound.bind(("127.0.0.1", port))
+            except OSError:
+                bound.close()
+                raise
+            self.socket = bound
+            self.held.append(bound)
+
+    def shutdown(self) -> None:
+        if self.socket is not None:
+            self.socket.close()
+
+
+class KeepsPort(HoldsPort):
+    """``HoldsPort`` that never lets go of its port: its ``shutdown()`` does nothing."""
+
+    def shutdown(self) -> None:
+        return None
 
 
 #: planted connector -> the family that should catch it

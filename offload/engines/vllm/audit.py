@@ -76,7 +76,7 @@ from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import Lifecycle, LifecycleError, OverdueWatch, Ticket, Trigger
 from kvlife.fsm.audit.records import DetailValue
-from kvlife.offload.engines.vllm.config import ConnectorConfig, audit_path
+from kvlife.offload.engines.vllm.config import STOPPING, ConnectorConfig, audit_path
 from kvlife.offload.engines.vllm.handover import handed_over, taken_over
 from kvlife.offload.engines.vllm.lenses import Lens, lens_for
 from kvlife.offload.engines.vllm.scheduler import CoreLog, overdue_line
@@ -895,11 +895,13 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The wrapped connector's ``name``, called with the arguments as they are; an
-        exception is written to the log (scheduler side) before it goes on."""
+        exception is written to the log (scheduler side) before it goes on, whatever its
+        class (a native core's panic raised through pyo3 is a ``BaseException``), but for
+        the ones that stop the process (``STOPPING``)."""
         try:
             return getattr(self.wrapped, name)(*args, **kwargs)
-        except Exception as exc:
-            if self.watch is not None:
+        except BaseException as exc:
+            if self.watch is not None and not isinstance(exc, STOPPING):
                 self.watch.raised(name, args, exc)
             raise
 
@@ -997,8 +999,8 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[Any]:
         try:  # read here: a generator raises while it is read, not when it is called
             events = list(self.wrapped.take_events())
-        except Exception as exc:
-            if self.watch is not None:
+        except BaseException as exc:
+            if self.watch is not None and not isinstance(exc, STOPPING):
                 self.watch.raised("take_events", (), exc)
             raise
         if self.watch is not None and self.watch.events and events:

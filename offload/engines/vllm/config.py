@@ -7,9 +7,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvlife.fsm import DEFAULT_OVERDUE_S
+
+STOPPING: Final = (KeyboardInterrupt, SystemExit, GeneratorExit)
+"""Exceptions that stop the process or a generator, not a connector's failure: everything
+else a connector raises (``BaseException`` subclasses included, such as pyo3's
+``PanicException`` from a native core) is recorded and judged as the connector's."""
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

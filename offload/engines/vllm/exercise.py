@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvlife.offload.engines.vllm.config import STOPPING
+
 BLOCK = 16
 LAYERS = ("layer.0", "layer.1")
 HEADS, HEAD_DIM = 2, 8
@@ -324,10 +326,31 @@ def build_scheduler(
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=BLOCK,
         )
-    except Exception as exc:  # whatever vLLM or the connector raise on a bad config
+    except BaseException as exc:  # whatever vLLM or the connector raise on a bad config
+        if isinstance(exc, STOPPING):
+            raise
         raise ExerciseConfigError(
             f"the connector does not build: {type(exc).__name__}: {_first_line(exc)}"
         ) from exc
+
+
+def shut_down(scheduler: Any, workers: Any = None) -> BaseException | None:
+    """Shut down what a run built, the way vLLM does at an engine's end: the played
+    workers (their connectors' ``shutdown()``), then the scheduler (which calls the
+    connector's ``shutdown()``, through the audit wrapper, which then closes its log).
+    Returns what one of them raised (the last, ``STOPPING`` ones raised at once), so
+    that a connector that fails to let go is told, not hidden."""
+    raised: BaseException | None = None
+    for close in (getattr(workers, "close", None), getattr(scheduler, "shutdown", None)):
+        if close is None:
+            continue
+        try:
+            close()
+        except BaseException as exc:
+            if isinstance(exc, STOPPING):
+                raise
+            raised = exc
+    return raised
 
 
 def _first_line(exc: BaseException) -> str:
@@ -737,15 +760,16 @@ def run_one(
         if not result.undrained:  # (an undrained request holds its blocks: said above)
             pool = scheduler.kv_cache_manager.block_pool
             result.leaked_blocks = max(0, family.blocks - 1 - pool.get_num_free_blocks())
-    except Exception as exc:  # vLLM's or the connector's: what the run found
+    except BaseException as exc:  # vLLM's or the connector's (a native panic too)
+        if isinstance(exc, STOPPING):
+            raise
         result.raised = f"{type(exc).__name__}: {_first_line(exc)}"
         result.raised_at = _where(exc)
     finally:
-        close = getattr(workers, "close", None)
-        if close is not None:
-            close()
-        with contextlib.suppress(Exception):
-            scheduler.shutdown()
+        stopped = shut_down(scheduler, workers)
+    if stopped is not None and result.raised is None:  # the run found it at shutdown
+        result.raised = f"{type(stopped).__name__} at shutdown(): {_first_line(stopped)}"
+        result.raised_at = _where(stopped)
     clean_end = result.raised is None and not result.undrained
     report = check_audit(AuditReader(log), expect_released=clean_end)
     result.lifecycles = report.lifecycles
@@ -857,22 +881,37 @@ def exercise(
     if unknown:
         raise ExerciseConfigError(f"unknown families {unknown}: choose from {sorted(FAMILIES)}")
     directory.mkdir(parents=True, exist_ok=True)
-    layout = workers_class(transfer["kv_connector"]).kv_cache_layout
-    build_scheduler(transfer, directory / "build-check.jsonl", layout=layout).shutdown()
+    name = transfer["kv_connector"]
+    layout = workers_class(name).kv_cache_layout
+    checked = shut_down(build_scheduler(transfer, directory / "build-check.jsonl", layout=layout))
+    if checked is not None:
+        raise ExerciseConfigError(
+            f"{name} built, then its shutdown() raised {type(checked).__name__}: "
+            f"{_first_line(checked)}"
+        )
     (directory / "build-check.jsonl").unlink(missing_ok=True)
     reports, runs = [], []
-    for name in families:
-        family = FAMILIES[name]
-        report = FamilyReport(name, family.what)
+    for family_name in families:
+        family = FAMILIES[family_name]
+        report = FamilyReport(family_name, family.what)
         for i, seed in enumerate(seeds):
-            run = run_one(transfer, family, seed, steps, directory)
+            try:
+                run = run_one(transfer, family, seed, steps, directory)
+            except ExerciseConfigError as exc:  # it built once, and not after a shutdown
+                raise ExerciseConfigError(
+                    f"{name} built once and shut down, then did not build again: "
+                    f"{exc.__cause__ and type(exc.__cause__).__name__}: "
+                    f"{_first_line(exc.__cause__ or exc)}. It still holds something its next "
+                    "build needs (a fixed port, a process-wide singleton): release it in "
+                    "shutdown()"
+                ) from exc
             report.add(run)
             runs.append(run)
             if not run.failed:
                 Path(run.log).unlink(missing_ok=True)
                 Path(run.log).with_suffix(".kvlife.jsonl").unlink(missing_ok=True)
             if progress is not None:
-                progress(name, i + 1, len(seeds))
+                progress(family_name, i + 1, len(seeds))
         reports.append(report)
     return reports, runs
 
