@@ -252,7 +252,8 @@ def measure_ways(
     serial = iter(range(1 << 30))
 
     def store_kvlife() -> None:
-        req = _Request(f"bench-{next(serial)}", src_slots.to(device) if cuda else src_slots)
+        # block ids on the host, as block-paged engines hand them over: the page path
+        req = _Request(f"bench-{next(serial)}", src_slots)
         manager.register(req)
         manager.step(req)
         manager.drain()

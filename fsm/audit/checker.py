@@ -179,6 +179,8 @@ class SegmentEnding:
         when = ""
         if self.last_wall is not None:
             when = f", last record {_clock(self.last_wall)}"
+        if self.begins_mid_way:  # its first files were rotated out (or a ring's)
+            who += " (its beginning is not in the log: rotated out)"
         flight = f"{copies(self.open_tickets)} in flight"
         if self.status == "closed" and self.how == "signal":
             return (
