@@ -201,6 +201,33 @@ def _peer_runner(
     return run
 
 
+def _direction(
+    kvlife: _Way,
+    peers: Callable[[], CopyList],
+    contiguous: Callable[[], Any],
+    stream: torch.cuda.Stream | None,
+    *,
+    to_host: bool,
+    listed: int,
+    check: Callable[[], bool],
+    prepare: Callable[[], None],
+) -> list[_Way]:
+    """One direction's ways in the order printed: kvlife, per-block, batch (CUDA only:
+    said unavailable before CUDA 12.8), contiguous. The peers' ways build their list per
+    offload, as the peers do, and are checked and prepared as kvlife is."""
+    ways = [
+        kvlife,
+        _Way("per-block", _peer_runner(peers, stream, False, to_host), listed, check, prepare),
+    ]
+    if stream is not None:
+        batch = _Way("batch", _peer_runner(peers, stream, True, to_host), 1, check, prepare)
+        if not batch_copy_available():
+            batch.error = "cudaMemcpyBatchAsync needs CUDA 12.8+"
+        ways.append(batch)
+    ways.append(_Way("contiguous", contiguous, 1))
+    return ways
+
+
 def measure_ways(
     tokens: int,
     device: torch.device,
@@ -290,49 +317,27 @@ def measure_ways(
         )
 
     listed = pages * components
-    store_ways = [
-        _Way(
-            "kvlife", store_kvlife, chunks * components + chunks, manager_stored_right, clear_stored
-        ),
-        _Way(
-            "per-block",
-            _peer_runner(store_list, stream, False, True),
-            listed,
-            stored_right,
-            clear_stored,
-        ),
-        _Way("contiguous", lambda: flat_store.copy_(flat_dev, non_blocking=True), 1),
-    ]
-    load_ways = [
-        _Way("kvlife", load_kvlife, chunks * components + chunks, loaded_right, clear_targets),
-        _Way(
-            "per-block",
-            _peer_runner(load_list, stream, False, False),
-            listed,
-            loaded_right,
-            clear_targets,
-        ),
-        _Way("contiguous", lambda: flat_dev.copy_(flat_load, non_blocking=True), 1),
-    ]
-    if cuda:
-        store_ways.insert(
-            2,
-            _Way(
-                "batch", _peer_runner(store_list, stream, True, True), 1, stored_right, clear_stored
-            ),
-        )
-        load_ways.insert(
-            2,
-            _Way(
-                "batch",
-                _peer_runner(load_list, stream, True, False),
-                1,
-                loaded_right,
-                clear_targets,
-            ),
-        )
-        if not batch_copy_available():
-            store_ways[2].error = load_ways[2].error = "cudaMemcpyBatchAsync needs CUDA 12.8+"
+    launches = chunks * components + chunks
+    store_ways = _direction(
+        _Way("kvlife", store_kvlife, launches, manager_stored_right, clear_stored),
+        store_list,
+        lambda: flat_store.copy_(flat_dev, non_blocking=True),
+        stream,
+        to_host=True,
+        listed=listed,
+        check=stored_right,
+        prepare=clear_stored,
+    )
+    load_ways = _direction(
+        _Way("kvlife", load_kvlife, launches, loaded_right, clear_targets),
+        load_list,
+        lambda: flat_dev.copy_(flat_load, non_blocking=True),
+        stream,
+        to_host=False,
+        listed=listed,
+        check=loaded_right,
+        prepare=clear_targets,
+    )
     _interleave(store_ways, device, reps)
     _interleave(load_ways, device, reps)
     name = f"reference ({layers} layers)"
@@ -357,48 +362,62 @@ class ConcurrentRow:
     error: str | None = None
 
 
+class _Duplex:
+    """A store of ``tokens`` tokens (device pages 0..P-1 into host pages 0..P-1) and a load
+    as large (host pages P..2P-1 into device pages 2P..3P-1), issued at once on two streams
+    by kvlife or by the batch way: both directions of the link busy."""
+
+    def __init__(self, tokens: int, device: torch.device, layers: int) -> None:
+        layout = reference_layout(3 * tokens, layers)
+        self.device = device
+        self.layout = layout
+        pages = tokens // PAGE
+        self.host = host = HostPagePool(layout, 2 * pages, pin_memory=True)
+        store_pages, load_pages = host.alloc(pages), host.alloc(pages)
+        assert store_pages is not None
+        assert load_pages is not None
+        self.store_pages, self.load_pages = store_pages, load_pages
+        kv = layout.allocate(device)
+        self.copier = CopyEngine(layout, kv, host, streams=2)
+        self.src = torch.arange(pages * PAGE)
+        self.dst = torch.arange(2 * pages * PAGE, 3 * pages * PAGE)
+        device_pages = [c.view(-1, PAGE, layout.elems) for c in layout.component_views(kv)]
+        self.out_list = block_copy_list(
+            device_pages, host.tensor, torch.arange(pages), torch.arange(pages), to_host=True
+        )
+        self.in_list = block_copy_list(
+            device_pages,
+            host.tensor,
+            torch.arange(2 * pages, 3 * pages),
+            torch.arange(pages, 2 * pages),
+            to_host=False,
+        )
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def kvlife(self) -> None:
+        self.copier.launch(self.src, self.store_pages)  # streams in turn: 0 stores, 1 loads
+        self.copier.load(self.load_pages, self.dst)
+
+    def batch(self) -> None:
+        for s in self.streams:
+            s.wait_stream(torch.cuda.current_stream(self.device))
+        copy_batch(self.out_list, self.streams[0], to_host=True)
+        copy_batch(self.in_list, self.streams[1], to_host=False)
+
+
 def measure_concurrent(
     tokens: int, device: torch.device, *, reps: int = 5, layers: int = 32
 ) -> list[ConcurrentRow]:
     """GB/s of a store and a load at once (both directions of the link): kvlife on two
     streams, the batch way on two streams, two contiguous copies on two streams."""
-    layout = reference_layout(3 * tokens, layers)
-    kv = layout.allocate(device)
+    duplex = _Duplex(tokens, device, layers)
+    host, streams = duplex.host, duplex.streams
     pages = tokens // PAGE
-    host = HostPagePool(layout, 2 * pages, pin_memory=True)
-    store_pages, load_pages = host.alloc(pages), host.alloc(pages)
-    assert store_pages is not None
-    assert load_pages is not None
-    copier = CopyEngine(layout, kv, host, streams=2)
-    src = torch.arange(pages * PAGE)  # device pages 0..P-1 out, into pages 2P..3P-1
-    dst = torch.arange(2 * pages * PAGE, 3 * pages * PAGE)
-    nbytes = 2 * tokens * layout.bytes_per_token
-    device_pages = [c.view(-1, PAGE, layout.elems) for c in layout.component_views(kv)]
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-    out_list = block_copy_list(
-        device_pages, host.tensor, torch.arange(pages), torch.arange(pages), to_host=True
-    )
-    in_list = block_copy_list(
-        device_pages,
-        host.tensor,
-        torch.arange(2 * pages, 3 * pages),
-        torch.arange(pages, 2 * pages),
-        to_host=False,
-    )
+    nbytes = 2 * tokens * duplex.layout.bytes_per_token
     flat = torch.empty(nbytes // 4, dtype=torch.bfloat16, device=device)
     flat_back = torch.empty_like(flat)
     host_out = host.tensor[:pages].view(-1)
     host_in = host.tensor[pages:].view(-1)
-
-    def kvlife() -> None:
-        copier.launch(src, store_pages)  # streams go in turn: the store on 0, the load on 1
-        copier.load(load_pages, dst)
-
-    def batch() -> None:
-        for s in streams:
-            s.wait_stream(torch.cuda.current_stream(device))
-        copy_batch(out_list, streams[0], to_host=True)
-        copy_batch(in_list, streams[1], to_host=False)
 
     def contiguous() -> None:
         with torch.cuda.stream(streams[0]):
@@ -406,9 +425,9 @@ def measure_concurrent(
         with torch.cuda.stream(streams[1]):
             flat_back.copy_(host_in, non_blocking=True)
 
-    runs = {"kvlife": kvlife, "contiguous": contiguous}
+    runs = {"kvlife": duplex.kvlife, "contiguous": contiguous}
     if batch_copy_available():
-        runs["batch"] = batch
+        runs["batch"] = duplex.batch
     rows = {name: ConcurrentRow(name, tokens, nbytes) for name in ("kvlife", "batch", "contiguous")}
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for rep in range(reps + 1):
@@ -450,41 +469,10 @@ def measure_compute_slowdown(
     """A loop of ``size``² bf16 matmuls on the compute stream alone, then with a store and
     a load of ``tokens`` tokens issued before each group of matmuls, by kvlife (its
     gather and scatter are kernels: they take SMs) and by the batch way (DMA only)."""
-    layout = reference_layout(3 * tokens, layers)
-    kv = layout.allocate(device)
-    pages = tokens // PAGE
-    host = HostPagePool(layout, 2 * pages, pin_memory=True)
-    store_pages, load_pages = host.alloc(pages), host.alloc(pages)
-    assert store_pages is not None
-    assert load_pages is not None
-    copier = CopyEngine(layout, kv, host, streams=2)
-    src = torch.arange(pages * PAGE)
-    dst = torch.arange(2 * pages * PAGE, 3 * pages * PAGE)
-    device_pages = [c.view(-1, PAGE, layout.elems) for c in layout.component_views(kv)]
-    out_list = block_copy_list(
-        device_pages, host.tensor, torch.arange(pages), torch.arange(pages), to_host=True
-    )
-    in_list = block_copy_list(
-        device_pages,
-        host.tensor,
-        torch.arange(2 * pages, 3 * pages),
-        torch.arange(pages, 2 * pages),
-        to_host=False,
-    )
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    duplex = _Duplex(tokens, device, layers)
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     per_round = 8
-
-    def kvlife() -> None:
-        copier.launch(src, store_pages)  # on stream 0, the load on stream 1
-        copier.load(load_pages, dst)
-
-    def batch() -> None:
-        for s in streams:
-            s.wait_stream(torch.cuda.current_stream(device))
-        copy_batch(out_list, streams[0], to_host=True)
-        copy_batch(in_list, streams[1], to_host=False)
 
     def loop(copies: Callable[[], None] | None) -> float:
         sync(device)
@@ -502,9 +490,9 @@ def measure_compute_slowdown(
     loop(None)  # warm the matmul
     alone = statistics.median(loop(None) for _ in range(3))
     rows = [ComputeRow("none", alone, 1.0, 0)]
-    ways: list[tuple[str, Callable[[], None]]] = [("kvlife", kvlife)]
+    ways: list[tuple[str, Callable[[], None]]] = [("kvlife", duplex.kvlife)]
     if batch_copy_available():
-        ways.append(("batch", batch))
+        ways.append(("batch", duplex.batch))
     for name, run in ways:
         try:
             with_copies = statistics.median(loop(run) for _ in range(3))
@@ -611,41 +599,26 @@ def _measure_layout(
     flat_host = host.tensor[blocks:].reshape(-1)[: nbytes // host.tensor.element_size()]
     flat_host = flat_host.view(torch.uint8).view(torch.bfloat16)
     listed = blocks * len(views)
-    store_ways = [
+    store_ways = _direction(
         _Way("kvlife", store, 0, stored_right, clear_host),
-        _Way(
-            "per-block",
-            _peer_runner(out_list, stream, False, True),
-            listed,
-            stored_right,
-            clear_host,
-        ),
-        _Way("contiguous", lambda: flat_host.copy_(flat, non_blocking=True), 1),
-    ]
-    load_ways = [
+        out_list,
+        lambda: flat_host.copy_(flat, non_blocking=True),
+        stream,
+        to_host=True,
+        listed=listed,
+        check=stored_right,
+        prepare=clear_host,
+    )
+    load_ways = _direction(
         _Way("kvlife", load, 0, loaded_right, clear_targets),
-        _Way(
-            "per-block",
-            _peer_runner(in_list, stream, False, False),
-            listed,
-            loaded_right,
-            clear_targets,
-        ),
-        _Way("contiguous", lambda: flat.copy_(flat_host, non_blocking=True), 1),
-    ]
-    if device.type == "cuda":
-        store_ways.insert(
-            2,
-            _Way("batch", _peer_runner(out_list, stream, True, True), 1, stored_right, clear_host),
-        )
-        load_ways.insert(
-            2,
-            _Way(
-                "batch", _peer_runner(in_list, stream, True, False), 1, loaded_right, clear_targets
-            ),
-        )
-        if not batch_copy_available():
-            store_ways[2].error = load_ways[2].error = "cudaMemcpyBatchAsync needs CUDA 12.8+"
+        in_list,
+        lambda: flat.copy_(flat_host, non_blocking=True),
+        stream,
+        to_host=False,
+        listed=listed,
+        check=loaded_right,
+        prepare=clear_targets,
+    )
     _interleave(store_ways, device, reps)
     _interleave(load_ways, device, reps)
     worker.shutdown()

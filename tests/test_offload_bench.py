@@ -23,6 +23,8 @@ from kvlife.offload.bench_copies import measure_layouts, measure_ways
 from kvlife.offload.peer_copies import CopyList
 
 CPU = torch.device("cpu")
+SMALL = ("--device", "cpu", "--reps", "1", "--layers", "1", "--layout-blocks", "2")
+"""A whole run of the benchmark in seconds."""
 
 
 def test_every_way_stores_and_loads_the_right_bytes_on_cpu() -> None:
@@ -67,21 +69,7 @@ def test_main_prints_every_part_and_what_held(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out_file = tmp_path / "bench" / "offload.json"
-    argv = [
-        "--device",
-        "cpu",
-        "--tokens",
-        "32",
-        "1k",
-        "--reps",
-        "1",
-        "--layers",
-        "1",
-        "--layout-blocks",
-        "2",
-        "--json",
-        str(out_file),
-    ]
+    argv = [*SMALL, "--tokens", "32", "1k", "--json", str(out_file)]
     assert main(argv) == 0
     captured = capsys.readouterr()
     out = captured.out
@@ -102,18 +90,7 @@ def test_bytes_that_differ_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None
         "copy_per_block",
         lambda copies, stream: real(CopyList(*(t[:-1] for t in copies)), stream),
     )
-    argv = [
-        "--device",
-        "cpu",
-        "--tokens",
-        "32",
-        "--reps",
-        "1",
-        "--layers",
-        "1",
-        "--layout-blocks",
-        "2",
-    ]
+    argv = [*SMALL, "--tokens", "32"]
     assert main(argv) == 1
 
 
