@@ -132,8 +132,9 @@ def test_the_command_exits_0_clean_1_failed_2_for_a_config_that_does_not_build(
     tmp_path: Path,
 ) -> None:
     common = ["--seeds", "2", "--steps", "40", "--out", str(tmp_path)]
-    status, out, _ = _cli(json.dumps(config("Planted")), "--families", "basic,tp2", *common)
+    status, out, err = _cli(json.dumps(config("Planted")), "--families", "basic,tp2", *common)
     assert status == 0 and "basic: 2 runs, 0 failed" in out and "tp2: 2 runs, 0 failed" in out
+    assert err == "basic: 2 runs\ntp2: 2 runs\n"  # not a terminal: no redraws, a line each
     status, out, _ = _cli(json.dumps(config("RepeatsReport")), "--families", "basic", *common)
     assert status == 1 and "verdict stray_report" in out and "kvlife audit why" in out
     (tmp_path / "c.json").write_text(json.dumps(config("RepeatsReport")))

@@ -944,10 +944,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     families = [f.strip() for f in args.families.split(",") if f.strip()]
 
+    redraw = sys.stderr.isatty()  # a log file gets one line a family, not the redraws
+
     def progress(family: str, done: int, total: int) -> None:
-        print(f"\r{family}: {done}/{total} runs", end="", file=sys.stderr, flush=True)
-        if done == total:
-            print(file=sys.stderr)
+        if redraw:
+            print(f"\r{family}: {done}/{total} runs", end="", file=sys.stderr, flush=True)
+            if done == total:
+                print(file=sys.stderr)
+        elif done == total:
+            print(f"{family}: {total} runs", file=sys.stderr, flush=True)
 
     import vllm.logger  # noqa: F401, PLC0415  (vLLM sets its loggers up when imported)
 
