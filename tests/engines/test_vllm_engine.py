@@ -355,9 +355,16 @@ def _server(
 
 @contextlib.contextmanager
 def _server_process(
-    model: Path, audit: Path, log: Path, *, kvlife: bool = True, data_parallel: int = 1
+    model: Path,
+    audit: Path,
+    log: Path,
+    *,
+    kvlife: bool = True,
+    data_parallel: int = 1,
+    wrapped: bool = False,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``_server``, yielding its process too (a test may stop it its own way first)."""
+    """``_server``, yielding its process too (a test may stop it its own way first);
+    ``wrapped``: kvlife's connector inside the audit wrapper, whose log is ``audit``."""
     port = free_port()
     # no timed flush during the run: what is in the file is what each call wrote out
     extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 3600}
@@ -383,6 +390,24 @@ def _server_process(
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(data_parallel)))
     if kvlife:
         config = {**KVLIFE, "kv_connector_extra_config": extra}
+        if wrapped:  # kvlife's own log beside the wrapper's
+            inner = {
+                **config,
+                "kv_connector_extra_config": {
+                    **extra,
+                    "audit_log": str(audit.with_suffix(".own.jsonl")),
+                },
+            }
+            config = {
+                "kv_connector": "KVLifeAuditConnectorHMA",
+                "kv_connector_module_path": KVLIFE["kv_connector_module_path"],
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "audit_log": str(audit),
+                    "audit_flush_s": 3600,
+                    "connector": inner,
+                },
+            }
         command += ["--kv-transfer-config", json.dumps(config)]
     with log.open("w") as out:
         process = subprocess.Popen(
@@ -665,18 +690,21 @@ def _stream_forever(url: str, model: Path, started: Any) -> None:
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("writer", ["connector", "wrapper"])
 def test_a_stopped_server_closes_its_log_and_a_killed_one_is_told_cut_short(
-    model: Path, tmp_path: Path, how: str
+    model: Path, tmp_path: Path, how: str, writer: str
 ) -> None:
     """An operator stops the server (SIGTERM to the API server: vLLM stops its engine
     core, which settles the log first) or it dies (SIGKILL to every process, with
     completions streaming): the first log ends with a closing record, the second is told
-    cut short, the copies then in flight listed, and no verdict on anyone."""
+    cut short, the copies then in flight listed, and no verdict on anyone; kvlife's own
+    connector's log, and the audit wrapper's around it."""
     import threading  # noqa: PLC0415
 
     audit, log = tmp_path / "kvlife.jsonl", tmp_path / "server.log"
     started = threading.Event()
-    with _server_process(model, audit, log) as (url, process):
+    wrapped = writer == "wrapper"
+    with _server_process(model, audit, log, wrapped=wrapped) as (url, process):
         if how == "SIGTERM":  # served, then stopped (uvicorn waits for open streams)
             asyncio.run(asyncio.wait_for(_served(url, model, SERVED[:4]), timeout=300))
             os.kill(process.pid, signal.SIGTERM)
@@ -690,6 +718,7 @@ def test_a_stopped_server_closes_its_log_and_a_killed_one_is_told_cut_short(
             streams.join(timeout=120)
     report = check_audit(AuditReader(audit))
     [ending] = report.endings
+    assert ending.witness == ("KVLifeConnector" if wrapped else ""), ending
     cli = subprocess.run(
         [sys.executable, "-m", "kvlife.diagrams.cli", "audit", "check", str(audit)],
         capture_output=True,
