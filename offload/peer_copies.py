@@ -63,14 +63,19 @@ def block_copy_list(
     same bytes as one device block.
 
     Raises:
-        ValueError: a component's blocks are not contiguous, or not the size of a host
-            page's component.
+        ValueError: a block id or page is out of range, or a component's blocks are not
+            contiguous or not the size of a host page's component.
     """
     per_page = host[0, 0].numel() * host.element_size()
     page_stride = host.stride(0) * host.element_size()
     component_stride = host.stride(1) * host.element_size()
     blocks = blocks.to(torch.long)
     pages = pages.to(torch.long)
+    # raw addresses: an index out of range would copy past the tensors, not raise
+    if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) >= len(device[0])):
+        raise ValueError(f"block ids out of range [0, {len(device[0])})")
+    if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= len(host)):
+        raise ValueError(f"host pages out of range [0, {len(host)})")
     dev_ptrs = []
     host_ptrs = []
     for c, tensor in enumerate(device):

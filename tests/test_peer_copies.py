@@ -106,7 +106,7 @@ def test_cuda_both_ways_store_and_load_the_same_bytes_as_kvlife(batch: bool) -> 
     stream.wait_stream(torch.cuda.current_stream())
     out = block_copy_list(device, theirs.tensor, blocks, torch.arange(4), to_host=True)
     back = block_copy_list(
-        device, theirs.tensor, torch.tensor([20, 21, 22, 23]), torch.arange(4), to_host=False
+        device, theirs.tensor, torch.tensor([10, 11, 12, 13]), torch.arange(4), to_host=False
     )
     for listed, to_host in ((out, True), (back, False)):
         if batch:
@@ -116,4 +116,13 @@ def test_cuda_both_ways_store_and_load_the_same_bytes_as_kvlife(batch: bool) -> 
     torch.cuda.synchronize()
     assert job.query() and torch.equal(theirs.tensor, mine.tensor)
     for d in device:
-        assert torch.equal(d[torch.tensor([20, 21, 22, 23], device="cuda")], d[blocks.cuda()])
+        assert torch.equal(d[torch.tensor([10, 11, 12, 13], device="cuda")], d[blocks.cuda()])
+
+
+def test_blocks_or_pages_out_of_range_are_refused() -> None:
+    host = HostPagePool(LAYOUT, 2, pin_memory=False)
+    device = _device_pages(_kv())
+    with pytest.raises(ValueError, match="block ids out of range"):
+        block_copy_list(device, host.tensor, torch.tensor([16]), torch.tensor([0]), to_host=True)
+    with pytest.raises(ValueError, match="host pages out of range"):
+        block_copy_list(device, host.tensor, torch.tensor([0]), torch.tensor([2]), to_host=True)
