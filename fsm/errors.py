@@ -39,6 +39,10 @@ Reason = Literal[
     "overdue",
     "credited_elsewhere",
     "inherited_state",
+    "host_freed_in_flight",
+    "failed_write_backed",
+    "unbalanced_lock",
+    "pending_overwritten",
 ]
 """Why a transition was refused. The audit log's ``reason`` field uses exactly these strings.
 
@@ -49,7 +53,11 @@ than its limit, see [`OverdueWatch`][kvlife.fsm.overdue.OverdueWatch]), a violat
 when the ticket never completed afterwards (or when asked to count every one).
 ``credited_elsewhere``: a copy's completion credited to another request object than the
 one it was issued for; ``inherited_state``: a request whose state in the component belongs
-to another request object with the same id."""
+to another request object with the same id. The last four are verdicts on a hierarchical
+cache (SGLang's HiCache lens): ``host_freed_in_flight``, host memory freed while a copy
+still reads or writes it; ``failed_write_backed``, a node committed as backed by a write
+that failed; ``unbalanced_lock``, a lock released that no increment explains;
+``pending_overwritten``, a pending copy's entry replaced while the copy was in flight."""
 
 PROTOCOL_REASONS: frozenset[Reason] = frozenset(get_args(Reason)[6:])  # after the registry's six
 """The reasons that are verdicts on a watched component, not refusals of the registry."""

@@ -208,6 +208,10 @@ AT = {
     "wrong_instance": 5,
     "freed_before_read": 5,
     "handover_mismatch": 4,
+    "host_freed_in_flight": 8,
+    "failed_write_backed": 8,
+    "unbalanced_lock": 8,
+    "pending_overwritten": 8,
 }
 
 

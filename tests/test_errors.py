@@ -65,6 +65,10 @@ def test_each_reason_belongs_to_exactly_one_error_class() -> None:
         "overdue",
         "credited_elsewhere",
         "inherited_state",
+        "host_freed_in_flight",
+        "failed_write_backed",
+        "unbalanced_lock",
+        "pending_overwritten",
     )
     assert {
         "stray_report",
@@ -73,6 +77,10 @@ def test_each_reason_belongs_to_exactly_one_error_class() -> None:
         "overdue",
         "credited_elsewhere",
         "inherited_state",
+        "host_freed_in_flight",
+        "failed_write_backed",
+        "unbalanced_lock",
+        "pending_overwritten",
     } == PROTOCOL_REASONS
 
 

@@ -92,6 +92,10 @@ ViolationKind = Literal[
     "inherited_state",
     "freed_before_read",
     "handover_mismatch",
+    "host_freed_in_flight",
+    "failed_write_backed",
+    "unbalanced_lock",
+    "pending_overwritten",
 ]
 
 
@@ -298,6 +302,12 @@ VIOLATION_MEANINGS: Final[dict[str, str]] = {
     "decode side began to read them",
     "handover_mismatch": "the decode side read other blocks than the prefill side handed over "
     "under that request's identity",
+    "host_freed_in_flight": "host memory was freed while a copy still read or wrote it (a "
+    "load-back reading freed pages loads whatever is written there next)",
+    "failed_write_backed": "a node was committed as backed on host by a write that failed",
+    "unbalanced_lock": "a lock was released on a node that no increment had locked",
+    "pending_overwritten": "a pending copy's entry was replaced while the copy was still in "
+    "flight (its completion will be credited to the new one, or lost)",
 }
 
 

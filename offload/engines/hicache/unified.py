@@ -1,0 +1,297 @@
+"""The HiCache lens on SGLang 0.5.23's ``UnifiedRadixCache`` with its
+``HybridCacheController`` (what ``--enable-hierarchical-cache`` builds there), on either
+tree core (Rust or Python): what it reads, and where.
+
+The lens wraps, on the cache *instance* (SGLang's classes are not touched, and a cache
+built without the lens is not affected):
+
+* the controller's ``write`` (the host pages a device-to-host copy got, or ``None``) and
+  ``load`` (a host-to-device copy's pages); the tree core's ``commit_backup``;
+* ``_track_write_through_node`` (a write is pending under its node id: the write ticket),
+  ``_replace_pending_write_through_node`` (a split moved a pending write's fragments);
+* ``writing_check`` and ``loading_check`` (the acks they pop, compared to the queue
+  before), ``_drain_storage_control_queues_impl`` (the storage backup acks it drains);
+* ``write_backup_storage`` and the controller's ``write_storage`` (a backup to the storage
+  backend and its operation id);
+* the host KV pool's ``free`` (host pages handed back);
+* ``inc_lock_ref`` / ``dec_lock_ref`` and their host twins (lock receipts);
+* ``check_hicache_events`` (one poll: overdue copies, records written out), and
+  ``release_host_resources`` / ``shutdown`` (the log is closed).
+
+Everything else the cache does, it does as without the lens. In ``refuse`` mode the one
+change is that an ack's node ids that no pending copy explains are taken out of the
+``HiCacheAck`` (its other ids and its place in the queue kept, so TP ranks still count
+the same acks) before ``writing_check`` / ``loading_check`` pop them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from kvlife.offload.engines.hicache.lens import AckQueue, HiCacheLens
+
+#: The cache class this module reads (module, name).
+WRAPS = ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache")
+
+#: What the lens reads, by owner: a release where one is missing gets no lens.
+READS: dict[str, tuple[str, ...]] = {
+    "cache": (
+        "cache_controller",
+        "tree_core",
+        "host_pool_group",
+        "ongoing_write_through",
+        "ongoing_load_back",
+        "ongoing_backup",
+        "is_write_back",
+        "_track_write_through_node",
+        "_replace_pending_write_through_node",
+        "writing_check",
+        "loading_check",
+        "_drain_storage_control_queues_impl",
+        "write_backup_storage",
+        "inc_lock_ref",
+        "dec_lock_ref",
+        "inc_host_lock_ref",
+        "dec_host_lock_ref",
+        "check_hicache_events",
+        "release_host_resources",
+        "shutdown",
+    ),
+    "controller": (
+        "write",
+        "load",
+        "write_storage",
+        "start_writing",
+        "ack_write_queue",
+        "ack_load_queue",
+        "ack_backup_queue",
+    ),
+    "tree_core": ("commit_backup",),
+}
+
+
+def missing(cache: Any) -> list[str]:
+    """The names this module reads that ``cache`` does not have (empty: it can be lensed)."""
+    owners = {
+        "cache": cache,
+        "controller": getattr(cache, "cache_controller", None),
+        "tree_core": getattr(cache, "tree_core", None),
+    }
+    gone = []
+    for owner, names in READS.items():
+        target = owners[owner]
+        for name in names:
+            if target is None or not hasattr(target, name):
+                gone.append(f"{owner}.{name}")
+    return gone
+
+
+def _slots(indices: Any) -> list[int]:
+    return [] if indices is None else [int(i) for i in indices.tolist()]
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(owner, name)
+    wrapped = make(original)
+    functools.update_wrapper(wrapped, original)
+    wrapped.__kvlife_lens__ = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapped)
+
+
+def install(cache: Any, lens: HiCacheLens) -> None:
+    """Put ``lens`` on ``cache`` (its controller and host pool built: after
+    ``init_hicache``).
+
+    Raises:
+        ValueError: ``cache`` already has a lens, or has no controller (HiCache is off);
+            nothing was wrapped.
+    """
+    if getattr(cache.check_hicache_events, "__kvlife_lens__", False):
+        raise ValueError("kvlife: this cache already has a HiCache lens")
+    cc = cache.cache_controller
+    if cc is None:
+        raise ValueError("kvlife: the cache has no HiCache controller (init_hicache not run)")
+    from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: PLC0415
+
+    host_pool = cache.host_pool_group.get_entry(PoolName.KV).host_pool
+    refuse = lens.mode == "refuse"
+    storage_node: list[int] = []  # the node write_backup_storage is backing up now
+
+    def write(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            node = kwargs.get("node_id", -1)
+            if node != -1:
+                lens.write_submitted(node, None if result is None else _slots(result))
+            return result
+
+        return call
+
+    def load(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            node = kwargs.get("node_id", -1)
+            if result is not None and node != -1:
+                host = kwargs.get("host_indices", args[0] if args else None)
+                lens.copy_started("load_back", node, node, _slots(host), tokens=len(result))
+            return result
+
+        return call
+
+    def commit_backup(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(node_id: int, *args: Any, **kwargs: Any) -> Any:
+            lens.backup_committed(node_id)
+            return original(node_id, *args, **kwargs)
+
+        return call
+
+    def track(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(node_id: int, *args: Any, **kwargs: Any) -> Any:
+            result = original(node_id, *args, **kwargs)
+            if cache.is_write_back:
+                lens.copy_started("write_back", node_id, node_id)
+            else:
+                lens.copy_started("write_through", node_id, node_id)
+            return result
+
+        return call
+
+    def replace(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(ack_id: int, old_node_id: int, new_node_ids: list[int]) -> Any:
+            result = original(ack_id, old_node_id, new_node_ids)
+            lens.split(ack_id, old_node_id, list(new_node_ids))
+            return result
+
+        return call
+
+    def refused(queue: list[Any], name: AckQueue) -> None:
+        """Take the node ids no pending copy explains out of the acks (refuse mode)."""
+        want: dict[Hashable, int] = {}
+        for i, ack in enumerate(queue):
+            keep = []
+            for ack_id in ack.node_ids:
+                used = want.get(ack_id, 0)
+                if lens.explained(name, ack_id) and used < lens.pending_under(name, ack_id):
+                    want[ack_id] = used + 1
+                    keep.append(ack_id)
+                else:
+                    lens.stray(name, ack_id, refused=True)
+            if len(keep) != len(ack.node_ids):
+                queue[i] = ack._replace(node_ids=keep)
+
+    def check(name: AckQueue, queue_of: Callable[[], list[Any]]) -> Callable[..., Any]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if name == "write" and (kwargs.get("write_back") or (args and args[0])):
+                    cc.start_writing()  # the call submits the queued writes first
+                queue = queue_of()
+                if refuse:
+                    refused(queue, name)
+                before = list(queue)
+                try:
+                    return original(*args, **kwargs)
+                except Exception as exc:
+                    lens.raised(f"{name}ing_check" if name == "load" else "writing_check", exc)
+                    raise
+                finally:
+                    still = {id(ack) for ack in queue_of()}
+                    for ack in before:
+                        if id(ack) not in still:
+                            lens.acked(name, list(ack.node_ids))
+
+            return call
+
+        return make
+
+    def drain_storage(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            n = kwargs.get("n_backup")
+            waiting = list(cc.ack_backup_queue.queue)
+            ops = [op.id for op in (waiting if n is None else waiting[:n])]
+            result = original(*args, **kwargs)
+            lens.acked("storage", ops)
+            return result
+
+        return call
+
+    def backup_storage(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(node_id: int, *args: Any, **kwargs: Any) -> Any:
+            storage_node.append(node_id)
+            try:
+                return original(node_id, *args, **kwargs)
+            finally:
+                storage_node.pop()
+
+        return call
+
+    def write_storage(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(host_indices: Any, *args: Any, **kwargs: Any) -> Any:
+            op = original(host_indices, *args, **kwargs)
+            node = storage_node[-1] if storage_node else -1
+            lens.copy_started("storage_backup", node, op, _slots(host_indices))
+            return op
+
+        return call
+
+    def free(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(indices: Any, *args: Any, **kwargs: Any) -> Any:
+            lens.host_freed(_slots(indices))
+            return original(indices, *args, **kwargs)
+
+        return call
+
+    def lock(where: str, up: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        note = lens.locked if up else lens.unlocked
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def call(node_id: int, *args: Any, **kwargs: Any) -> Any:
+                if not up:
+                    note(where, node_id)
+                result = original(node_id, *args, **kwargs)
+                if up:
+                    note(where, node_id)
+                return result
+
+            return call
+
+        return make
+
+    def polled(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                lens.step()
+
+        return call
+
+    def closing(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                lens.close()
+
+        return call
+
+    _wrap(cc, "write", write)
+    _wrap(cc, "load", load)
+    _wrap(cc, "write_storage", write_storage)
+    _wrap(cache.tree_core, "commit_backup", commit_backup)
+    _wrap(host_pool, "free", free)
+    _wrap(cache, "_track_write_through_node", track)
+    _wrap(cache, "_replace_pending_write_through_node", replace)
+    _wrap(cache, "writing_check", check("write", lambda: cc.ack_write_queue))
+    _wrap(cache, "loading_check", check("load", lambda: cc.ack_load_queue))
+    _wrap(cache, "_drain_storage_control_queues_impl", drain_storage)
+    _wrap(cache, "write_backup_storage", backup_storage)
+    _wrap(cache, "inc_lock_ref", lock("device", True))
+    _wrap(cache, "dec_lock_ref", lock("device", False))
+    _wrap(cache, "inc_host_lock_ref", lock("host", True))
+    _wrap(cache, "dec_host_lock_ref", lock("host", False))
+    _wrap(cache, "check_hicache_events", polled)
+    _wrap(cache, "release_host_resources", closing)
+    _wrap(cache, "shutdown", closing)
+    cache.kvlife_lens = lens
