@@ -174,6 +174,7 @@ class HiCacheLens:
         trigger: Trigger,
         message: str,
         node: int | None,
+        op: int | None = None,
         **detail: DetailValue,
     ) -> None:
         """Write down a verdict on the cache (on the node's lifecycle when it has one,
