@@ -27,8 +27,22 @@ Settings (environment variables; none starts with ``SGL``, which SGLang warns ab
   manager call also writes its records to the file when it returns, so a scheduler that is
   killed loses none of the records of the calls that returned.
 
-This module imports nothing from SGLang or torch until the switch is on, so a process in
-which it is off pays one environment lookup.
+The HiCache lens (``kvlife.offload.engines.hicache``) has its own switch, independent of
+the one above::
+
+    KVLIFE_SGLANG_HICACHE=observe python -m sglang.launch_server ... --enable-hierarchical-cache
+
+* ``KVLIFE_SGLANG_HICACHE``: ``observe`` (write verdicts down, change nothing), ``refuse``
+  (also take out of an ack the node ids no pending copy explains, so a duplicate ack no
+  longer kills the scheduler), or ``off``/unset. With it on, an SGLang hook runs after
+  every ``UnifiedRadixCache.init_hicache`` and puts the lens on that cache; each scheduler
+  process writes ``DIR/sglang-hicache-RANK.jsonl`` (``KVLIFE_AUDIT_DIR``,
+  ``KVLIFE_AUDIT_FLUSH_S`` as above).
+* ``KVLIFE_AUDIT_OVERDUE_S``: seconds a copy may stay in flight before it is written down
+  as ``overdue`` (default 120).
+
+This module imports nothing from SGLang or torch until a switch is on, so a process in
+which both are off pays two environment lookups.
 """
 
 from __future__ import annotations
@@ -49,6 +63,10 @@ TESTED_SGLANG = ("0.5.23",)
 TARGET = "sglang.srt.disaggregation.decode_kvcache_offload_manager.DecodeKVCacheOffloadManager"
 
 SWITCH = "KVLIFE_SGLANG_OFFLOAD"
+HICACHE_SWITCH = "KVLIFE_SGLANG_HICACHE"
+AUDIT_OVERDUE_S = "KVLIFE_AUDIT_OVERDUE_S"
+#: Where the HiCache lens goes on: after this method of SGLang 0.5.23's cache.
+HICACHE_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_hicache"
 AUDIT_DIR = "KVLIFE_AUDIT_DIR"
 AUDIT_FLUSH_S = "KVLIFE_AUDIT_FLUSH_S"
 
@@ -73,6 +91,9 @@ class PluginSettings:
     enabled: bool
     audit_dir: Path
     flush_interval_s: float
+    #: The HiCache lens's mode (``observe`` or ``refuse``), or ``None``: no lens.
+    hicache: str | None = None
+    overdue_s: float = 120.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginSettings:
@@ -100,7 +121,28 @@ class PluginSettings:
                 f"{AUDIT_FLUSH_S}={flush_raw!r}: seconds between fsyncs, a positive number"
             )
         audit_dir = Path(env.get(AUDIT_DIR) or "kvlife-audit")
-        return cls(enabled=raw in _ON, audit_dir=audit_dir, flush_interval_s=flush)
+        lens = env.get(HICACHE_SWITCH, "").strip().lower()
+        if lens not in ("observe", "refuse") and lens not in _OFF:
+            raise PluginSettingsError(
+                f"{HICACHE_SWITCH}={env[HICACHE_SWITCH]!r}: use observe, refuse or off"
+            )
+        overdue_raw = env.get(AUDIT_OVERDUE_S, "120")
+        try:
+            overdue = float(overdue_raw)
+        except ValueError:
+            overdue = float("nan")
+        if not overdue > 0 or overdue == float("inf"):
+            raise PluginSettingsError(
+                f"{AUDIT_OVERDUE_S}={overdue_raw!r}: seconds a copy may stay in flight, a "
+                "positive number"
+            )
+        return cls(
+            enabled=raw in _ON,
+            audit_dir=audit_dir,
+            flush_interval_s=flush,
+            hicache=lens if lens in ("observe", "refuse") else None,
+            overdue_s=overdue,
+        )
 
 
 def rank_name(tp_rank: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: int | None = None) -> str:
@@ -119,6 +161,48 @@ def audit_log_path(settings: PluginSettings, rank: str) -> Path:
     return settings.audit_dir / f"sglang-{rank}.jsonl"
 
 
+def hicache_log_path(settings: PluginSettings, rank: str) -> Path:
+    """The HiCache lens's log of the scheduler process named ``rank``:
+    ``DIR/sglang-hicache-RANK.jsonl``."""
+    return settings.audit_dir / f"sglang-hicache-{rank}.jsonl"
+
+
+def lens_after_init_hicache(result: object, cache: object, *args: object, **kwargs: object) -> None:
+    """SGLang's AFTER hook on ``UnifiedRadixCache.init_hicache``: put the HiCache lens on
+    the cache just initialised. A cache the lens cannot read runs without it, and the
+    server's log says why (``NoLensError``)."""
+    from sglang.srt.runtime_context import get_parallel  # noqa: PLC0415
+
+    from kvlife.offload.engines.hicache import HiCacheLens, NoLensError, attach  # noqa: PLC0415
+
+    settings = PluginSettings.from_env()
+    if settings.hicache is None:
+        return
+    try:
+        parallel = get_parallel()
+        rank = rank_name(
+            parallel.tp_rank, parallel.pp_rank, parallel.pp_size, getattr(parallel, "dp_rank", None)
+        )
+    except Exception:  # no parallel state published (a cache built outside a scheduler)
+        rank = "tp0"
+    path = hicache_log_path(settings, rank)
+    try:
+        attach(
+            cache,
+            HiCacheLens(
+                path,
+                f"SGLang {type(cache).__qualname__} ({rank})",
+                mode=settings.hicache,
+                overdue_s=settings.overdue_s,
+                flush_interval_s=settings.flush_interval_s,
+            ),
+        )
+    except NoLensError as exc:
+        logger.warning("%s", exc)
+        return
+    logger.info("kvlife: HiCache lens on (%s), audit log %s", settings.hicache, path.resolve())
+
+
 def register() -> bool:
     """The ``sglang.srt.plugins`` entry point (SGLang's ``load_plugins()`` calls it once
     per process): with ``KVLIFE_SGLANG_OFFLOAD`` on, register kvlife's manager as the
@@ -132,7 +216,7 @@ def register() -> bool:
             ``TESTED_SGLANG``; the message names both.
     """
     settings = PluginSettings.from_env()
-    if not settings.enabled:
+    if not settings.enabled and settings.hicache is None:
         return False
     import sglang.version  # noqa: PLC0415  (only where the plugin is switched on)
 
@@ -145,6 +229,13 @@ def register() -> bool:
         )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: PLC0415
 
+    if settings.hicache is not None:
+        HookRegistry.register(HICACHE_TARGET, lens_after_init_hicache, HookType.AFTER)
+        logger.info(
+            "kvlife: SGLang %s's HiCache will have kvlife's lens (%s)", version, settings.hicache
+        )
+        if not settings.enabled:
+            return True
     from kvlife.offload.engines.sglang import ServerDecodeOffloadManager  # noqa: PLC0415
 
     HookRegistry.register(TARGET, ServerDecodeOffloadManager, HookType.REPLACE)

@@ -181,6 +181,8 @@ def test_register_refuses_an_untested_version_and_registers_nothing(
         ({"KVLIFE_SGLANG_OFFLOAD": "1", "KVLIFE_AUDIT_FLUSH_S": "0"}, "KVLIFE_AUDIT_FLUSH_S='0'"),
         ({"KVLIFE_AUDIT_FLUSH_S": "soon"}, "KVLIFE_AUDIT_FLUSH_S='soon'"),
         ({"KVLIFE_AUDIT_FLUSH_S": "inf"}, "KVLIFE_AUDIT_FLUSH_S='inf'"),
+        ({"KVLIFE_SGLANG_HICACHE": "fix"}, "KVLIFE_SGLANG_HICACHE='fix'"),
+        ({"KVLIFE_AUDIT_OVERDUE_S": "-1"}, "KVLIFE_AUDIT_OVERDUE_S='-1'"),
     ],
 )
 def test_settings_it_cannot_use_are_refused_by_name(env: dict[str, str], message: str) -> None:
@@ -192,6 +194,11 @@ def test_settings_defaults_and_rank_names() -> None:
     settings = PluginSettings.from_env({"KVLIFE_SGLANG_OFFLOAD": "On"})
     assert settings == PluginSettings(True, Path("kvlife-audit"), 1.0)
     assert not PluginSettings.from_env({}).enabled
+    lens = PluginSettings.from_env(
+        {"KVLIFE_SGLANG_HICACHE": "Refuse", "KVLIFE_AUDIT_OVERDUE_S": "5"}
+    )
+    assert not lens.enabled and lens.hicache == "refuse" and lens.overdue_s == 5.0
+    assert PluginSettings.from_env({"KVLIFE_SGLANG_HICACHE": "off"}).hicache is None
     names = [rank_name(0), rank_name(1, 1, 2), rank_name(1, 0, 1, 2)]
     assert names == ["tp0", "pp1-tp1", "dp2-tp1"]
 

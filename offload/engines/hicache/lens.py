@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,8 @@ on such an id and the scheduler dies)."""
 
 CopyKind = Literal["write_through", "write_back", "load_back", "storage_backup"]
 AckQueue = Literal["write", "load", "storage"]
+
+_SPENT = 4096  # spent lock receipts remembered (a receipt spent twice is a verdict)
 
 _ACKED_BY: dict[str, AckQueue] = {
     "write_through": "write",
@@ -147,6 +149,7 @@ class HiCacheLens:
         self._reading: dict[int, list[_Copy]] = {}  # host slot -> copies in flight on it
         self._written: dict[int, tuple[int, ...] | None] = {}  # node -> last write's slots
         self._locks: dict[tuple[str, int], int] = {}  # (device|host, node) -> receipts held
+        self._spent: OrderedDict[int, object] = OrderedDict()  # receipts spent lately
 
     # ------------------------------------------------------------------ lifecycles
 
@@ -380,16 +383,28 @@ class HiCacheLens:
         """A lock increment on ``node`` (``where``: ``device`` or ``host``): a receipt."""
         self._locks[where, node] = self._locks.get((where, node), 0) + 1
 
-    def unlocked(self, where: str, node: int) -> None:
-        """A lock decrement on ``node``: it spends a receipt; none held is
-        ``unbalanced_lock``."""
+    def unlocked(self, where: str, node: int, receipt: object = None) -> None:
+        """A lock decrement on ``node``: it spends a receipt (``receipt``: the object the
+        cache decrements with, when it has one). None held on the node, or a receipt
+        already spent, is ``unbalanced_lock``."""
         held = self._locks.get((where, node), 0)
-        if held <= 0:
+        spent = self._spent
+        twice = receipt is not None and id(receipt) in spent and spent[id(receipt)] is receipt
+        if receipt is not None and not twice:
+            spent[id(receipt)] = receipt  # held: its id is not reused while remembered
+            if len(spent) > _SPENT:
+                spent.popitem(last=False)
+        if held <= 0 or twice:
             self.verdict(
                 "unbalanced_lock",
                 Trigger.FINISH,
-                f"a {where} lock on node {node} was released, but no lock increment on it "
-                "is outstanding (a decrement never matched: 'pool memory leak detected')",
+                f"a {where} lock on node {node} was released "
+                + (
+                    "with a receipt already spent (another holder's count is taken)"
+                    if twice
+                    else "but no lock increment on it is outstanding"
+                )
+                + " ('pool memory leak detected')",
                 node,
                 lock=where,
             )

@@ -243,15 +243,13 @@ def install(cache: Any, lens: HiCacheLens) -> None:
         return call
 
     def lock(where: str, up: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        note = lens.locked if up else lens.unlocked
-
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def call(node_id: int, *args: Any, **kwargs: Any) -> Any:
-                if not up:
-                    note(where, node_id)
+                if not up:  # (node_id, params, ...): the params are the receipt
+                    lens.unlocked(where, node_id, args[0] if args else kwargs.get("params"))
                 result = original(node_id, *args, **kwargs)
                 if up:
-                    note(where, node_id)
+                    lens.locked(where, node_id)
                 return result
 
             return call

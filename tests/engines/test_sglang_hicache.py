@@ -1,0 +1,388 @@
+"""The HiCache lens on SGLang 0.5.23's real ``UnifiedRadixCache`` on the CPU (both tree
+cores): every verdict from a fault injected into the real cache, beside what SGLang does
+with the same fault and no kvlife; seeded random workloads that must leave every log
+clean and the cache's answers unchanged; a release the lens cannot read gets no lens.
+
+Runs in ``.venv-sglang`` (``make sglang-venv``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="needs SGLang 0.5.23 (make sglang-venv)")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import torch
+
+    from tests.engines import hicache_harness as H
+
+from kvlife.fsm import MemorySink
+from kvlife.fsm.audit.checker import check_audit
+from kvlife.fsm.audit.reader import read_audit
+from kvlife.offload.engines.hicache import HiCacheLens, NoLensError, attach, generation_for, unified
+
+WITNESS = "SGLang 0.5.23 UnifiedRadixCache (test)"
+TOKENS = list(range(100, 116))
+
+
+def lensed(
+    tmp_path: Path, core: str = "python", policy: str = "write_through", **kwargs: Any
+) -> tuple[H.HiCache, HiCacheLens, Path]:
+    hc = H.build(core, policy)
+    path = tmp_path / f"hicache-{core}.jsonl"
+    lens = attach(hc.cache, HiCacheLens(path, WITNESS, **kwargs))
+    return hc, lens, path
+
+
+def checked(hc: H.HiCache, path: Path) -> Any:
+    hc.cache.release_host_resources()
+    return check_audit(read_audit(path))
+
+
+def kinds(report: Any) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for v in report.violations:
+        found[v.kind] = found.get(v.kind, 0) + 1
+    return found
+
+
+def written_and_evicted(hc: H.HiCache) -> None:
+    """``TOKENS`` inserted, written to host and acked, then evicted from the device."""
+    hc.insert(TOKENS)
+    hc.poll()
+    assert hc.evict(len(TOKENS)) == len(TOKENS)
+
+
+def loading(hc: H.HiCache) -> Any:
+    """A load-back of ``TOKENS`` submitted and not yet polled: its ack waits."""
+    written_and_evicted(hc)
+    assert hc.load_back(TOKENS)
+    hc.cache.ready_to_load_host_cache()
+    return hc.cache.cache_controller.ack_load_queue[-1]
+
+
+CORES = pytest.mark.parametrize("core", H.CORES)
+
+
+# ---------------------------------------------------------------- duplicate acks
+
+
+@CORES
+@pytest.mark.parametrize("queue", ["write", "load"])
+def test_without_kvlife_a_duplicate_ack_kills_the_poll(core: str, queue: str) -> None:
+    hc = H.build(core)
+    if queue == "write":
+        hc.insert(TOKENS)
+        hc.cache.cache_controller.start_writing()
+        q = hc.cache.cache_controller.ack_write_queue
+    else:
+        loading(hc)
+        q = hc.cache.cache_controller.ack_load_queue
+    q.append(q[-1])
+    with pytest.raises(KeyError):
+        hc.cache.check_hicache_events()
+
+
+@CORES
+@pytest.mark.parametrize("queue", ["write", "load"])
+def test_a_duplicate_ack_is_a_stray_report_and_refuse_mode_keeps_the_cache_alive(
+    core: str, queue: str, tmp_path: Path
+) -> None:
+    for mode in ("observe", "refuse"):
+        hc, lens, path = lensed(tmp_path / mode, core, mode=mode)
+        if queue == "write":
+            hc.insert(TOKENS)
+            hc.cache.cache_controller.start_writing()
+            q = hc.cache.cache_controller.ack_write_queue
+        else:
+            loading(hc)
+            q = hc.cache.cache_controller.ack_load_queue
+        q.append(q[-1])
+        if mode == "observe":
+            with pytest.raises(KeyError):
+                hc.cache.check_hicache_events()
+        else:
+            hc.cache.check_hicache_events()  # the stray id is taken out: no KeyError
+            assert not hc.cache.ongoing_write_through and not hc.cache.ongoing_load_back
+            H.run_workload(hc, seed=3, steps=30)  # and the cache goes on working
+        report = checked(hc, path)
+        found = kinds(report)
+        assert found.get("stray_report") == 1, (mode, found)
+        stray = next(v for v in report.violations if v.kind == "stray_report")
+        assert stray.rid is not None and stray.rid.startswith("node")
+        if mode == "observe":  # the raise is written down before it goes on
+            assert found.get("connector_raised") == 1
+        else:
+            assert set(found) == {"stray_report"} and lens.counts.refused_ids == 1
+
+
+# ---------------------------------------------------------------- lost acks
+
+
+@CORES
+def test_without_kvlife_a_lost_ack_leaves_the_node_locked_silently(core: str) -> None:
+    hc = H.build(core)
+    loading(hc)
+    hc.cache.cache_controller.ack_load_queue.clear()
+    for _ in range(20):
+        hc.poll()
+    assert hc.cache.ongoing_load_back  # pending for ever
+    assert hc.cache.protected_size() > 0  # and locked
+
+
+@CORES
+def test_a_lost_ack_is_overdue_while_it_runs_and_unreported_at_the_end(
+    core: str, tmp_path: Path
+) -> None:
+    hc, lens, path = lensed(tmp_path, core, overdue_s=0.05)
+    loading(hc)
+    hc.cache.cache_controller.ack_load_queue.clear()
+    hc.poll()
+    assert lens.overdue.open_overdue() == 0
+    import time  # noqa: PLC0415
+
+    time.sleep(0.1)
+    hc.poll()
+    assert lens.overdue.open_overdue() == 1
+    report = checked(hc, path)
+    assert report.overdue == 1
+    found = kinds(report)
+    assert found.get("unreported") == 1 and found.get("overdue") == 1, found
+
+
+# ---------------------------------------------------------------- host freed in flight
+
+
+def _load_host_pages(hc: H.HiCache) -> torch.Tensor:
+    return hc.cache.cache_controller.load_queue[-1].host_indices.clone()
+
+
+@CORES
+def test_without_kvlife_host_pages_freed_under_a_load_back_go_unnoticed(core: str) -> None:
+    hc = H.build(core)
+    written_and_evicted(hc)
+    assert hc.load_back(TOKENS)
+    pages = _load_host_pages(hc)
+    pool = hc.cache.cache_controller.mem_pool_host
+    before = pool.available_size()
+    pool.free(pages)  # what #26728 / #31427 do: host KV freed by an eviction
+    assert pool.available_size() == before + len(pages)  # handed back, no error
+    hc.poll()  # the load still reads them
+    assert not hc.cache.ongoing_load_back
+
+
+@CORES
+def test_host_pages_freed_under_a_load_back_are_host_freed_in_flight(
+    core: str, tmp_path: Path
+) -> None:
+    hc, _, path = lensed(tmp_path, core)
+    written_and_evicted(hc)
+    assert hc.load_back(TOKENS)
+    hc.cache.cache_controller.mem_pool_host.free(_load_host_pages(hc))
+    hc.poll()
+    report = checked(hc, path)
+    found = kinds(report)
+    assert found == {"host_freed_in_flight": 1}, found
+    (v,) = report.violations
+    assert "load_back" in v.message and v.rid == f"node{hc.match(TOKENS).best_match_node}"
+
+
+# ---------------------------------------------------------------- a failed write backed
+
+
+def _backed_after_a_failed_write(hc: H.HiCache) -> None:
+    """SGLang's write fails (no host pages), and a faulty backup commits anyway (#27108's
+    shape): the commit is given pages the write never filled."""
+    cache = hc.cache
+    pool = cache.cache_controller.mem_pool_host
+    real_alloc, real_backup = pool.alloc, cache._execute_kv_backup
+    pool.alloc = lambda *args, **kwargs: None
+
+    def faulty(node_id: int, device_value: Any, *args: Any) -> Any:
+        got = real_backup(node_id, device_value, *args)
+        return torch.arange(len(device_value)) if got is None else got
+
+    cache._execute_kv_backup = faulty
+    try:
+        hc.insert(TOKENS)
+    finally:
+        pool.alloc, cache._execute_kv_backup = real_alloc, real_backup
+
+
+@CORES
+def test_without_kvlife_a_node_is_backed_by_a_failed_write(core: str) -> None:
+    hc = H.build(core)
+    _backed_after_a_failed_write(hc)
+    node = hc.match(TOKENS).last_device_node
+    assert hc.cache.tree_core.is_backuped(node)  # no error: host pages never written
+
+
+@CORES
+def test_a_node_backed_by_a_failed_write_is_failed_write_backed(core: str, tmp_path: Path) -> None:
+    hc, _, path = lensed(tmp_path, core)
+    _backed_after_a_failed_write(hc)
+    hc.poll()
+    found = kinds(checked(hc, path))
+    assert found.get("failed_write_backed") == 1, found
+
+
+# ---------------------------------------------------------------- locks
+
+
+@CORES
+def test_an_unbalanced_lock_release_is_silent_without_kvlife_and_a_verdict_with_it(
+    core: str, tmp_path: Path
+) -> None:
+    for with_lens in (False, True):
+        if with_lens:
+            hc, lens, path = lensed(tmp_path, core)
+        else:
+            hc = H.build(core)
+        hc.insert(TOKENS)
+        hc.poll()
+        node = hc.match(TOKENS).last_device_node
+        hc.cache.inc_lock_ref(node)  # a running request's lock
+        params = hc.cache.inc_lock_ref(node).to_dec_params()
+        hc.cache.dec_lock_ref(node, params)
+        # released again: SGLang takes the running request's count without a word (it
+        # asserts only when a count would go below zero, on the Python core)
+        hc.cache.dec_lock_ref(node, params)
+        assert hc.cache.protected_size() == 0  # the request's prefix is now evictable
+        if with_lens:
+            report = checked(hc, path)
+            assert kinds(report) == {"unbalanced_lock": 1}
+
+
+# ---------------------------------------------------------------- overwritten entries
+
+
+@CORES
+def test_an_overwritten_pending_write_leaks_its_lock_without_kvlife_and_is_a_verdict_with_it(
+    core: str, tmp_path: Path
+) -> None:
+    for with_lens in (False, True):
+        if with_lens:
+            hc, _, path = lensed(tmp_path, core)
+        else:
+            hc = H.build(core)
+        hc.insert(TOKENS)  # a write pending under the node's id, its lock held
+        node = hc.match(TOKENS).last_device_node
+        hc.cache._track_write_through_node(node, None, [node])  # the entry overwritten
+        hc.poll()
+        hc.poll()
+        if not with_lens:
+            assert hc.cache.protected_size() > 0  # the first entry's lock: never released
+            continue
+        found = kinds(checked(hc, path))
+        # the second write is never acked on its own: unreported at the end
+        assert found.get("pending_overwritten") == 1 and found.get("unreported") == 1, found
+
+
+# ---------------------------------------------------------------- no false verdicts
+
+
+@CORES
+@pytest.mark.parametrize("policy", H.POLICIES)
+def test_seeded_workloads_leave_every_log_clean_and_the_cache_unchanged(
+    core: str, policy: str, tmp_path: Path
+) -> None:
+    seeds = range(20)
+    copies: dict[str, int] = {}
+    for seed in seeds:
+        alone = H.run_workload(H.build(core, policy), seed)
+        hc, lens, path = lensed(tmp_path / str(seed), core, policy)
+        seen = H.run_workload(hc, seed)
+        assert seen.answers == alone.answers, seed
+        report = checked(hc, path)
+        assert report.ok and not report.violations, (seed, [v.line() for v in report.violations])
+        assert lens.counts.verdicts == {}
+        for kind, n in lens.counts.copies.items():
+            copies[kind] = copies.get(kind, 0) + n
+    # the workloads did what they are for: writes, load-backs, host evictions
+    assert copies.get("load_back", 0) >= 20 and copies.get(policy, 0) >= 100, copies
+
+
+# ---------------------------------------------------------------- which lens
+
+
+def test_a_cache_kvlife_does_not_know_gets_no_lens() -> None:
+    class Other:
+        pass
+
+    with pytest.raises(NoLensError, match="kvlife knows UnifiedRadixCache"):
+        generation_for(Other())
+
+
+def test_a_release_that_renamed_what_the_lens_reads_gets_none(tmp_path: Path) -> None:
+    hc = H.build("python")
+    real = hc.cache.cache_controller.ack_load_queue
+    del hc.cache.cache_controller.ack_load_queue
+    try:
+        with pytest.raises(NoLensError, match=r"controller\.ack_load_queue"):
+            attach(hc.cache, HiCacheLens(None, WITNESS, sinks=[MemorySink()]))
+        assert not getattr(hc.cache.check_hicache_events, "__kvlife_lens__", False)
+    finally:
+        hc.cache.cache_controller.ack_load_queue = real
+    assert unified.missing(hc.cache) == []
+
+
+def test_a_cache_gets_one_lens(tmp_path: Path) -> None:
+    hc, _, _ = lensed(tmp_path)
+    with pytest.raises(ValueError, match="already has"):
+        attach(hc.cache, HiCacheLens(None, WITNESS))
+
+
+def test_bad_lens_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        HiCacheLens(None, WITNESS, mode="fix")
+    with pytest.raises(ValueError, match="overdue_s"):
+        HiCacheLens(None, WITNESS, overdue_s=0)
+
+
+# ---------------------------------------------------------------- the plugin
+
+
+def test_the_plugin_puts_the_lens_on_every_cache_a_process_builds(tmp_path: Path) -> None:
+    """In a fresh process (SGLang's hooks patch the class): KVLIFE_SGLANG_HICACHE=refuse,
+    SGLang's plugin loader, a cache built as the scheduler builds it, one log per rank."""
+    script = """
+import json, warnings
+warnings.simplefilter("ignore")
+from tests.engines import hicache_harness as H
+from sglang.srt.plugins import load_plugins
+load_plugins()
+hc = H.build("python")
+lens = hc.cache.kvlife_lens
+H.run_workload(hc, seed=1, steps=20)
+hc.cache.release_host_resources()
+print(json.dumps({"mode": lens.mode, "path": str(lens.sink.path), "copies": lens.counts.copies}))
+"""
+    env = dict(
+        os.environ,
+        KVLIFE_SGLANG_HICACHE="refuse",
+        KVLIFE_AUDIT_DIR=str(tmp_path),
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["mode"] == "refuse" and said["copies"].get("write_through", 0) > 0
+    assert Path(said["path"]) == tmp_path / "sglang-hicache-tp0.jsonl"
+    report = check_audit(read_audit(said["path"]))
+    assert report.ok and report.endings[0].status == "closed"
