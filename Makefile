@@ -142,6 +142,7 @@ test-sglang-0.5.18: sglang-0.5.18-venv
 # The drop-in's scheduler-loop time against SGLang's own manager, same workload (a ratio).
 bench-sglang: sglang-venv
 	$(SGLANG_VENV)/bin/python -m tests.engines.sglang_bench
+	$(SGLANG_VENV)/bin/python -m tests.engines.hicache_bench
 
 # Graphviz's `dot` renders SVG/PNG; installed through apt-get when missing and we are root.
 dot:

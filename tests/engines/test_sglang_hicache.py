@@ -244,7 +244,7 @@ def test_an_unbalanced_lock_release_is_silent_without_kvlife_and_a_verdict_with_
 ) -> None:
     for with_lens in (False, True):
         if with_lens:
-            hc, lens, path = lensed(tmp_path, core)
+            hc, _, path = lensed(tmp_path, core)
         else:
             hc = H.build(core)
         hc.insert(TOKENS)

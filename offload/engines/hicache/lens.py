@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import monotonic
 from typing import Literal
 
 from kvlife.fsm import (
@@ -48,6 +49,7 @@ on such an id and the scheduler dies)."""
 CopyKind = Literal["write_through", "write_back", "load_back", "storage_backup"]
 AckQueue = Literal["write", "load", "storage"]
 
+_OVERDUE_EVERY_S = 0.05  # a poll looks for overdue copies at most this often
 _SPENT = 4096  # spent lock receipts remembered (a receipt spent twice is a verdict)
 
 _ACKED_BY: dict[str, AckQueue] = {
@@ -138,6 +140,7 @@ class HiCacheLens:
         self.witness = witness
         self.counts = LensCounts()
         self.closed = False
+        self._overdue_at = 0.0  # monotonic time of the next overdue look
         self._nodes: dict[int, NodeCopy] = {}  # node id -> its live lifecycle's key
         # per ack queue, per node id: the copies an ack naming it would complete, oldest first
         self._pending: dict[AckQueue, dict[Hashable, deque[_Copy]]] = {
@@ -422,7 +425,17 @@ class HiCacheLens:
 
     def step(self) -> None:
         """The end of a cache poll (``check_hicache_events``): write down the copies
-        that crossed the overdue limit, and write the records out."""
+        that crossed the overdue limit (looked at every ``_OVERDUE_EVERY_S``), and write
+        the records out."""
+        now = monotonic()
+        if now >= self._overdue_at:
+            self._overdue_at = now + _OVERDUE_EVERY_S
+            self._step_overdue()
+        sink = self.sink
+        if sink is not None and sink.waiting:
+            sink.write_out()
+
+    def _step_overdue(self) -> None:
         if self.overdue.check():
             logger.warning(
                 "kvlife: %s: %d cop(ies) open longer than %g s, the oldest %.1f s "
@@ -433,9 +446,6 @@ class HiCacheLens:
                 self.overdue.oldest_age(),
                 "" if self.sink is None else self.sink.path,
             )
-        sink = self.sink
-        if sink is not None and sink.waiting:
-            sink.write_out()
 
     def pending(self) -> int:
         """Copies in flight now."""

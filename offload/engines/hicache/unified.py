@@ -184,9 +184,12 @@ def install(cache: Any, lens: HiCacheLens) -> None:
     def check(name: AckQueue, queue_of: Callable[[], list[Any]]) -> Callable[..., Any]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
-                if name == "write" and (kwargs.get("write_back") or (args and args[0])):
-                    cc.start_writing()  # the call submits the queued writes first
+                write_back = name == "write" and (kwargs.get("write_back") or (args and args[0]))
                 queue = queue_of()
+                if not queue and not write_back:  # nothing to ack: the poll as it is
+                    return original(*args, **kwargs)
+                if write_back:
+                    cc.start_writing()  # the call submits the queued writes first
                 if refuse:
                     refused(queue, name)
                 before = list(queue)
