@@ -47,6 +47,7 @@ which both are off pays two environment lookups.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -100,9 +101,9 @@ class PluginSettings:
         """The settings in ``environ`` (default ``os.environ``).
 
         Raises:
-            PluginSettingsError: a switch value that is neither on nor off, or a flush
-                interval that is not a positive number; the message names the variable and
-                the value.
+            PluginSettingsError: a switch value that is neither on nor off (nor observe or
+                refuse for the HiCache lens), or a flush interval or overdue limit that is
+                not a positive number; the message names the variable and the value.
         """
         env = os.environ if environ is None else environ
         raw = env.get(SWITCH, "").strip().lower()
@@ -111,31 +112,14 @@ class PluginSettings:
                 f"{SWITCH}={env[SWITCH]!r}: use 1 (kvlife's decode offload manager) or 0 "
                 "(SGLang's own)"
             )
-        flush_raw = env.get(AUDIT_FLUSH_S, "1.0")
-        try:
-            flush = float(flush_raw)
-        except ValueError:
-            flush = float("nan")
-        if not flush > 0 or flush == float("inf"):
-            raise PluginSettingsError(
-                f"{AUDIT_FLUSH_S}={flush_raw!r}: seconds between fsyncs, a positive number"
-            )
+        flush = _seconds(env, AUDIT_FLUSH_S, "1.0", "seconds between fsyncs")
         audit_dir = Path(env.get(AUDIT_DIR) or "kvlife-audit")
         lens = env.get(HICACHE_SWITCH, "").strip().lower()
         if lens not in ("observe", "refuse") and lens not in _OFF:
             raise PluginSettingsError(
                 f"{HICACHE_SWITCH}={env[HICACHE_SWITCH]!r}: use observe, refuse or off"
             )
-        overdue_raw = env.get(AUDIT_OVERDUE_S, "120")
-        try:
-            overdue = float(overdue_raw)
-        except ValueError:
-            overdue = float("nan")
-        if not overdue > 0 or overdue == float("inf"):
-            raise PluginSettingsError(
-                f"{AUDIT_OVERDUE_S}={overdue_raw!r}: seconds a copy may stay in flight, a "
-                "positive number"
-            )
+        overdue = _seconds(env, AUDIT_OVERDUE_S, "120", "seconds a copy may stay in flight")
         return cls(
             enabled=raw in _ON,
             audit_dir=audit_dir,
@@ -143,6 +127,22 @@ class PluginSettings:
             hicache=lens if lens in ("observe", "refuse") else None,
             overdue_s=overdue,
         )
+
+
+def _seconds(env: Mapping[str, str], name: str, default: str, meaning: str) -> float:
+    """The positive, finite number of seconds ``env[name]`` says (``default`` if unset).
+
+    Raises:
+        PluginSettingsError: anything else; the message names the variable and the value.
+    """
+    raw = env.get(name, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise PluginSettingsError(f"{name}={raw!r}: {meaning}, a positive number")
+    return value
 
 
 def rank_name(tp_rank: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: int | None = None) -> str:
@@ -167,15 +167,16 @@ def hicache_log_path(settings: PluginSettings, rank: str) -> Path:
     return settings.audit_dir / f"sglang-hicache-{rank}.jsonl"
 
 
-def lens_after_init_hicache(result: object, cache: object, *args: object, **kwargs: object) -> None:
-    """SGLang's AFTER hook on ``UnifiedRadixCache.init_hicache``: put the HiCache lens on
-    the cache just initialised. A cache the lens cannot read runs without it, and the
-    server's log says why (``NoLensError``)."""
+def lens_after_init_hicache(
+    settings: PluginSettings, result: object, cache: object, *args: object, **kwargs: object
+) -> None:
+    """SGLang's AFTER hook on ``UnifiedRadixCache.init_hicache`` (``settings`` bound by
+    ``register``): put the HiCache lens on the cache just initialised. A cache the lens
+    cannot read runs without it, and the server's log says why (``NoLensError``)."""
     from sglang.srt.runtime_context import get_parallel  # noqa: PLC0415
 
     from kvlife.offload.engines.hicache import HiCacheLens, NoLensError, attach  # noqa: PLC0415
 
-    settings = PluginSettings.from_env()
     if settings.hicache is None:
         return
     try:
@@ -230,7 +231,8 @@ def register() -> bool:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: PLC0415
 
     if settings.hicache is not None:
-        HookRegistry.register(HICACHE_TARGET, lens_after_init_hicache, HookType.AFTER)
+        hook = functools.partial(lens_after_init_hicache, settings)
+        HookRegistry.register(HICACHE_TARGET, hook, HookType.AFTER)
         logger.info(
             "kvlife: SGLang %s's HiCache will have kvlife's lens (%s)", version, settings.hicache
         )

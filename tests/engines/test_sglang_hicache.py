@@ -43,6 +43,14 @@ def lensed(
     return hc, lens, path
 
 
+def built(tmp_path: Path, core: str, with_lens: bool) -> tuple[H.HiCache, Path | None]:
+    """A cache with the lens (and its log's path) or without it (``None``)."""
+    if not with_lens:
+        return H.build(core), None
+    hc, _, path = lensed(tmp_path, core)
+    return hc, path
+
+
 def checked(hc: H.HiCache, path: Path) -> Any:
     hc.cache.release_host_resources()
     return check_audit(read_audit(path))
@@ -238,53 +246,49 @@ def test_a_node_backed_by_a_failed_write_is_failed_write_backed(core: str, tmp_p
 # ---------------------------------------------------------------- locks
 
 
+WITH_AND_WITHOUT = pytest.mark.parametrize("with_lens", [False, True], ids=["sglang", "kvlife"])
+
+
 @CORES
+@WITH_AND_WITHOUT
 def test_an_unbalanced_lock_release_is_silent_without_kvlife_and_a_verdict_with_it(
-    core: str, tmp_path: Path
+    core: str, with_lens: bool, tmp_path: Path
 ) -> None:
-    for with_lens in (False, True):
-        if with_lens:
-            hc, _, path = lensed(tmp_path, core)
-        else:
-            hc = H.build(core)
-        hc.insert(TOKENS)
-        hc.poll()
-        node = hc.match(TOKENS).last_device_node
-        hc.cache.inc_lock_ref(node)  # a running request's lock
-        params = hc.cache.inc_lock_ref(node).to_dec_params()
-        hc.cache.dec_lock_ref(node, params)
-        # released again: SGLang takes the running request's count without a word (it
-        # asserts only when a count would go below zero, on the Python core)
-        hc.cache.dec_lock_ref(node, params)
-        assert hc.cache.protected_size() == 0  # the request's prefix is now evictable
-        if with_lens:
-            report = checked(hc, path)
-            assert kinds(report) == {"unbalanced_lock": 1}
+    hc, path = built(tmp_path, core, with_lens)
+    hc.insert(TOKENS)
+    hc.poll()
+    node = hc.match(TOKENS).last_device_node
+    hc.cache.inc_lock_ref(node)  # a running request's lock
+    params = hc.cache.inc_lock_ref(node).to_dec_params()
+    hc.cache.dec_lock_ref(node, params)
+    # released again: SGLang takes the running request's count without a word (it
+    # asserts only when a count would go below zero, on the Python core)
+    hc.cache.dec_lock_ref(node, params)
+    assert hc.cache.protected_size() == 0  # the request's prefix is now evictable
+    if path is not None:
+        assert kinds(checked(hc, path)) == {"unbalanced_lock": 1}
 
 
 # ---------------------------------------------------------------- overwritten entries
 
 
 @CORES
+@WITH_AND_WITHOUT
 def test_an_overwritten_pending_write_leaks_its_lock_without_kvlife_and_is_a_verdict_with_it(
-    core: str, tmp_path: Path
+    core: str, with_lens: bool, tmp_path: Path
 ) -> None:
-    for with_lens in (False, True):
-        if with_lens:
-            hc, _, path = lensed(tmp_path, core)
-        else:
-            hc = H.build(core)
-        hc.insert(TOKENS)  # a write pending under the node's id, its lock held
-        node = hc.match(TOKENS).last_device_node
-        hc.cache._track_write_through_node(node, None, [node])  # the entry overwritten
-        hc.poll()
-        hc.poll()
-        if not with_lens:
-            assert hc.cache.protected_size() > 0  # the first entry's lock: never released
-            continue
-        found = kinds(checked(hc, path))
-        # the second write is never acked on its own: unreported at the end
-        assert found.get("pending_overwritten") == 1 and found.get("unreported") == 1, found
+    hc, path = built(tmp_path, core, with_lens)
+    hc.insert(TOKENS)  # a write pending under the node's id, its lock held
+    node = hc.match(TOKENS).last_device_node
+    hc.cache._track_write_through_node(node, None, [node])  # the entry overwritten
+    hc.poll()
+    hc.poll()
+    if path is None:
+        assert hc.cache.protected_size() > 0  # the first entry's lock: never released
+        return
+    found = kinds(checked(hc, path))
+    # the second write is never acked on its own: unreported at the end
+    assert found.get("pending_overwritten") == 1 and found.get("unreported") == 1, found
 
 
 # ---------------------------------------------------------------- no false verdicts

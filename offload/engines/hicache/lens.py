@@ -238,13 +238,8 @@ class HiCacheLens:
         if kind in ("write_through", "write_back"):
             written = self._written.pop(node, None)
             slots = written or ()
-        key = self._node(node)
-        try:
-            ticket = self.registry.start_offload(key, kind=kind, **detail)
-        except LifecycleError:  # finished (its host copy freed) and not released: audited
-            self._end(key, "replaced")
-            key = self._node(node)
-            ticket = self.registry.start_offload(key, kind=kind, **detail)
+        key = self._node(node)  # never a finished one: _end forgets a key as it finishes it
+        ticket = self.registry.start_offload(key, kind=kind, **detail)
         copy = _Copy(ticket, kind, node, frozenset(slots))
         self._pending[queue].setdefault(ack_id, deque()).append(copy)
         for slot in copy.slots:
@@ -259,10 +254,6 @@ class HiCacheLens:
         self.overdue.opened(ticket, kind)
         self.counts.copies[kind] = self.counts.copies.get(kind, 0) + 1
         return ticket
-
-    def explained(self, queue: AckQueue, ack_id: Hashable) -> bool:
-        """Whether an ack naming ``ack_id`` on ``queue`` completes a pending copy."""
-        return bool(self._pending[queue].get(ack_id))
 
     def pending_under(self, queue: AckQueue, ack_id: Hashable) -> int:
         """Copies pending under ``ack_id`` on ``queue``."""
@@ -351,32 +342,31 @@ class HiCacheLens:
         self.counts.host_frees += 1
         reading = self._reading
         owner = self._owner
-        hit: dict[int, list[int]] = {}
+        hit: dict[int, tuple[_Copy, int]] = {}  # id(copy) -> (copy, its pages freed)
         ending: list[NodeCopy] = []
         for slot in slots:
             for copy in reading.get(slot, ()):
-                hit.setdefault(id(copy), []).append(slot)
+                _, n = hit.get(id(copy), (copy, 0))
+                hit[id(copy)] = (copy, n + 1)
             key = owner.pop(slot, None)
             if key is not None:
                 key.slots -= 1
                 if key.slots <= 0:
                     ending.append(key)
-        if hit:
-            for copies in {id(c): c for s in slots for c in reading.get(s, ())}.values():
-                if copies.told_freed:
-                    continue
-                copies.told_freed = True
-                n = len(hit[id(copies)])
-                self.verdict(
-                    "host_freed_in_flight",
-                    Trigger.FINISH,
-                    f"{n} host page(s) of node {copies.node} were freed while its "
-                    f"{copies.kind} (copy {copies.ticket.op}) was still in flight on them",
-                    copies.node,
-                    copy=copies.kind,
-                    op=copies.ticket.op,
-                    slots=n,
-                )
+        for copy, n in hit.values():
+            if copy.told_freed:
+                continue
+            copy.told_freed = True
+            self.verdict(
+                "host_freed_in_flight",
+                Trigger.FINISH,
+                f"{n} host page(s) of node {copy.node} were freed while its "
+                f"{copy.kind} (copy {copy.ticket.op}) was still in flight on them",
+                copy.node,
+                op=copy.ticket.op,
+                copy=copy.kind,
+                slots=n,
+            )
         for key in ending:
             self._end(key, "host_eviction")
 

@@ -89,7 +89,8 @@ def missing(cache: Any) -> list[str]:
 
 
 def _slots(indices: Any) -> list[int]:
-    return [] if indices is None else [int(i) for i in indices.tolist()]
+    """A tensor of host page indices as Python ints (``tolist`` makes them so)."""
+    return [] if indices is None else list(indices.tolist())
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -173,7 +174,7 @@ def install(cache: Any, lens: HiCacheLens) -> None:
             keep = []
             for ack_id in ack.node_ids:
                 used = want.get(ack_id, 0)
-                if lens.explained(name, ack_id) and used < lens.pending_under(name, ack_id):
+                if used < lens.pending_under(name, ack_id):
                     want[ack_id] = used + 1
                     keep.append(ack_id)
                 else:
@@ -196,7 +197,7 @@ def install(cache: Any, lens: HiCacheLens) -> None:
                 try:
                     return original(*args, **kwargs)
                 except Exception as exc:
-                    lens.raised(f"{name}ing_check" if name == "load" else "writing_check", exc)
+                    lens.raised(original.__name__, exc)
                     raise
                 finally:
                     still = {id(ack) for ack in queue_of()}
@@ -259,23 +260,19 @@ def install(cache: Any, lens: HiCacheLens) -> None:
 
         return make
 
-    def polled(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            finally:
-                lens.step()
+    def then(action: Callable[[], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A wrapper that runs ``action`` after the call, whether it returned or raised."""
 
-        return call
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    action()
 
-    def closing(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            finally:
-                lens.close()
+            return call
 
-        return call
+        return make
 
     _wrap(cc, "write", write)
     _wrap(cc, "load", load)
@@ -292,7 +289,7 @@ def install(cache: Any, lens: HiCacheLens) -> None:
     _wrap(cache, "dec_lock_ref", lock("device", False))
     _wrap(cache, "inc_host_lock_ref", lock("host", True))
     _wrap(cache, "dec_host_lock_ref", lock("host", False))
-    _wrap(cache, "check_hicache_events", polled)
-    _wrap(cache, "release_host_resources", closing)
-    _wrap(cache, "shutdown", closing)
+    _wrap(cache, "check_hicache_events", then(lens.step))
+    _wrap(cache, "release_host_resources", then(lens.close))
+    _wrap(cache, "shutdown", then(lens.close))
     cache.kvlife_lens = lens
