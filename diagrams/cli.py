@@ -10,6 +10,7 @@ Subcommands::
     kvlife audit why LOG (--rid RID | --serial N [--segment INDEX|ID]) [-o STORY.svg|.png]
     kvlife audit report LOG -o FILE.html [--accept-table D]
     kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
+    kvlife audit ranks LOG LOG [LOG ...] [--json]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
     kvlife vllm exercise CONFIG [...]   (in vLLM's environment)
 
@@ -21,6 +22,8 @@ with one line; a closed standard output (``| head``) exits 141 quietly. ``audit 
 exits 1 when the log has violations, unreadable lines or lost records (unless
 ``--allow-lost``), and its ``--json`` verdict always agrees with its exit status.
 ``audit stats`` and ``diagram --from-log`` exit 1 when they met unreadable lines.
+``audit ranks`` (one log per TP rank) exits 1 when the ranks disagree or a line was
+unreadable.
 LOG is read with its rotated backups (``LOG.N ... LOG.1 LOG``), in one streaming pass.
 """
 
@@ -58,6 +61,7 @@ from kvlife.fsm.audit.explain import (
     read_story,
     tell,
 )
+from kvlife.fsm.audit.ranks import compare_ranks
 from kvlife.fsm.cli_args import int_in
 
 
@@ -175,6 +179,18 @@ def _parser() -> _Parser:
     _accept_table(timeline, "draw segments written")
     _verdict_options(timeline)
 
+    ranks = audit_sub.add_parser(
+        "ranks",
+        help="compare the logs of a TP group's ranks (exit 1 when they disagree)",
+        description="Compare one log per tensor-parallel rank: the rids whose copies "
+        "differ between ranks (started, completed, left open), and the first completion "
+        "where the ranks' order differs. Exit 1 when they disagree.",
+    )
+    ranks.add_argument(
+        "rank_logs", nargs="+", metavar="LOG", help="rank 0's log, rank 1's, ... (two or more)"
+    )
+    ranks.add_argument("--json", action="store_true", help="machine-readable output")
+
     bench = sub.add_parser(
         "bench",
         help="benchmarks",
@@ -194,7 +210,7 @@ def _parser() -> _Parser:
     vllm.add_argument("which", nargs="?", choices=["exercise"])
     vllm.add_argument("args", nargs=argparse.REMAINDER, help="passed to the tool")
     parser.set_defaults(usage_of=parser)
-    for command in (demo, diagram, audit, bench, vllm, check, stats, why, report, timeline):
+    for command in (demo, diagram, audit, bench, vllm, check, stats, why, report, timeline, ranks):
         command.set_defaults(usage_of=command)
     return parser
 
@@ -684,6 +700,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    if args.audit_command == "ranks":
+        return _ranks(args)
     if args.audit_command == "why":
         return _why(args)
     if args.audit_command == "report":
@@ -828,6 +846,48 @@ def _bench(args: argparse.Namespace) -> int:
         return bench_main(args.args)
     except SystemExit as exc:
         return int(exc.code or 0)
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    """``kvlife audit ranks``: one log per rank, compared."""
+    logs: list[str] = args.rank_logs
+    if len(logs) < 2:
+        raise UsageError("kvlife audit ranks: give one log per rank, two or more")
+    files = [[str(f) for f in log_files([log])] for log in logs]
+    result = _reading(logs[0], lambda: compare_ranks(files))
+    result.ranks = tuple(logs)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "ranks": list(result.ranks),
+                    "copies": list(result.copies),
+                    "agree": result.agree,
+                    "disagreeing": result.disagreeing,
+                    "disagreements": [
+                        {
+                            "rid": d.rid,
+                            "kind": d.kind,
+                            "started": [c.started for c in d.counts],
+                            "completed": [c.completed for c in d.counts],
+                        }
+                        for d in result.disagreements
+                    ],
+                    "order": [
+                        {"kind": o.kind, "index": o.index, "rids": list(o.rids)}
+                        for o in result.order
+                    ],
+                    "unreadable_lines": result.unreadable,
+                },
+                indent=2,
+            )
+        )
+    else:
+        for line in result.lines():
+            print(line)
+        if result.unreadable:
+            print(f"kvlife: {result.unreadable} unreadable line(s) skipped", file=sys.stderr)
+    return 0 if result.agree and not result.unreadable else 1
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ SUBCOMMANDS = [
     ["audit", "stats"],
     ["audit", "why"],
     ["audit", "timeline"],
+    ["audit", "ranks"],
     ["bench"],
     ["vllm"],
 ]

@@ -126,9 +126,11 @@ def build(
     *,
     device_tokens: int = 128,
     host_ratio: float = 2.0,
+    tp_group: Any = None,
 ) -> HiCache:
     """A ``UnifiedRadixCache`` with HiCache on the CPU (``init_hicache`` run; writes go
-    through on the first insert)."""
+    through on the first insert); ``tp_group``: the process group of its TP ranks (the
+    cache all-reduces its ack counts over it)."""
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=PAGE))
     req_pool = ReqToTokenPool(size=8, max_context_len=512, device="cpu", enable_memory_saver=False)
     kv = MHATokenToKVPool(
@@ -150,6 +152,7 @@ def build(
         page_size=PAGE,
         disable=False,
         tree_components=(ComponentType.FULL,),
+        tp_cache_group=tp_group,
     )
     with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(core):
         cache = UnifiedRadixCache(params=params)

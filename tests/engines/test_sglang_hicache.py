@@ -27,6 +27,7 @@ with warnings.catch_warnings():
 
 from kvlife.fsm import MemorySink
 from kvlife.fsm.audit.checker import check_audit
+from kvlife.fsm.audit.ranks import compare_ranks
 from kvlife.fsm.audit.reader import read_audit
 from kvlife.offload.engines.hicache import HiCacheLens, NoLensError, attach, generation_for, unified
 
@@ -390,3 +391,77 @@ print(json.dumps({"mode": lens.mode, "path": str(lens.sink.path), "copies": lens
     assert Path(said["path"]) == tmp_path / "sglang-hicache-tp0.jsonl"
     report = check_audit(read_audit(said["path"]))
     assert report.ok and report.endings[0].status == "closed"
+
+
+# ---------------------------------------------------------------- TP ranks on gloo
+
+
+def two_ranks(tmp_path: Path, scenario: str, lens: str = "lens", seed: int = 3) -> list[Any]:
+    """Two TP ranks of the real cache in two processes, one gloo group (the cache
+    all-reduces its ack counts over it): what each still had pending at the end."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    store = tmp_path / "gloo-store"
+    args = ["2", str(store), str(tmp_path), scenario, str(seed), lens]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.engines.hicache_tp", str(rank), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for rank, proc in enumerate(ranks):
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"rank {rank}: {out[-3000:]}"
+    return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+
+
+def rank_logs(tmp_path: Path) -> list[str]:
+    return [str(tmp_path / f"sglang-hicache-tp{rank}.jsonl") for rank in range(2)]
+
+
+def test_without_kvlife_ranks_that_agree_on_a_count_complete_different_nodes(
+    tmp_path: Path,
+) -> None:
+    """A write that gets no host pages on rank 1 only: the all-reduced ack count then
+    pops node 10's write on rank 0 and node 11's on rank 1, and rank 0's write of node 11
+    stays pending for good. No error on either rank."""
+    rank0, rank1 = two_ranks(tmp_path, "write_fails", lens="none")
+    assert rank0["pending_writes"] == [11] and rank1["pending_writes"] == []
+
+
+def test_the_rank_logs_joined_name_the_nodes_two_ranks_disagree_on(tmp_path: Path) -> None:
+    rank0, rank1 = two_ranks(tmp_path, "write_fails")
+    assert rank0 == {"pending_writes": [11], "locks_held": 1}
+    assert rank1 == {"pending_writes": [], "locks_held": 0}
+    result = compare_ranks(rank_logs(tmp_path))
+    assert not result.agree
+    assert [(o.kind, o.index, o.rids) for o in result.order] == [
+        ("write_through", 0, ("node10", "node11"))
+    ]
+    by_rid = {d.rid: [(c.started, c.completed) for c in d.counts] for d in result.disagreements}
+    assert by_rid == {"node11": [(1, 0), (1, 1)], "node10": [(1, 1), (0, 0)]}
+    assert result.disagreements[0].rid == "node11"  # the one left open comes first
+    said = "\n".join(result.lines())
+    assert "left open on some ranks only (their pages and locks held there): node11" in said
+    # rank 0's own log says it too, without the join: its copy of node 11 never completed
+    report = check_audit(read_audit(rank_logs(tmp_path)[0]))
+    assert [(v.kind, v.rid) for v in report.violations] == [("unreported", "node11")]
+    assert check_audit(read_audit(rank_logs(tmp_path)[1])).ok
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvlife.diagrams.cli", "audit", "ranks", *rank_logs(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 1 and "node11 write_through" in cli.stdout
+
+
+def test_two_ranks_running_the_same_workload_agree(tmp_path: Path) -> None:
+    assert two_ranks(tmp_path, "clean") == [{"pending_writes": [], "locks_held": 0}] * 2
+    result = compare_ranks(rank_logs(tmp_path))
+    assert result.agree and result.copies[0] == result.copies[1] > 0, result.lines()
+    for log in rank_logs(tmp_path):
+        assert check_audit(read_audit(log)).ok
