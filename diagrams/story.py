@@ -43,6 +43,7 @@ from kvlife.fsm.audit import AuditChecker, AuditLog, AuditReader, Event
 from kvlife.fsm.audit.checker import Violation
 from kvlife.fsm.audit.explain import (
     RidHistory,
+    ended_by,
     held_at_registration,
     read_story,
     registrations,
@@ -78,18 +79,6 @@ class Copy:
         """``7``, or in the writer's words: ``delayed free 7 (finished_sending)``."""
         name = f"{self.kind.replace('_', ' ')} {self.op}" if self.kind else str(self.op)
         return f"{name} ({self.ended_by})" if self.ended_by else name
-
-
-def ended_by(detail: Mapping[str, object]) -> str:
-    """What ended a ticket, from its completion record's detail: the report that
-    completed it, the report that cut it short, or the lensed job."""
-    if "cut_by" in detail:
-        return f"cut by {detail['cut_by']}"
-    if "report" in detail:
-        return str(detail["report"])
-    if detail.get("jobs") == 0:
-        return "nothing to store"
-    return ""
 
 
 def verdict_label(kinds: Sequence[str], detail: Mapping[str, object]) -> str:

@@ -95,3 +95,30 @@ def test_a_verdict_on_a_watched_connector_is_told_in_its_lifecycles_story() -> N
     assert "reported a completion that no open ticket explains" in story
     assert "report=finished_sending why=repeated" in story
     assert "VIOLATION stray_report" in story or "FAILED" in story, story
+
+
+def test_copies_are_named_in_the_writers_words_as_the_story_picture_names_them() -> None:
+    """A ticket's ``kind`` names the copy on every line about it (start, completion,
+    refusal), what ended it is said in words, and a finish says what finished it;
+    a copy whose start said no kind stays ``copy N``."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("chat-7")
+    registry.register(req)
+    free = registry.start_offload(req, kind="delayed_free", blocks=3)
+    plain = registry.start_offload(req)
+    registry.complete(plain)
+    registry.finish(req, by="host_eviction")
+    registry.complete(free, cut_by="finished_recving")
+    with pytest.raises(StaleInstanceError):
+        registry.complete(free)
+    text = explain(sink.records(), "chat-7")
+    assert "start_offload delayed free 0: allocated -> offloading, 1 in flight [blocks=3]" in text
+    assert "ack copy 1: offloading -> offloading, 1 in flight" in text
+    assert "finish (host eviction): offloading -> finished_pending, 1 in flight  (host" in text
+    assert (
+        "ack delayed free 0 (cut by finished_recving): finished_pending -> released  (its "
+        "last copy ended: released)"
+    ) in text
+    assert "REFUSED ack delayed free 0: stale_instance: a delivery of" in text
+    assert "kind=" not in text and "cut_by=" not in text and "by=" not in text

@@ -166,7 +166,8 @@ def test_why_tells_an_overdue_ticket_and_whether_it_completed() -> None:
     clock.now += 12
     watch.check()
     text = tell(*read_story(sink.records(), "a"))
-    assert "OVERDUE copy 0" in text and "never completed in the log" in text
+    assert "OVERDUE delayed free 0: the delayed_free ticket" in text
+    assert "never completed in the log" in text
     registry.complete(ticket)
     text = tell(*read_story(sink.records(), "a"))
     assert "it completed later" in text and "longer than the 10.0 s limit" in text

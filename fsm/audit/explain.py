@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvlife.fsm.audit.checker import (
@@ -175,10 +175,32 @@ def _ms(t_ns: int, t0: int | None) -> str:
     return f"{(t_ns - (t0 or t_ns)) / 1e6:10.3f} ms"
 
 
-def _detail(record: AuditRecord) -> str:
-    if not record.detail:
-        return ""
-    return " [" + " ".join(f"{k}={v}" for k, v in record.detail.items()) + "]"
+def _detail(record: AuditRecord, told: tuple[str, ...] = ()) -> str:
+    """The record's detail in brackets, less the keys ``told`` (said in the line's words)."""
+    shown = [f"{k}={v}" for k, v in record.detail.items() if k not in told]
+    return " [" + " ".join(shown) + "]" if shown else ""
+
+
+#: Detail keys a line says in words instead of brackets.
+_IN_WORDS: tuple[str, ...] = ("kind", "cut_by", "report", "by")
+
+
+def copy_name(op: int, kind: str = "") -> str:
+    """A copy as the writer called it: ``store 7``, ``delayed free 2``, ``write back 3``
+    (the ticket's ``kind``, underscores read as spaces), or ``copy 7`` when it said none."""
+    return f"{kind.replace('_', ' ')} {op}" if kind else f"copy {op}"
+
+
+def ended_by(detail: Mapping[str, object]) -> str:
+    """What ended a ticket, from its completion record's detail: the report that
+    completed it, the report that cut it short, or the lensed job (empty: not said)."""
+    if "cut_by" in detail:
+        return f"cut by {detail['cut_by']}"
+    if "report" in detail:
+        return str(detail["report"])
+    if detail.get("jobs") == 0:
+        return "nothing to store"
+    return ""
 
 
 def _others(history: RidHistory, lc: LifecycleHistory, t_ns: int) -> list[LifecycleHistory]:
@@ -317,9 +339,14 @@ def _story(
                 f"was reused; #{other.serial}'s copies stay #{other.serial}'s"
             )
     started: dict[int, int] = {}  # op -> t_ns
+    kinds = {  # op -> the kind its start said: each line names the copy in the writer's words
+        r.op: str(r.detail["kind"])
+        for r in lc.records
+        if r.trigger == "start_offload" and r.op is not None and "kind" in r.detail
+    }
     for record in lc.records:
         when = _ms(record.t_ns, t0)
-        op = f" copy {record.op}" if record.op is not None else ""
+        op = "" if record.op is None else " " + copy_name(record.op, kinds.get(record.op, ""))
         if record.reason == "overdue":
             lines.append(f"  {when}  OVERDUE{op}: {overdue_sentence(record, lc, t0)}")
             _marked(lines, marks.get((lc.segment, record.seq), []))
@@ -332,8 +359,8 @@ def _story(
             continue
         move = f"{record.src} -> {record.dst}" if record.src else f"-> {record.dst}"
         inflight = f", {record.inflight} in flight" if record.inflight else ""
-        line = f"  {when}  {record.trigger}{op}: {move}{inflight}{_detail(record)}"
-        line += _meaning(record)
+        line = f"  {when}  {record.trigger}{op}{_how(record)}: {move}{inflight}"
+        line += _detail(record, _IN_WORDS) + _meaning(record)
         if record.trigger == "start_offload" and record.op is not None:
             started[record.op] = record.t_ns
         elif record.trigger in ("ack", "fail") and record.op is not None:
@@ -353,6 +380,13 @@ def _story(
     if lc.released_ns is None:
         lines.append("  not released at the end of the log")
     return lines
+
+
+def _how(record: AuditRecord) -> str:
+    """What the writer said ended a copy or a lifecycle, in words: `` (cut by
+    finished_recving)``, `` (host eviction)``; empty when it said nothing."""
+    said = ended_by(record.detail) or str(record.detail.get("by", "")).replace("_", " ")
+    return f" ({said})" if said else ""
 
 
 def overdue_sentence(record: AuditRecord, lc: LifecycleHistory, t0: int | None) -> str:

@@ -186,8 +186,10 @@ class Workload:
 
 def run_workload(hc: HiCache, seed: int, steps: int = 120, *, check_bytes: bool = True) -> Workload:
     """Seeded random work on ``hc``: inserts of prefixes that share and split (a few
-    families of token sequences), matches, device eviction to host, load-backs with
-    their bytes checked, host eviction, a poll after each step."""
+    families of token sequences, and branches off them: a branch inserted while the
+    family's write is pending splits its node mid-write), matches, device eviction to
+    host, load-backs with their bytes checked, host eviction; a poll after most steps
+    (three in four), so that copies are sometimes still pending at the next step."""
     rng = random.Random(seed)
     done = Workload()
     families = [[100 * f + i for i in range(PAGE * 6)] for f in range(1, 6)]  # exact in fp16
@@ -196,6 +198,8 @@ def run_workload(hc: HiCache, seed: int, steps: int = 120, *, check_bytes: bool 
         family = rng.choice(families)
         cut = PAGE * rng.randint(1, 6)
         tokens = family[:cut]
+        if rng.random() < 0.25:  # a branch: the family's first pages, then its own
+            tokens = family[: PAGE * rng.randint(1, 3)] + [t + 50 for t in family[: PAGE * 2]]
         if op < 0.35:
             result = hc.insert(tokens)
             done.answers.append(("insert", None if result is None else result.prefix_len))
@@ -212,6 +216,8 @@ def run_workload(hc: HiCache, seed: int, steps: int = 120, *, check_bytes: bool 
             freed = hc.evict_host(PAGE * rng.randint(1, 4))
             done.host_evictions += bool(freed)
             done.answers.append(("evict_host", freed))
+        if rng.random() >= 0.75:
+            continue  # loads not submitted yet: their device pages hold nothing to check
         hc.poll()
         m = hc.match(tokens)
         if check_bytes and m.device_prefix_len:  # what the device holds for it is its own tokens

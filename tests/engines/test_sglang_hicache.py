@@ -302,6 +302,7 @@ def test_seeded_workloads_leave_every_log_clean_and_the_cache_unchanged(
 ) -> None:
     seeds = range(20)
     copies: dict[str, int] = {}
+    splits = 0
     for seed in seeds:
         alone = H.run_workload(H.build(core, policy), seed)
         hc, lens, path = lensed(tmp_path / str(seed), core, policy)
@@ -310,10 +311,36 @@ def test_seeded_workloads_leave_every_log_clean_and_the_cache_unchanged(
         report = checked(hc, path)
         assert report.ok and not report.violations, (seed, [v.line() for v in report.violations])
         assert lens.counts.verdicts == {}
+        splits += lens.counts.splits
         for kind, n in lens.counts.copies.items():
             copies[kind] = copies.get(kind, 0) + n
-    # the workloads did what they are for: writes, load-backs, host evictions
+    # the workloads did what they are for: writes, load-backs, host evictions, and nodes
+    # split while their write was pending
     assert copies.get("load_back", 0) >= 20 and copies.get(policy, 0) >= 100, copies
+    assert splits >= 3 or policy == "write_back", splits  # write-back writes at eviction
+
+
+@CORES
+def test_a_node_split_while_its_write_is_pending_needs_nothing_and_its_ack_says_so(
+    core: str, tmp_path: Path
+) -> None:
+    """A second prompt that shares the first's first page splits the first's node while
+    its write is pending (no poll between): SGLang moves the pending entry, the ack still
+    names the write's id. No verdict; the ack's record names the nodes the write spans,
+    and a load-back after eviction brings the first prompt's own tokens back."""
+    hc, lens, path = lensed(tmp_path, core)
+    branch = TOKENS[:4] + [t + 50 for t in TOKENS[:8]]
+    hc.insert(TOKENS)
+    hc.insert(branch)
+    assert lens.counts.splits == 1
+    hc.poll()
+    assert hc.evict(64) > 0 and hc.load_back(TOKENS)
+    hc.poll()
+    assert hc.device_tokens(TOKENS) == TOKENS
+    report = checked(hc, path)
+    assert report.ok, [v.line() for v in report.violations]
+    (ack,) = [r for r in read_audit(path).records if "split_into" in r.detail]
+    assert ack.trigger == "ack" and str(ack.detail["split_into"]).count("node") == 2
 
 
 # ---------------------------------------------------------------- which lens

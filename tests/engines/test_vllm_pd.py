@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -238,7 +239,8 @@ def test_a_prefill_no_decode_side_takes_is_told_overdue_and_a_late_read_is_named
     assert (verdict.kind, verdict.rid) == ("freed_before_read", read.rid)
     assert both.overdue == 1 and both.overdue_completed == 1
     text = _why(rid, tmp_path)
-    assert "OVERDUE copy" in text and "told overdue while it ran" in text
+    assert re.search(r"OVERDUE (delayed free|load) \d+: the", text), text
+    assert "told overdue while it ran" in text
     assert f"!! VIOLATION freed_before_read (decode #{read.serial} rid {read.rid!r})" in text
     print(f"told overdue after {told_s:.1f} s; NIXL freed the blocks after {freed_s:.1f} s")
 
@@ -405,7 +407,7 @@ def test_a_client_that_disconnects_while_the_decode_side_reads(tmp_path: Path) -
     assert read.ended_how == "abort" and read.closed_ok is False
     assert read.ended is not None and read.closed is not None and read.ended < read.closed
     text = _why(load.rid, tmp_path)
-    assert "abort: offloading -> finished_pending" in text and "OVERDUE copy 0" in text
+    assert "abort: offloading -> finished_pending" in text and "OVERDUE load 0: the" in text
     assert "while the load was in flight" in text
     assert text.index("while the load was in flight") < text.index("load failed")
 

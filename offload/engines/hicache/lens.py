@@ -153,6 +153,7 @@ class HiCacheLens:
         self._written: dict[int, tuple[int, ...] | None] = {}  # node -> last write's slots
         self._locks: dict[tuple[str, int], int] = {}  # (device|host, node) -> receipts held
         self._spent: OrderedDict[int, object] = OrderedDict()  # receipts spent lately
+        self._split: dict[Hashable, str] = {}  # pending write's ack id -> the nodes it spans
 
     # ------------------------------------------------------------------ lifecycles
 
@@ -307,9 +308,13 @@ class HiCacheLens:
             copy = pending.popleft()
             if not pending:
                 del self._pending[queue][ack_id]
-            self._settle(copy, ok)
+            split = self._split.pop(ack_id, None) if queue == "write" else None
+            if split is None:
+                self._settle(copy, ok)
+            else:
+                self._settle(copy, ok, split_into=split)
 
-    def _settle(self, copy: _Copy, ok: bool) -> None:
+    def _settle(self, copy: _Copy, ok: bool, **detail: DetailValue) -> None:
         for slot in copy.slots:
             on = self._reading.get(slot)
             if on is not None:
@@ -317,7 +322,7 @@ class HiCacheLens:
                 if not on:
                     del self._reading[slot]
         lc = copy.ticket.lifecycle
-        self.registry.complete(copy.ticket, ok=ok)
+        self.registry.complete(copy.ticket, ok=ok, **detail)
         key = lc.req
         if (
             isinstance(key, NodeCopy)
@@ -331,8 +336,10 @@ class HiCacheLens:
 
     def split(self, ack_id: Hashable, old: int, new: Sequence[int]) -> None:
         """A node with a pending write was split: the ack still names ``ack_id``, and the
-        host pages the write fills stay with its lifecycle (legal: no verdict)."""
+        host pages the write fills stay with its lifecycle (legal: no verdict). The ack's
+        record says which nodes the write came to span (``split_into``)."""
         self.counts.splits += 1
+        self._split[ack_id] = ",".join(f"node{n}" for n in new)
 
     # ------------------------------------------------------------------ host memory
 
