@@ -125,7 +125,8 @@ $(SGLANG_STAMP): tests/engines/sglang-pins.txt pyproject.toml fsm/ offload/ diag
 sglang-venv: $(SGLANG_STAMP)
 
 test-sglang: sglang-venv
-	$(SGLANG_VENV)/bin/python -m pytest -q tests/engines/test_sglang.py tests/engines/test_sglang_plugin.py tests/engines/test_sglang_hicache.py
+	$(SGLANG_VENV)/bin/python -m pytest -q tests/engines/test_sglang.py tests/engines/test_sglang_plugin.py \
+	    tests/engines/test_sglang_hicache.py tests/engines/test_sglang_hicache_cpu.py tests/engines/test_sglang_hicache_exercise.py
 
 # SGLang 0.5.18, the last release whose own manager keys its state by rid: the original bug
 # on real code (a strict xfail) and the drop-in passing the same story, in one run.

@@ -13,6 +13,7 @@ Subcommands::
     kvlife audit ranks LOG LOG [LOG ...] [--json]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
     kvlife vllm exercise CONFIG [...]   (in vLLM's environment)
+    kvlife sglang exercise [...]        (in SGLang's environment)
 
 Bare ``kvlife``, ``kvlife audit`` and ``kvlife bench`` print their usage (exit 2);
 ``kvlife --version`` prints the version. Usage errors print one line and exit 2, and so do
@@ -209,8 +210,18 @@ def _parser() -> _Parser:
     )
     vllm.add_argument("which", nargs="?", choices=["exercise"])
     vllm.add_argument("args", nargs=argparse.REMAINDER, help="passed to the tool")
+    sglang = sub.add_parser(
+        "sglang",
+        help="SGLang tools (run in SGLang's environment)",
+        description="SGLang tools: exercise (drive SGLang's hierarchical cache through the "
+        "schedules that break caches, with kvlife's lens on it). Options after the name go "
+        "to the tool: kvlife sglang exercise --help.",
+    )
+    sglang.add_argument("which", nargs="?", choices=["exercise"])
+    sglang.add_argument("args", nargs=argparse.REMAINDER, help="passed to the tool")
     parser.set_defaults(usage_of=parser)
-    for command in (demo, diagram, audit, bench, vllm, check, stats, why, report, timeline, ranks):
+    commands = (demo, diagram, audit, bench, vllm, sglang, check, stats, why, report, timeline)
+    for command in (*commands, ranks):
         command.set_defaults(usage_of=command)
     return parser
 
@@ -347,6 +358,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return 2
     if args.command == "vllm":
         return _vllm(args)
+    if args.command == "sglang":
+        return _sglang(args)
     return _bench(args)
 
 
@@ -358,6 +371,21 @@ def _vllm(args: argparse.Namespace) -> int:
         raise UsageError(
             f"kvlife vllm {args.which}: needs vLLM in this environment "
             f"(pip install 'kvlife[vllm]'): {exc}"
+        ) from exc
+    status: int = exercise.main(args.args)
+    return status
+
+
+def _sglang(args: argparse.Namespace) -> int:
+    """``kvlife sglang exercise ...``: SGLang's cache, in the environment SGLang runs in."""
+    from kvlife.offload.engines.hicache import exercise  # imports no engine at the top
+
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"kvlife sglang {args.which}: needs SGLang in this environment "
+            f"(pip install 'kvlife[sglang]'): {exc}"
         ) from exc
     status: int = exercise.main(args.args)
     return status

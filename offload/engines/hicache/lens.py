@@ -92,6 +92,7 @@ class LensCounts:
     acks: int = 0
     splits: int = 0
     host_frees: int = 0
+    writes_without_pages: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     refused_ids: int = 0
 
@@ -200,6 +201,8 @@ class HiCacheLens:
         """The cache asked for a device-to-host copy of ``node``: the host pages it got, or
         ``None`` when the write failed (no host memory)."""
         self._written[node] = None if slots is None else tuple(slots)
+        if slots is None:
+            self.counts.writes_without_pages += 1
 
     def backup_committed(self, node: int) -> None:
         """The cache recorded ``node`` as backed on host."""

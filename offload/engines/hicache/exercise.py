@@ -1,0 +1,533 @@
+"""``kvlife sglang exercise``: a conformance run of SGLang's hierarchical cache, for
+SGLang's developers before a release and for operators before an upgrade.
+
+It builds SGLang's real ``UnifiedRadixCache`` with its ``HybridCacheController`` on the CPU
+([`cpu`][kvlife.offload.engines.hicache.cpu]: SGLang's pools, tree cores and controller;
+a CPU allocation and a torch copy stand in for the host pinning and the transfer kernel),
+puts kvlife's HiCache lens on it, and drives seeded workloads through *families* of
+schedules that break caches: prefixes shared and split while their write is in flight,
+eviction pressure on device and host, acks held back, requests aborted while their
+load-back is in flight, the write-back policy. Each run checks what a serving engine needs
+of its cache:
+
+* no exception from the cache (the exception and its innermost frame);
+* every copy acked: after the workload every request ends and the exercise polls until
+  the cache has no write or load pending (a lost ack keeps its node pending and locked
+  for ever);
+* no lock left: the cache's protected size is 0 once every request has ended;
+* every device and host page back: after evicting everything, the device allocator and
+  the host pool are as large as when built (a leak is a page count);
+* a load-back brings back its own tokens (each token's device K holds its id);
+* kvlife's audit log of the run checks clean (each verdict with the node it names and the
+  ``kvlife audit why`` command that tells its story).
+
+Each family runs on both tree cores (``python`` and ``rust``). What it does not cover:
+the storage backend (L3 backups and prefetches), tensor parallelism (see
+``kvlife audit ranks``), a GPU (the CUDA kernels and the pinned host pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlife.offload.engines.hicache.cpu import CORES, PAGE, CpuCache, build
+
+#: polls after the workload for every copy to be acked
+DRAIN_POLLS = 64
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of schedule that breaks caches: what the workload does."""
+
+    name: str
+    #: what the family does, for the report
+    what: str
+    policy: str = "write_through"
+    device_tokens: int = 128
+    host_ratio: float = 2.0
+    #: the share of prompts that branch off another prompt's first pages
+    branch: float = 0.0
+    #: per step, the chance that the step ends without a poll (copies stay pending)
+    skip_poll: float = 0.0
+    #: each ack held back this many polls (a range), delivered in order
+    hold: tuple[int, int] = (0, 0)
+    #: per step, the chance that one live request is aborted, wherever it is
+    abort: float = 0.0
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("basic", "requests, matches, device eviction to host, load-backs, host evictions"),
+        Family(
+            "prefix",
+            "prompts branch off others' first pages, inserted while the shared node's write "
+            "is pending: nodes split mid-write",
+            branch=0.6,
+            skip_poll=0.4,
+        ),
+        Family(
+            "pressure",
+            "a device pool of 48 tokens and a host pool as large: evictions to host and host "
+            "evictions on most steps",
+            device_tokens=48,
+            host_ratio=1.0,
+        ),
+        Family(
+            "hold",
+            "every ack held back 1-6 polls, delivered in order (a slow copy stream)",
+            hold=(1, 6),
+        ),
+        Family(
+            "abort",
+            "one request in three steps aborted wherever it is: before its load-back is "
+            "submitted, while it is in flight, after its ack",
+            abort=0.35,
+            hold=(0, 3),
+        ),
+        Family(
+            "write_back",
+            "the write-back policy: a node is written to host when it is evicted",
+            policy="write_back",
+            skip_poll=0.3,
+        ),
+    )
+}
+
+
+class ExerciseError(ValueError):
+    """A bad family, core or count: nothing ran."""
+
+
+# -- one run --------------------------------------------------------------------------------
+
+
+class _HeldEvent:
+    """An ack's event that reports ready only from poll ``due`` on (a slow copy); a
+    blocking wait on it completes it."""
+
+    def __init__(self, event: Any, clock: list[int], due: int) -> None:
+        self.event, self.clock, self.due = event, clock, due
+
+    def query(self) -> bool:
+        return self.clock[0] >= self.due and bool(self.event.query())
+
+    def synchronize(self) -> None:
+        self.due = 0
+        self.event.synchronize()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.event, name)
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    lock: Any
+    ends: int  # the step it finishes at (unless aborted first)
+
+
+@dataclass
+class RunResult:
+    """One run: what it did and what went wrong (``failed`` when anything did)."""
+
+    family: str
+    core: str
+    seed: int
+    log: str
+    requests: int = 0
+    aborts: int = 0
+    copies: dict[str, int] = field(default_factory=dict)
+    splits: int = 0
+    host_frees: int = 0
+    writes_without_pages: int = 0
+    #: ``Type: message`` of an exception, and its innermost frame
+    raised: str = ""
+    raised_at: str = ""
+    #: node ids still pending after the drain
+    undrained: list[int] = field(default_factory=list)
+    #: tokens still locked after every request ended
+    locked: int = 0
+    #: device and host pages not back after everything was evicted
+    leaked_device: int = 0
+    leaked_host: int = 0
+    #: tokens whose load-back brought back other tokens
+    wrong_bytes: list[int] = field(default_factory=list)
+    #: verdict kind -> the rids it names
+    verdicts: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return bool(
+            self.raised
+            or self.undrained
+            or self.locked
+            or self.leaked_device
+            or self.leaked_host
+            or self.wrong_bytes
+            or self.verdicts
+        )
+
+
+def why_command(log: str, rid: str) -> str:
+    """The command that tells ``rid``'s story in ``log``."""
+    return f"kvlife audit why {log} --rid {rid}"
+
+
+def _innermost(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f"{Path(last.filename).name}:{last.lineno} in {last.name}"
+
+
+class _Run:
+    """The workload of one run on one cache."""
+
+    def __init__(self, hc: CpuCache, family: Family, seed: int, result: RunResult) -> None:
+        self.hc, self.family, self.result = hc, family, result
+        self.rng = random.Random(seed)
+        self.clock = [0]  # polls so far
+        self.live: list[_Request] = []
+        self.step = 0
+        self.prompts = [[100 * f + i for i in range(PAGE * 6)] for f in range(1, 6)]
+
+    def tokens(self) -> list[int]:
+        rng = self.rng
+        prompt = rng.choice(self.prompts)
+        if rng.random() < self.family.branch:  # its first pages, then its own
+            return prompt[: PAGE * rng.randint(1, 3)] + [t + 50 for t in prompt[: PAGE * 2]]
+        return prompt[: PAGE * rng.randint(1, 6)]
+
+    def poll(self) -> None:
+        hc, cc = self.hc, self.hc.cache.cache_controller
+        hc.cache.ready_to_load_host_cache()
+        cc.start_writing()  # what the poll would submit first: its acks are held too
+        low, high = self.family.hold
+        if high:
+            for queue in (cc.ack_write_queue, cc.ack_load_queue):
+                for i, ack in enumerate(queue):
+                    if not isinstance(ack.finish_event, _HeldEvent):
+                        due = self.clock[0] + self.rng.randint(low, high)
+                        queue[i] = ack._replace(
+                            finish_event=_HeldEvent(ack.finish_event, self.clock, due)
+                        )
+        hc.cache.check_hicache_events()
+        self.clock[0] += 1
+
+    def begin(self) -> None:
+        """A request: match its prompt, load back what is on host only, lock its prefix."""
+        hc = self.hc
+        tokens = self.tokens()
+        m = hc.match(tokens)
+        if m.host_hit_length:
+            hc.cache.load_back(m.best_match_node)
+            m = hc.match(tokens)
+        lock = hc.cache.lock(m.last_device_node)
+        self.live.append(_Request(tokens, lock, self.step + self.rng.randint(0, 4)))
+        self.result.requests += 1
+
+    def end(self, request: _Request, abort: bool) -> None:
+        """A request ends: finished, its KV is cached (inserted); aborted, it is not."""
+        self.live.remove(request)
+        if not abort:
+            self.hc.insert(request.tokens)
+        else:
+            self.result.aborts += 1
+        self.hc.cache.unlock(request.lock)
+
+    def run(self, steps: int) -> None:
+        rng, hc, family = self.rng, self.hc, self.family
+        for self.step in range(steps):
+            op = rng.random()
+            if op < 0.4:
+                self.begin()
+            elif op < 0.55:
+                hc.match(self.tokens())
+            elif op < 0.75:
+                hc.evict(PAGE * rng.randint(1, 8))
+            elif op < 0.85:
+                hc.load_back(self.tokens())
+            else:
+                hc.evict_host(PAGE * rng.randint(1, 4))
+            for request in [r for r in self.live if r.ends <= self.step]:
+                self.end(request, abort=False)
+            if self.live and rng.random() < family.abort:
+                self.end(rng.choice(self.live), abort=True)
+            if rng.random() < family.skip_poll:
+                continue
+            self.poll()
+            self.check_bytes()
+
+    def check_bytes(self) -> None:
+        """The device pages of a live request's prefix hold its own tokens (loads are
+        submitted by the poll: their copies are done)."""
+        for request in self.live:
+            if self.hc.match(request.tokens).device_prefix_len:
+                got = self.hc.device_tokens(request.tokens)
+                if got != request.tokens[: len(got)] and not self.result.wrong_bytes:
+                    self.result.wrong_bytes = request.tokens[: len(got)]
+
+    def drain(self) -> None:
+        """Every request ends, every held ack is let go, polls until nothing is pending;
+        then what is still locked, pending, or not back in the pools."""
+        hc, result = self.hc, self.result
+        for request in list(self.live):
+            self.end(request, abort=False)
+        self.family = dataclasses.replace(self.family, hold=(0, 0))
+        self.clock[0] += 1_000_000  # every held ack is due
+        cache = hc.cache
+        for _ in range(DRAIN_POLLS):
+            if not cache.ongoing_write_through and not cache.ongoing_load_back:
+                break
+            self.poll()
+        result.undrained = sorted({*cache.ongoing_write_through, *cache.ongoing_load_back})
+        result.locked = int(cache.protected_size())
+        if result.undrained or result.locked:
+            return  # pages of a pending copy or a locked node cannot come back
+        hc.evict(hc.device_tokens_total)
+        result.leaked_device = hc.device_tokens_total - int(hc.allocator.available_size())
+        host = hc.host_pool()
+        hc.evict_host(int(host.size))
+        result.leaked_host = int(host.size) - int(host.available_size())
+
+
+def run_one(
+    family: Family,
+    core: str,
+    seed: int,
+    steps: int,
+    directory: Path,
+    tamper: Callable[[CpuCache], None] | None = None,
+) -> RunResult:
+    """One run of ``family`` on the ``core`` tree core: the cache built, the lens on it
+    (its log in ``directory``), the workload, the drain and the checks. ``tamper`` (for
+    kvlife's own tests) is given the cache, lens on, before the workload."""
+    from kvlife.fsm.audit.checker import check_audit  # noqa: PLC0415
+    from kvlife.fsm.audit.reader import read_audit  # noqa: PLC0415
+    from kvlife.offload.engines.hicache import HiCacheLens, attach  # noqa: PLC0415
+
+    log = directory / f"{family.name}-{core}-{seed}.jsonl"
+    result = RunResult(family.name, core, seed, str(log))
+    hc = build(
+        core, family.policy, device_tokens=family.device_tokens, host_ratio=family.host_ratio
+    )
+    witness = f"SGLang UnifiedRadixCache ({family.name}, {core} core, seed {seed})"
+    lens = attach(hc.cache, HiCacheLens(log, witness))
+    run = _Run(hc, family, seed, result)
+    try:
+        if tamper is not None:
+            tamper(hc)
+        run.run(steps)
+        run.drain()
+    except Exception as exc:  # the report says what and where, the next run goes on
+        result.raised = f"{type(exc).__name__}: {exc}"[:300]
+        result.raised_at = _innermost(exc)
+    finally:
+        hc.cache.release_host_resources()  # closes the lens's log
+    result.copies = dict(lens.counts.copies)
+    result.splits = lens.counts.splits
+    result.host_frees = lens.counts.host_frees
+    result.writes_without_pages = lens.counts.writes_without_pages
+    for violation in check_audit(read_audit(log)).violations:
+        result.verdicts.setdefault(violation.kind, []).append(str(violation.rid))
+    return result
+
+
+# -- many runs, the report ----------------------------------------------------------------
+
+
+@dataclass
+class FamilyReport:
+    """A family's runs on one tree core, summed up: each kind of failure with how often
+    and the first seed that shows it."""
+
+    family: str
+    core: str
+    what: str
+    runs: int = 0
+    failed: int = 0
+    requests: int = 0
+    aborts: int = 0
+    copies: dict[str, int] = field(default_factory=dict)
+    splits: int = 0
+    host_frees: int = 0
+    writes_without_pages: int = 0
+    #: what went wrong -> (runs, the first seed, what it said)
+    failures: dict[str, tuple[int, int, str]] = field(default_factory=dict)
+
+    def add(self, run: RunResult) -> None:
+        self.runs += 1
+        self.requests += run.requests
+        self.aborts += run.aborts
+        self.splits += run.splits
+        self.host_frees += run.host_frees
+        self.writes_without_pages += run.writes_without_pages
+        for kind, n in run.copies.items():
+            self.copies[kind] = self.copies.get(kind, 0) + n
+        if not run.failed:
+            return
+        self.failed += 1
+        found: list[tuple[str, str]] = []
+        if run.raised:
+            found.append((f"raised {run.raised.split(':', 1)[0]} at {run.raised_at}", run.raised))
+        if run.undrained:
+            found.append(("never acked", f"nodes {run.undrained} still pending after the drain"))
+        if run.locked:
+            found.append(("lock left", f"{run.locked} tokens still locked after every request"))
+        if run.leaked_device or run.leaked_host:
+            found.append(
+                (
+                    "pages leaked",
+                    f"{run.leaked_device} device, {run.leaked_host} host token(s) not back",
+                )
+            )
+        if run.wrong_bytes:
+            found.append(("wrong bytes", f"a load-back of {run.wrong_bytes[:8]}... brought others"))
+        for kind, rids in run.verdicts.items():
+            found.append((f"verdict {kind}", f"{rids[0]}: {why_command(run.log, rids[0])}"))
+        for key, said in found:
+            count, seed, text = self.failures.get(key, (0, run.seed, said))
+            self.failures[key] = (count + 1, seed, text)
+
+    def lines(self) -> list[str]:
+        copies = ", ".join(
+            f"{n} {kind.replace('_', ' ')}" for kind, n in sorted(self.copies.items())
+        )
+        lines = [
+            f"{self.family} ({self.core} core): {self.runs} runs, {self.failed} failed "
+            f"({self.what})",
+            f"  did: {self.requests} requests, {self.aborts} aborted; copies: {copies or 'none'}; "
+            f"{self.splits} nodes split mid-write, {self.host_frees} host frees, "
+            f"{self.writes_without_pages} writes that found no host pages",
+        ]
+        for key, (count, seed, text) in self.failures.items():
+            lines.append(f"  {key} in {count} run(s), first seed {seed}: {text}")
+        return lines
+
+
+def exercise(
+    families: Sequence[str],
+    cores: Sequence[str],
+    seeds: Sequence[int],
+    steps: int,
+    directory: Path,
+    progress: Callable[[str, int, int], None] | None = None,
+    tamper: Callable[[CpuCache], None] | None = None,
+) -> tuple[list[FamilyReport], list[RunResult]]:
+    """Every family on every core over every seed: the reports and every run. A failing
+    run's log stays in ``directory``; a clean run's is removed.
+
+    Raises:
+        ExerciseError: an unknown family or core; nothing ran.
+    """
+    unknown = [f for f in families if f not in FAMILIES] + [c for c in cores if c not in CORES]
+    if unknown:
+        raise ExerciseError(
+            f"unknown {unknown}: families are {', '.join(FAMILIES)}; cores {', '.join(CORES)}"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    reports, runs = [], []
+    for name in families:
+        for core in cores:
+            report = FamilyReport(name, core, FAMILIES[name].what)
+            for i, seed in enumerate(seeds):
+                run = run_one(FAMILIES[name], core, seed, steps, directory, tamper)
+                report.add(run)
+                runs.append(run)
+                if not run.failed:
+                    Path(run.log).unlink(missing_ok=True)
+                if progress is not None:
+                    progress(f"{name} ({core})", i + 1, len(seeds))
+            reports.append(report)
+    return reports, runs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvlife sglang exercise [--families ...] [--cores ...] [--seeds N] [--seed S]
+    [--steps N] [--out DIR] [--json]``: exit 0 when every run is clean, 1 when one failed,
+    2 for bad arguments (one line)."""
+    parser = argparse.ArgumentParser(
+        prog="kvlife sglang exercise",
+        description="Drive SGLang's hierarchical cache (UnifiedRadixCache with HiCache, on "
+        "the CPU) through the schedules that break caches, with kvlife's lens on it, and "
+        "check what a serving engine needs of it.",
+    )
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated, of {', '.join(FAMILIES)} (default: all)",
+    )
+    parser.add_argument("--cores", default=",".join(CORES), help="tree cores (default: both)")
+    parser.add_argument("--seeds", type=int, default=20, help="runs per family (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--steps", type=int, default=120, help="workload steps a run (default 120)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="where failing runs' logs stay (default: a new directory under the system's "
+        "temporary one, printed)",
+    )
+    parser.add_argument("--json", action="store_true", help="the reports and runs as JSON")
+    args = parser.parse_args(argv)
+    if args.seeds < 1 or args.steps < 1:
+        print("kvlife sglang exercise: --seeds and --steps must be at least 1", file=sys.stderr)
+        return 2
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    cores = [c.strip() for c in args.cores.split(",") if c.strip()]
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvlife-sglang-"))
+    redraw = sys.stderr.isatty()  # a log file gets one line a family, not the redraws
+
+    def progress(family: str, done: int, total: int) -> None:
+        if redraw:
+            print(f"\r{family}: {done}/{total} runs", end="", file=sys.stderr, flush=True)
+            if done == total:
+                print(file=sys.stderr)
+        elif done == total:
+            print(f"{family}: {total} runs", file=sys.stderr, flush=True)
+
+    try:
+        reports, runs = exercise(
+            families, cores, range(args.seed, args.seed + args.seeds), args.steps, out, progress
+        )
+    except ExerciseError as exc:
+        print(f"kvlife sglang exercise: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        body = {
+            "families": [dataclasses.asdict(r) for r in reports],
+            "runs": [dataclasses.asdict(r) | {"failed": r.failed} for r in runs],
+        }
+        print(json.dumps(body, indent=1))
+    else:
+        print(f"kvlife sglang exercise: SGLang's HiCache on the CPU, {args.steps} steps a run")
+        for report in reports:
+            print("\n".join(report.lines()))
+        if any(r.failed for r in runs):
+            print(f"the failing runs' logs are in {out}")
+    return 1 if any(r.failed for r in runs) else 0
+
+
+__all__ = [
+    "FAMILIES",
+    "ExerciseError",
+    "Family",
+    "FamilyReport",
+    "RunResult",
+    "exercise",
+    "main",
+    "run_one",
+    "why_command",
+]
