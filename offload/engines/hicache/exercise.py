@@ -33,7 +33,6 @@ import dataclasses
 import json
 import random
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -474,12 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=20, help="runs per family (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
     parser.add_argument("--steps", type=int, default=120, help="workload steps a run (default 120)")
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="where failing runs' logs stay (default: a new directory under the system's "
-        "temporary one, printed)",
-    )
+    parser.add_argument("--out", default="kvlife-exercise", help="where failing runs' logs stay")
     parser.add_argument("--json", action="store_true", help="the reports and runs as JSON")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.steps < 1:
@@ -487,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     cores = [c.strip() for c in args.cores.split(",") if c.strip()]
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvlife-sglang-"))
+    out = Path(args.out)
     redraw = sys.stderr.isatty()  # a log file gets one line a family, not the redraws
 
     def progress(family: str, done: int, total: int) -> None:
