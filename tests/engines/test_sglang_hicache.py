@@ -343,6 +343,19 @@ def test_a_node_split_while_its_write_is_pending_needs_nothing_and_its_ack_says_
     assert ack.trigger == "ack" and str(ack.detail["split_into"]).count("node") == 2
 
 
+@CORES
+def test_acks_are_still_seen_after_the_cache_is_reset(core: str, tmp_path: Path) -> None:
+    """``reset`` (a cache flush) makes the cache's pending-copy dictionaries again: the
+    lens watches the new ones."""
+    hc, lens, path = lensed(tmp_path, core)
+    hc.cache.reset()
+    written_and_evicted(hc)
+    assert hc.load_back(TOKENS)
+    hc.poll()
+    assert lens.counts.acks == 2 and lens.pending() == 0
+    assert checked(hc, path).ok
+
+
 # ---------------------------------------------------------------- which lens
 
 

@@ -49,7 +49,7 @@ on such an id and the scheduler dies)."""
 CopyKind = Literal["write_through", "write_back", "load_back", "storage_backup"]
 AckQueue = Literal["write", "load", "storage"]
 
-_OVERDUE_EVERY_S = 0.05  # a poll looks for overdue copies at most this often
+_OVERDUE_EVERY_S = 0.05  # a poll looks for overdue copies and writes out at most this often
 _SPENT = 4096  # spent lock receipts remembered (a receipt spent twice is a verdict)
 
 _ACKED_BY: dict[str, AckQueue] = {
@@ -194,6 +194,8 @@ class HiCacheLens:
         )
         self.counts.verdicts[reason] = self.counts.verdicts.get(reason, 0) + 1
         logger.warning("kvlife: %s: %s", self.witness, message)
+        if self.sink is not None:
+            self.sink.write_out()
 
     # ------------------------------------------------------------------ copies
 
@@ -274,9 +276,6 @@ class HiCacheLens:
             call=call,
             error=f"{type(error).__name__}: {error}"[:200],
         )
-        sink = self.sink
-        if sink is not None:
-            sink.write_out()
 
     def stray(self, queue: AckQueue, ack_id: Hashable, refused: bool) -> None:
         """An ack no pending copy explains (repeated, or for an id never written)."""
@@ -424,13 +423,15 @@ class HiCacheLens:
     # ------------------------------------------------------------------ the log
 
     def step(self) -> None:
-        """The end of a cache poll (``check_hicache_events``): write down the copies
-        that crossed the overdue limit (looked at every ``_OVERDUE_EVERY_S``), and write
-        the records out."""
+        """The end of a cache poll (``check_hicache_events``): at most every
+        ``_OVERDUE_EVERY_S`` (50 ms), write down the copies that crossed the overdue limit
+        and write the records out (a verdict is written out at once, and so is
+        everything when the cache raises or closes)."""
         now = monotonic()
-        if now >= self._overdue_at:
-            self._overdue_at = now + _OVERDUE_EVERY_S
-            self._step_overdue()
+        if now < self._overdue_at:
+            return
+        self._overdue_at = now + _OVERDUE_EVERY_S
+        self._step_overdue()
         sink = self.sink
         if sink is not None and sink.waiting:
             sink.write_out()

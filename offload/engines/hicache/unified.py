@@ -9,19 +9,26 @@ built without the lens is not affected):
   ``load`` (a host-to-device copy's pages); the tree core's ``commit_backup``;
 * ``_track_write_through_node`` (a write is pending under its node id: the write ticket),
   ``_replace_pending_write_through_node`` (a split moved a pending write's fragments);
-* ``writing_check`` and ``loading_check`` (the acks they pop, compared to the queue
-  before), ``_drain_storage_control_queues_impl`` (the storage backup acks it drains);
+* the cache's ``ongoing_write_through`` and ``ongoing_load_back`` dictionaries, replaced by
+  dictionaries that tell the lens each entry an ack pops (and each id popped that is not
+  there: SGLang raises ``KeyError`` on it), whichever call acks it: the poll's
+  ``writing_check`` / ``loading_check`` or a write-back's blocking wait; ``reset``
+  (the dictionaries are made again); ``_drain_storage_control_queues_impl`` (the storage
+  backup acks it drains);
 * ``write_backup_storage`` and the controller's ``write_storage`` (a backup to the storage
   backend and its operation id);
 * the host KV pool's ``free`` (host pages handed back);
 * ``inc_lock_ref`` / ``dec_lock_ref`` and their host twins (lock receipts);
-* ``check_hicache_events`` (one poll: overdue copies, records written out), and
-  ``release_host_resources`` / ``shutdown`` (the log is closed).
+* ``check_hicache_events`` (one poll: an exception written down, overdue copies, records
+  written out), and ``release_host_resources`` / ``shutdown`` (the log is closed).
 
 Everything else the cache does, it does as without the lens. In ``refuse`` mode the one
 change is that an ack's node ids that no pending copy explains are taken out of the
 ``HiCacheAck`` (its other ids and its place in the queue kept, so TP ranks still count
-the same acks) before ``writing_check`` / ``loading_check`` pop them.
+the same acks) before the poll's ``writing_check`` / ``loading_check`` pop them.
+
+A poll with nothing to ack passes through one wrapper (``check_hicache_events``): the acks
+are seen where they are popped, so the poll's inner calls are not wrapped.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ READS: dict[str, tuple[str, ...]] = {
         "_replace_pending_write_through_node",
         "writing_check",
         "loading_check",
+        "reset",
         "_drain_storage_control_queues_impl",
         "write_backup_storage",
         "inc_lock_ref",
@@ -86,6 +94,27 @@ def missing(cache: Any) -> list[str]:
             if target is None or not hasattr(target, name):
                 gone.append(f"{owner}.{name}")
     return gone
+
+
+class _Acked(dict[Hashable, Any]):
+    """A cache's dictionary of pending copies (node id -> what the ack releases) that tells
+    the lens each entry popped (the copy was acked) and each id popped that it does not
+    hold (a stray ack; the ``KeyError`` is raised as the dictionary's own)."""
+
+    __slots__ = ("lens", "queue")
+
+    def __init__(self, entries: dict[Hashable, Any], lens: HiCacheLens, queue: AckQueue) -> None:
+        super().__init__(entries)
+        self.lens, self.queue = lens, queue
+
+    def pop(self, key: Hashable, *default: Any) -> Any:
+        if key in self:
+            value = dict.pop(self, key)
+            self.lens.acked(self.queue, (key,))
+            return value
+        if not default:
+            self.lens.stray(self.queue, key, refused=False)
+        return dict.pop(self, key, *default)
 
 
 def _slots(indices: Any) -> list[int]:
@@ -182,32 +211,31 @@ def install(cache: Any, lens: HiCacheLens) -> None:
             if len(keep) != len(ack.node_ids):
                 queue[i] = ack._replace(node_ids=keep)
 
-    def check(name: AckQueue, queue_of: Callable[[], list[Any]]) -> Callable[..., Any]:
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                write_back = name == "write" and (kwargs.get("write_back") or (args and args[0]))
-                queue = queue_of()
-                if not queue and not write_back:  # nothing to ack: the poll as it is
-                    return original(*args, **kwargs)
-                if write_back:
-                    cc.start_writing()  # the call submits the queued writes first
-                if refuse:
-                    refused(queue, name)
-                before = list(queue)
-                try:
-                    return original(*args, **kwargs)
-                except Exception as exc:
-                    lens.raised(original.__name__, exc)
-                    raise
-                finally:
-                    still = {id(ack) for ack in queue_of()}
-                    for ack in before:
-                        if id(ack) not in still:
-                            lens.acked(name, list(ack.node_ids))
+    def watch() -> None:
+        """Put the watching dictionaries in place of the cache's pending-copy ones."""
+        watched: tuple[tuple[str, AckQueue], ...] = (
+            ("ongoing_write_through", "write"),
+            ("ongoing_load_back", "load"),
+        )
+        for name, queue in watched:
+            current = getattr(cache, name)
+            if type(current) is not _Acked:
+                setattr(cache, name, _Acked(current, lens, queue))
 
-            return call
+    def poll(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if refuse:
+                refused(cc.ack_write_queue, "write")
+                refused(cc.ack_load_queue, "load")
+            try:
+                return original(*args, **kwargs)
+            except Exception as exc:
+                lens.raised("check_hicache_events", exc)
+                raise
+            finally:
+                lens.step()
 
-        return make
+        return call
 
     def drain_storage(original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -281,15 +309,15 @@ def install(cache: Any, lens: HiCacheLens) -> None:
     _wrap(host_pool, "free", free)
     _wrap(cache, "_track_write_through_node", track)
     _wrap(cache, "_replace_pending_write_through_node", replace)
-    _wrap(cache, "writing_check", check("write", lambda: cc.ack_write_queue))
-    _wrap(cache, "loading_check", check("load", lambda: cc.ack_load_queue))
+    watch()
+    _wrap(cache, "reset", then(watch))
     _wrap(cache, "_drain_storage_control_queues_impl", drain_storage)
     _wrap(cache, "write_backup_storage", backup_storage)
     _wrap(cache, "inc_lock_ref", lock("device", True))
     _wrap(cache, "dec_lock_ref", lock("device", False))
     _wrap(cache, "inc_host_lock_ref", lock("host", True))
     _wrap(cache, "dec_host_lock_ref", lock("host", False))
-    _wrap(cache, "check_hicache_events", then(lens.step))
+    _wrap(cache, "check_hicache_events", poll)
     _wrap(cache, "release_host_resources", then(lens.close))
     _wrap(cache, "shutdown", then(lens.close))
     cache.kvlife_lens = lens
