@@ -11,8 +11,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
+from array import array
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -505,3 +508,114 @@ def test_two_ranks_running_the_same_workload_agree(tmp_path: Path) -> None:
     assert result.agree and result.copies[0] == result.copies[1] > 0, result.lines()
     for log in rank_logs(tmp_path):
         assert check_audit(read_audit(log)).ok
+
+
+# ---------------------------------------------------------------- L3: the storage backend
+
+
+def stored(tmp_path: Path, core: str) -> tuple[H.HiCache, HiCacheLens, Path]:
+    """A cache with SGLang's ``HiCacheFile`` backend in ``tmp_path/l3``, the lens on it,
+    ``TOKENS`` written to host and backed up to storage (both acks in)."""
+    hc = H.build(core, storage_dir=str(tmp_path / "l3"))
+    hc.cache.prefetch_threshold = H.PAGE
+    path = tmp_path / f"hicache-{core}.jsonl"
+    lens = attach(hc.cache, HiCacheLens(path, WITNESS))
+    hc.insert(TOKENS)
+    for _ in range(100):
+        hc.poll()
+        if lens.counts.copies.get("storage_backup") and not lens.pending():
+            break
+        time.sleep(0.01)
+    assert lens.counts.copies == {"write_through": 1, "storage_backup": 1} and not lens.pending()
+    return hc, lens, path
+
+
+def gone_but_stored(hc: H.HiCache) -> Any:
+    """Evict ``TOKENS`` from device and host; start a prefetch of it from storage."""
+    assert hc.evict(64) == len(TOKENS)
+    hc.poll()
+    assert hc.evict_host(1000) == len(TOKENS)
+    hc.poll()
+    m = hc.match(TOKENS)
+    assert m.device_prefix_len == 0 and m.host_hit_length == 0
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: PLC0415
+
+    handle = CacheRequestHandle("chat-1", 0)
+    hc.cache.prefetch_from_storage(handle, m.last_host_node, array("q", TOKENS))
+    assert handle in hc.cache.ongoing_prefetch
+    return handle
+
+
+@CORES
+def test_a_backup_to_storage_and_a_prefetch_back_are_lifecycles_with_the_bytes_right(
+    core: str, tmp_path: Path
+) -> None:
+    hc, _, path = stored(tmp_path, core)
+    handle = gone_but_stored(hc)
+    for _ in range(100):  # a scheduler step: the prefetch's progress, then the poll
+        done = hc.cache.check_prefetch_progress(handle)
+        hc.poll()
+        if done:
+            break
+        time.sleep(0.01)
+    assert hc.cache.pop_prefetch_loaded_tokens(handle) == len(TOKENS)
+    assert hc.match(TOKENS).host_hit_length == len(TOKENS) and hc.load_back(TOKENS)
+    hc.poll()
+    assert hc.device_tokens(TOKENS) == TOKENS  # storage -> host -> device, the same tokens
+    report = checked(hc, path)
+    assert report.ok, [v.line() for v in report.violations]
+    records = read_audit(path).records
+    prefetch = [r for r in records if r.rid == "chat-1"]
+    assert [(r.trigger, r.detail.get("kind") or r.detail.get("by")) for r in prefetch] == [
+        ("register", None),
+        ("start_offload", "storage_prefetch"),
+        ("ack", None),
+        ("finish", "prefetch_done"),
+    ]
+
+
+@CORES
+def test_a_request_aborted_during_its_prefetch_gives_the_prefetch_up(
+    core: str, tmp_path: Path
+) -> None:
+    hc, lens, path = stored(tmp_path, core)
+    handle = gone_but_stored(hc)
+    hc.cache.release_aborted_request(handle)
+    assert handle not in hc.cache.ongoing_prefetch and not lens.pending()
+    for _ in range(5):
+        hc.poll()
+    report = checked(hc, path)
+    assert report.ok, [v.line() for v in report.violations]
+    ended = [r for r in read_audit(path).records if r.rid == "chat-1"][-2:]
+    assert [(r.trigger, r.detail.get("by")) for r in ended] == [
+        ("fail", None),
+        ("finish", "prefetch_given_up"),
+    ]
+
+
+@CORES
+def test_an_unknown_storage_ack_is_dropped_by_sglang_and_a_stray_report_with_kvlife(
+    core: str, tmp_path: Path
+) -> None:
+    hc, _, path = stored(tmp_path, core)
+    cc = hc.cache.cache_controller
+    cc.ack_backup_queue.put(SimpleNamespace(id=99_999, completed_tokens=0))
+    hc.poll()  # SGLang: ongoing_backup.pop(99999, None), nothing said
+    assert cc.ack_backup_queue.qsize() == 0
+    found = kinds(checked(hc, path))
+    assert found == {"stray_report": 1}, found
+
+
+@CORES
+def test_a_prefetch_entry_removed_that_was_never_registered_is_a_stray_report(
+    core: str, tmp_path: Path
+) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: PLC0415
+
+    ghost = CacheRequestHandle("ghost", 0)
+    with pytest.raises(KeyError):  # without kvlife: the cache's dict raises
+        del H.build(core).cache.ongoing_prefetch[ghost]
+    hc, _, path = stored(tmp_path, core)
+    with pytest.raises(KeyError):  # with it: the same KeyError, written down first
+        del hc.cache.ongoing_prefetch[ghost]
+    assert kinds(checked(hc, path)) == {"stray_report": 1}

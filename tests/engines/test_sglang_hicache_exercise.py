@@ -52,6 +52,9 @@ def test_every_family_runs_clean_on_sglang_0_5_23_and_reproducibly(tmp_path: Pat
     assert sum(r.splits for r in reports if r.family == "prefix") > 0
     assert by["write_back", "rust"].copies.get("write_back", 0) > 0
     assert by["basic", "python"].copies.get("load_back", 0) > 0
+    storage = by["storage", "rust"]  # backups to L3, prefetches back, aborts mid-prefetch
+    assert storage.copies.get("storage_backup", 0) > 0 and storage.prefetched > 0
+    assert storage.prefetches > 0 and storage.aborts > 0
     assert not list((tmp_path / "a").glob("*.jsonl"))  # a clean run's log is removed
     _, again = exercise(list(FAMILIES), ["python", "rust"], range(2), 80, tmp_path / "b")
     assert [same(r) for r in again] == [same(r) for r in runs]

@@ -9,7 +9,12 @@ What stands in for CUDA, and only in a cache built here:
 * ``transfer_kv_direct`` (an ``sgl_kernel`` kernel SGLang imports only on CUDA): the same
   copy written with torch indexing, for ``hicache_io_backend="direct"`` and the
   ``layer_first`` layout, the one combination used here. On a machine where SGLang
-  imported the kernel, it is left alone.
+  imported the kernel, it is left alone;
+* the host pool's ``pin_memory`` flag is off (the pages the storage backend's reads make
+  for themselves would ask for pinned memory).
+
+With ``storage_dir``, the cache has an L3 tier: SGLang's ``HiCacheFile`` backend writing
+page files there (backups after each write to host, prefetches into host memory).
 
 Everything else is SGLang's: the pools, the allocator, the cache and both tree cores
 (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``: ``python``, and ``rust``, the default, from
@@ -137,6 +142,7 @@ def build(
     device_tokens: int = 128,
     host_ratio: float = 2.0,
     tp_group: Any = None,
+    storage_dir: str | None = None,
 ) -> CpuCache:
     """A ``UnifiedRadixCache`` with HiCache on the CPU (``init_hicache`` run; writes go
     through on the first insert, any host hit loads back); ``tp_group``: the process
@@ -199,10 +205,29 @@ def build(
         hicache_mem_layout="layer_first",
         hicache_write_policy=policy,
         hicache_ratio=host_ratio,
+        **(
+            {}
+            if storage_dir is None
+            else {"hicache_storage_backend": "file", "file_storage_path": storage_dir}
+        ),
     )
     set_global_server_args_for_scheduler(args)
-    cache.init_hicache(args, params)
+    if storage_dir is None:
+        cache.init_hicache(args, params)
+    else:  # the storage backend asks for this process's place in its TP group
+        from sglang.srt.runtime_context import get_parallel  # noqa: PLC0415
+
+        ranks = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+        if tp_group is not None:
+            ranks["tp_rank"] = torch.distributed.get_rank(tp_group)
+            ranks["tp_size"] = torch.distributed.get_world_size(tp_group)
+        with get_parallel().override(**ranks):
+            cache.init_hicache(args, params)
     atexit.unregister(cache.shutdown)  # the caller releases it (a test builds hundreds)
+    from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: PLC0415
+
+    # nothing is pinned on a CPU: pages the storage path makes for itself are not either
+    cache.host_pool_group.get_entry(PoolName.KV).host_pool.pin_memory = False
     cache.write_through_threshold = 1
     cache.load_back_threshold = 0
     return CpuCache(cache, allocator, kv, core, policy, device_tokens)

@@ -21,9 +21,11 @@ of its cache:
 * kvlife's audit log of the run checks clean (each verdict with the node it names and the
   ``kvlife audit why`` command that tells its story).
 
-Each family runs on both tree cores (``python`` and ``rust``). What it does not cover:
-the storage backend (L3 backups and prefetches), tensor parallelism (see
-``kvlife audit ranks``), a GPU (the CUDA kernels and the pinned host pool).
+Each family runs on both tree cores (``python`` and ``rust``); ``storage`` adds an L3 tier
+(SGLang's ``HiCacheFile`` backend in a directory of its own per run), waiting for each
+backup and prefetch to end so that a run is the same run to run. What it does not cover:
+tensor parallelism (see ``kvlife audit ranks``), a GPU (the CUDA kernels and the pinned
+host pool), storage backends other than the file one.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ import argparse
 import dataclasses
 import json
 import random
+import shutil
 import sys
+import time
 import traceback
+import warnings
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +69,9 @@ class Family:
     hold: tuple[int, int] = (0, 0)
     #: per step, the chance that one live request is aborted, wherever it is
     abort: float = 0.0
+    #: an L3 tier (SGLang's ``HiCacheFile`` backend): backups after each write to host,
+    #: and a request whose prompt is not all on device or host prefetches the rest
+    storage: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -101,6 +110,15 @@ FAMILIES: dict[str, Family] = {
             policy="write_back",
             skip_poll=0.3,
         ),
+        Family(
+            "storage",
+            "an L3 tier (HiCacheFile): every write to host backed up to storage, requests "
+            "prefetch what is only there, one prefetch in three aborted while in flight",
+            device_tokens=48,
+            host_ratio=1.0,
+            abort=0.35,
+            storage=True,
+        ),
     )
 }
 
@@ -137,6 +155,10 @@ class _Request:
     ends: int  # the step it finishes at (unless aborted first)
 
 
+#: seconds a storage backup or prefetch may take before the run says it never ended
+STORAGE_WAIT_S = 5.0
+
+
 @dataclass
 class RunResult:
     """One run: what it did and what went wrong (``failed`` when anything did)."""
@@ -151,6 +173,9 @@ class RunResult:
     splits: int = 0
     host_frees: int = 0
     writes_without_pages: int = 0
+    prefetches: int = 0
+    #: tokens prefetches brought from storage into host memory
+    prefetched: int = 0
     #: ``Type: message`` of an exception, and its innermost frame
     raised: str = ""
     raised_at: str = ""
@@ -211,6 +236,18 @@ class _Run:
         return prompt[: PAGE * rng.randint(1, 6)]
 
     def poll(self) -> None:
+        """One poll; with an L3 tier, polled again until the backups it started are acked
+        (the backend's thread writes them: waiting keeps a run the same run to run)."""
+        self._poll()
+        cache = self.hc.cache
+        if not self.family.storage:
+            return
+        deadline = time.monotonic() + STORAGE_WAIT_S
+        while cache.ongoing_backup and time.monotonic() < deadline:
+            time.sleep(0.001)
+            cache.check_hicache_events()
+
+    def _poll(self) -> None:
         hc, cc = self.hc, self.hc.cache.cache_controller
         hc.cache.ready_to_load_host_cache()
         cc.start_writing()  # what the poll would submit first: its acks are held too
@@ -226,10 +263,52 @@ class _Run:
         hc.cache.check_hicache_events()
         self.clock[0] += 1
 
+    def prefetch(self, tokens: list[int]) -> bool:
+        """What the scheduler does for a request whose prompt is not all on device or
+        host: prefetch the rest from storage, then wait for it (here, until it is done, so
+        that a run is the same run to run); or abort the request while its prefetch is in
+        flight. ``False``: the request was aborted."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: PLC0415
+
+        cache = self.hc.cache
+        m = self.hc.match(tokens)
+        matched = m.device_prefix_len + m.host_hit_length
+        anchor = m.last_host_node
+        if matched >= len(tokens) or not (cache.is_backuped(anchor) or cache.is_root(anchor)):
+            return True
+        handle = CacheRequestHandle(f"req{self.result.requests}", 0)
+        cache.prefetch_from_storage(
+            handle,
+            anchor,
+            array("q", tokens[matched:]),
+            cache.get_last_hash_value(anchor),
+            None,
+            matched_prefix_tokens=array("q", tokens[:matched]),
+        )
+        if handle not in cache.ongoing_prefetch:
+            return True  # nothing to fetch (too short, or storage has none of it)
+        self.result.prefetches += 1
+        if self.rng.random() < self.family.abort:
+            cache.release_aborted_request(handle)
+            self.result.aborts += 1
+            self.result.requests += 1
+            return False
+        deadline = time.monotonic() + STORAGE_WAIT_S
+        while not cache.check_prefetch_progress(handle):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a prefetch from storage did not end in {STORAGE_WAIT_S} s")
+            self.poll()
+            time.sleep(0.001)
+        self.result.prefetched += int(cache.pop_prefetch_loaded_tokens(handle))
+        return True
+
     def begin(self) -> None:
-        """A request: match its prompt, load back what is on host only, lock its prefix."""
+        """A request: prefetch from storage what is only there, match its prompt, load
+        back what is on host only, lock its prefix."""
         hc = self.hc
         tokens = self.tokens()
+        if self.family.storage and not self.prefetch(tokens):
+            return
         m = hc.match(tokens)
         if m.host_hit_length:
             hc.cache.load_back(m.best_match_node)
@@ -263,7 +342,7 @@ class _Run:
                 hc.evict_host(PAGE * rng.randint(1, 4))
             for request in [r for r in self.live if r.ends <= self.step]:
                 self.end(request, abort=False)
-            if self.live and rng.random() < family.abort:
+            if self.live and not family.storage and rng.random() < family.abort:
                 self.end(rng.choice(self.live), abort=True)
             if rng.random() < family.skip_poll:
                 continue
@@ -320,9 +399,18 @@ def run_one(
 
     log = directory / f"{family.name}-{core}-{seed}.jsonl"
     result = RunResult(family.name, core, seed, str(log))
+    storage = directory / f"l3-{family.name}-{core}-{seed}" if family.storage else None
+    if storage is not None:
+        shutil.rmtree(storage, ignore_errors=True)  # a run starts with storage empty
+        storage.mkdir(parents=True)
     hc = build(
-        core, family.policy, device_tokens=family.device_tokens, host_ratio=family.host_ratio
+        core,
+        family.policy,
+        device_tokens=family.device_tokens,
+        host_ratio=family.host_ratio,
+        storage_dir=None if storage is None else str(storage),
     )
+    hc.cache.prefetch_threshold = PAGE
     witness = f"SGLang UnifiedRadixCache ({family.name}, {core} core, seed {seed})"
     lens = attach(hc.cache, HiCacheLens(log, witness))
     run = _Run(hc, family, seed, result)
@@ -336,6 +424,8 @@ def run_one(
         result.raised_at = _innermost(exc)
     finally:
         hc.cache.release_host_resources()  # closes the lens's log
+        if storage is not None:
+            shutil.rmtree(storage, ignore_errors=True)
     result.copies = dict(lens.counts.copies)
     result.splits = lens.counts.splits
     result.host_frees = lens.counts.host_frees
@@ -364,6 +454,8 @@ class FamilyReport:
     splits: int = 0
     host_frees: int = 0
     writes_without_pages: int = 0
+    prefetches: int = 0
+    prefetched: int = 0
     #: what went wrong -> (runs, the first seed, what it said)
     failures: dict[str, tuple[int, int, str]] = field(default_factory=dict)
 
@@ -374,6 +466,8 @@ class FamilyReport:
         self.splits += run.splits
         self.host_frees += run.host_frees
         self.writes_without_pages += run.writes_without_pages
+        self.prefetches += run.prefetches
+        self.prefetched += run.prefetched
         for kind, n in run.copies.items():
             self.copies[kind] = self.copies.get(kind, 0) + n
         if not run.failed:
@@ -412,6 +506,11 @@ class FamilyReport:
             f"{self.splits} nodes split mid-write, {self.host_frees} host frees, "
             f"{self.writes_without_pages} writes that found no host pages",
         ]
+        if self.prefetches:
+            lines.append(
+                f"  storage: {self.prefetches} prefetches, {self.prefetched} tokens brought "
+                "into host memory"
+            )
         for key, (count, seed, text) in self.failures.items():
             lines.append(f"  {key} in {count} run(s), first seed {seed}: {text}")
         return lines
@@ -491,6 +590,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(file=sys.stderr)
         elif done == total:
             print(f"{family}: {total} runs", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():  # SGLang's imports warn of quantizations needing CUDA
+        warnings.simplefilter("ignore")
+        import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401, PLC0415
 
     try:
         reports, runs = exercise(

@@ -47,7 +47,7 @@ the node ids no pending copy explains, before the cache pops them (it raises ``K
 on such an id and the scheduler dies)."""
 
 CopyKind = Literal["write_through", "write_back", "load_back", "storage_backup"]
-AckQueue = Literal["write", "load", "storage"]
+AckQueue = Literal["write", "load", "storage", "prefetch"]
 
 _OVERDUE_EVERY_S = 0.05  # a poll looks for overdue copies and writes out at most this often
 _SPENT = 4096  # spent lock receipts remembered (a receipt spent twice is a verdict)
@@ -75,6 +75,19 @@ class NodeCopy:
         return f"NodeCopy({self.node}, slots={self.slots})"
 
 
+class PrefetchCopy:
+    """The object a request's prefetch from the storage backend is registered under: one
+    lifecycle per prefetch, its rid the request's (``rid@attempt`` after a retry)."""
+
+    __slots__ = ("rid",)
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+
+    def __repr__(self) -> str:
+        return f"PrefetchCopy({self.rid!r})"
+
+
 @dataclass
 class _Copy:
     ticket: Ticket
@@ -93,6 +106,7 @@ class LensCounts:
     splits: int = 0
     host_frees: int = 0
     writes_without_pages: int = 0
+    prefetches: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     refused_ids: int = 0
 
@@ -155,6 +169,7 @@ class HiCacheLens:
         self._locks: dict[tuple[str, int], int] = {}  # (device|host, node) -> receipts held
         self._spent: OrderedDict[int, object] = OrderedDict()  # receipts spent lately
         self._split: dict[Hashable, str] = {}  # pending write's ack id -> the nodes it spans
+        self._prefetching: dict[Hashable, tuple[PrefetchCopy, Ticket]] = {}  # by request
 
     # ------------------------------------------------------------------ lifecycles
 
@@ -284,6 +299,7 @@ class HiCacheLens:
             "write": "the cache pops ongoing_write_through[id] and raises KeyError",
             "load": "the cache pops ongoing_load_back[id] and raises KeyError",
             "storage": "the cache drops it silently",
+            "prefetch": "the cache removes ongoing_prefetch[request] and raises KeyError",
         }[queue]
         action = "taken out of the ack before the cache saw it" if refused else told
         self.verdict(
@@ -342,6 +358,36 @@ class HiCacheLens:
         record says which nodes the write came to span (``split_into``)."""
         self.counts.splits += 1
         self._split[ack_id] = ",".join(f"node{n}" for n in new)
+
+    # ------------------------------------------------------------------ prefetches
+
+    def prefetch_started(self, request: Hashable, rid: str, tokens: int) -> None:
+        """The cache registered a prefetch of ``tokens`` from the storage backend for
+        ``request`` (its pending entry): a lifecycle with one ``storage_prefetch`` ticket.
+        A later write of the same entry (the cache records the host pages it got) is an
+        update, not a new prefetch."""
+        if request in self._prefetching:
+            return
+        key = PrefetchCopy(rid)
+        self.registry.register(key, rid=rid)
+        ticket = self.registry.start_offload(key, kind="storage_prefetch", tokens=tokens)
+        self.overdue.opened(ticket, "storage_prefetch")
+        self._prefetching[request] = (key, ticket)
+        self.counts.prefetches += 1
+
+    def prefetch_ended(self, request: Hashable, done: bool) -> None:
+        """The cache removed ``request``'s pending prefetch: ``done`` when its pages went
+        into the tree, else it was given up (the request aborted, nothing found, the
+        deadline passed). The ticket completes (or fails) and the lifecycle finishes. A
+        removal of an entry the lens never saw registered is a stray report."""
+        found = self._prefetching.pop(request, None)
+        if found is None:
+            self.stray("prefetch", str(request), refused=False)
+            return
+        key, ticket = found
+        self.registry.complete(ticket, ok=done, report="inserted" if done else "given_up")
+        with contextlib.suppress(LifecycleError):  # finished before: audited
+            self.registry.finish(key, by="prefetch_done" if done else "prefetch_given_up")
 
     # ------------------------------------------------------------------ host memory
 
@@ -450,7 +496,8 @@ class HiCacheLens:
 
     def pending(self) -> int:
         """Copies in flight now."""
-        return sum(len(q) for queue in self._pending.values() for q in queue.values())
+        copies = sum(len(q) for queue in self._pending.values() for q in queue.values())
+        return copies + len(self._prefetching)
 
     def close(self) -> None:
         """The cache shuts down: every live lifecycle finishes (its host memory goes with

@@ -15,6 +15,9 @@ built without the lens is not affected):
   ``writing_check`` / ``loading_check`` or a write-back's blocking wait; ``reset``
   (the dictionaries are made again); ``_drain_storage_control_queues_impl`` (the storage
   backup acks it drains);
+* the cache's ``ongoing_prefetch`` dictionary, likewise: a prefetch from the storage
+  backend registered for a request, inserted into the tree (``del``), or given up
+  (``pop``: the request aborted, nothing found, the deadline passed);
 * ``write_backup_storage`` and the controller's ``write_storage`` (a backup to the storage
   backend and its operation id);
 * the host KV pool's ``free`` (host pages handed back);
@@ -51,6 +54,7 @@ READS: dict[str, tuple[str, ...]] = {
         "ongoing_write_through",
         "ongoing_load_back",
         "ongoing_backup",
+        "ongoing_prefetch",
         "is_write_back",
         "_track_write_through_node",
         "_replace_pending_write_through_node",
@@ -115,6 +119,40 @@ class _Acked(dict[Hashable, Any]):
         if not default:
             self.lens.stray(self.queue, key, refused=False)
         return dict.pop(self, key, *default)
+
+
+class _Prefetches(dict[Any, Any]):
+    """The cache's dictionary of pending prefetches (request handle -> its state) that
+    tells the lens each prefetch registered, each one inserted (``del``) and each one given
+    up (``pop``)."""
+
+    __slots__ = ("lens",)
+
+    def __init__(self, entries: dict[Any, Any], lens: HiCacheLens) -> None:
+        super().__init__(entries)
+        self.lens = lens
+
+    def __setitem__(self, request: Any, value: Any) -> None:
+        dict.__setitem__(self, request, value)
+        rid = str(getattr(request, "rid", request))
+        attempt = getattr(request, "attempt_id", 0)
+        tokens = len(getattr(value, "prefetch_key", ()))
+        self.lens.prefetch_started(request, f"{rid}@{attempt}" if attempt else rid, tokens)
+
+    def __delitem__(self, request: Any) -> None:
+        if request not in self:
+            self.lens.prefetch_ended(request, done=True)  # a stray: written down, then raised
+        dict.__delitem__(self, request)
+        self.lens.prefetch_ended(request, done=True)
+
+    def pop(self, request: Any, *default: Any) -> Any:
+        if request in self:
+            value = dict.pop(self, request)
+            self.lens.prefetch_ended(request, done=False)
+            return value
+        if not default:
+            self.lens.prefetch_ended(request, done=False)  # a stray: written down, then raised
+        return dict.pop(self, request, *default)
 
 
 def _slots(indices: Any) -> list[int]:
@@ -221,6 +259,8 @@ def install(cache: Any, lens: HiCacheLens) -> None:
             current = getattr(cache, name)
             if type(current) is not _Acked:
                 setattr(cache, name, _Acked(current, lens, queue))
+        if type(cache.ongoing_prefetch) is not _Prefetches:
+            cache.ongoing_prefetch = _Prefetches(cache.ongoing_prefetch, lens)
 
     def poll(original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
