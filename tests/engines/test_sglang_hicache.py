@@ -30,6 +30,7 @@ with warnings.catch_warnings():
 
 from kvlife.fsm import MemorySink
 from kvlife.fsm.audit.checker import check_audit
+from kvlife.fsm.audit.explain import explain
 from kvlife.fsm.audit.ranks import compare_ranks
 from kvlife.fsm.audit.reader import read_audit
 from kvlife.offload.engines.hicache import HiCacheLens, NoLensError, attach, generation_for, unified
@@ -169,6 +170,12 @@ def test_a_lost_ack_is_overdue_while_it_runs_and_unreported_at_the_end(
     assert report.overdue == 1
     found = kinds(report)
     assert found.get("unreported") == 1 and found.get("overdue") == 1, found
+    # its story in the cache's words: the copies by kind, what finished the lifecycle
+    (node,) = {v.rid for v in report.violations}
+    story = explain(read_audit(path).records, str(node))
+    assert "start_offload write through 0: allocated -> offloading" in story
+    assert "start_offload load back 1:" in story and "OVERDUE load back 1: the load_back" in story
+    assert "finish (shutdown): offloading -> finished_pending, 1 in flight" in story
 
 
 # ---------------------------------------------------------------- host freed in flight
