@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser mermaid screenshots lint types pytest docs test soak demo bench gpu-wheels diagrams clean
+.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots lint types pytest docs test soak demo bench gpu-wheels diagrams clean
 
 all: test
 
@@ -160,6 +160,15 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "Chromium is missing: the report page's browser test will skip"; fi; }
 
+# Debian's Prometheus (with promtool) and Alertmanager: promtool unit-tests kvlife's alerting
+# rules. Installed through apt-get when missing and we are root; else those tests skip.
+prometheus:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      prometheus prometheus-alertmanager >/dev/null; \
+	  else echo "promtool is missing: the alerting rules' tests will skip"; fi; }
+
 # Mermaid for the manual, served from the site itself (no CDN): the pinned npm package's
 # self-contained bundle, checked against its hash. npm comes through apt-get when missing.
 MERMAID := 11.17.2
@@ -186,7 +195,7 @@ lint: venv
 types: venv
 	$(VENV)/bin/mypy --strict -p kvlife.fsm -p kvlife.offload -p kvlife.diagrams
 
-pytest: venv dot browser mermaid
+pytest: venv dot browser prometheus mermaid
 	$(PY) -m pytest -q
 
 # The manual must build without a warning.

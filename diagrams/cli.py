@@ -14,6 +14,7 @@ Subcommands::
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
     kvlife vllm exercise CONFIG [...]   (in vLLM's environment)
     kvlife sglang exercise [...]        (in SGLang's environment)
+    kvlife metrics rules [--for library|vllm] [--prefix PREFIX]
 
 Bare ``kvlife``, ``kvlife audit`` and ``kvlife bench`` print their usage (exit 2);
 ``kvlife --version`` prints the version. Usage errors print one line and exit 2, and so do
@@ -210,6 +211,24 @@ def _parser() -> _Parser:
     )
     vllm.add_argument("which", nargs="?", choices=["exercise"])
     vllm.add_argument("args", nargs=argparse.REMAINDER, help="passed to the tool")
+    metrics = sub.add_parser(
+        "metrics",
+        help="Prometheus rules for kvlife's metrics",
+        description="rules: print Prometheus alerting and recording rules for kvlife's "
+        "metrics (load the file with rule_files:).",
+    )
+    metrics_sub = metrics.add_subparsers(
+        dest="metrics_command", metavar="COMMAND", parser_class=_Parser
+    )
+    rules = metrics_sub.add_parser(
+        "rules",
+        help="print the alerting and recording rules (YAML)",
+        description="Print kvlife's Prometheus rules: --for library (PrometheusMetrics on "
+        "your registry; --prefix is its namespace, default kvlife) or --for vllm (kvlife's "
+        "connector and the audit wrapper in vLLM's /metrics; --prefix default vllm:kvlife_).",
+    )
+    rules.add_argument("--for", dest="flavour", choices=["library", "vllm"], default="library")
+    rules.add_argument("--prefix", help="the metric name prefix (see above)")
     sglang = sub.add_parser(
         "sglang",
         help="SGLang tools (run in SGLang's environment)",
@@ -221,7 +240,7 @@ def _parser() -> _Parser:
     sglang.add_argument("args", nargs=argparse.REMAINDER, help="passed to the tool")
     parser.set_defaults(usage_of=parser)
     commands = (demo, diagram, audit, bench, vllm, sglang, check, stats, why, report, timeline)
-    for command in (*commands, ranks):
+    for command in (*commands, ranks, metrics, rules):
         command.set_defaults(usage_of=command)
     return parser
 
@@ -344,7 +363,11 @@ def _run(argv: Sequence[str] | None) -> int:
     if isinstance(getattr(args, "log", None), list):  # the audit subcommands
         args.logs, args.log = args.log, _label(args.log)
     usage_of: argparse.ArgumentParser = args.usage_of
-    if args.command is None or (args.command == "audit" and args.audit_command is None):
+    if (
+        args.command is None
+        or (args.command == "audit" and args.audit_command is None)
+        or (args.command == "metrics" and args.metrics_command is None)
+    ):
         sys.stderr.write(usage_of.format_help())
         return 2
     if args.command == "demo":
@@ -353,6 +376,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return _diagram(args)
     if args.command == "audit":
         return _audit(args)
+    if args.command == "metrics":
+        return _rules(args)
     if args.which is None:
         sys.stderr.write(usage_of.format_help())
         return 2
@@ -374,6 +399,18 @@ def _vllm(args: argparse.Namespace) -> int:
         ) from exc
     status: int = exercise.main(args.args)
     return status
+
+
+def _rules(args: argparse.Namespace) -> int:
+    """``kvlife metrics rules``: the Prometheus rules for a flavour and prefix."""
+    from kvlife.fsm.audit.alerts import rule_set, rules_yaml
+
+    try:
+        rules = rule_set(args.flavour, args.prefix)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    sys.stdout.write(rules_yaml(rules))
+    return 0
 
 
 def _sglang(args: argparse.Namespace) -> int:

@@ -34,6 +34,9 @@ SUBCOMMANDS = [
     ["audit", "why"],
     ["audit", "timeline"],
     ["audit", "ranks"],
+    ["metrics"],
+    ["metrics", "rules"],
+    ["sglang"],
     ["bench"],
     ["vllm"],
 ]

@@ -1,0 +1,297 @@
+"""Prometheus alerting and recording rules for kvlife's metrics: ``kvlife metrics rules``.
+
+Two sets, by who exposes the metrics:
+
+* ``library``: [`PrometheusMetrics`][kvlife.fsm.audit.metrics.PrometheusMetrics] on a
+  registry of yours (metric names ``NAMESPACE_...``, ``kvlife_`` by default). Every verdict
+  kvlife writes down on a watched component is a refusal with its reason
+  (``NAMESPACE_refusals_total{reason="stray_report"}``), and so is every overdue ticket
+  (``reason="overdue"``), so each rule reads a labelled counter, never a log.
+* ``vllm``: kvlife's vLLM connector and the audit wrapper, in vLLM's ``/metrics`` (names
+  ``vllm:kvlife_...``, labels ``engine`` and ``model_name``): overdue tickets open, the
+  oldest open ticket's age, and kvlife's refused reports.
+
+Each alert says how many (its value), where (the labels that name the engine), and the
+first commands to run. Severities: ``page`` (someone should look now: the engine is losing
+memory or serving wrong data), ``ticket`` (look today: a component broke its protocol and
+kvlife kept it harmless, or the audit log is incomplete). The ``for:`` durations and
+bounds are the defaults an on-call engineer would start from; ``docs/alerts.md`` explains
+each. [`rules_yaml()`][kvlife.fsm.audit.alerts.rules_yaml] writes a rules file Prometheus
+loads (``rule_files:``); ``promtool check rules`` and ``promtool test rules`` accept it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+Flavour = Literal["library", "vllm"]
+FLAVOURS: Final[tuple[Flavour, ...]] = ("library", "vllm")
+
+#: Verdicts that mean memory is being lost or wrong data served: page.
+PAGE_VERDICTS: Final = ("connector_raised", "host_freed_in_flight", "failed_write_backed")
+#: Verdicts kvlife keeps harmless (or that leak slowly): a ticket.
+TICKET_VERDICTS: Final = (
+    "stray_report",
+    "credited_elsewhere",
+    "inherited_state",
+    "unbalanced_lock",
+    "pending_overwritten",
+)
+#: A component's late or repeated completions that kvlife's registry refused.
+LATE_REFUSALS: Final = ("stale_instance", "duplicate_ack", "unknown_request")
+
+_METRIC_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alerting rule."""
+
+    name: str
+    expr: str
+    for_: str
+    severity: Literal["page", "ticket"]
+    summary: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One recording rule."""
+
+    record: str
+    expr: str
+
+
+@dataclass
+class RuleSet:
+    """The rules of one flavour and prefix, and the names of the metrics they read."""
+
+    flavour: Flavour
+    prefix: str
+    alerts: list[Alert] = field(default_factory=list)
+    recordings: list[Recording] = field(default_factory=list)
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    return "|".join(names)
+
+
+_WHY = (
+    "First: `kvlife audit check LOG` on the engine's audit log (KVLIFE_AUDIT_DIR, one log "
+    "per rank), then `kvlife audit why LOG --rid RID` for a rid it names."
+)
+
+
+def _library(ns: str) -> RuleSet:
+    refusals = f"{ns}_refusals_total"
+    by = "job, instance"
+    rules = RuleSet("library", ns)
+    rules.recordings = [
+        Recording(
+            f"{ns}:verdicts:increase10m",
+            f"sum by ({by}, reason) (increase({refusals}[10m]))",
+        ),
+    ]
+    rules.alerts = [
+        Alert(
+            "KvlifeCopiesOverdue",
+            f'sum by ({by}) (increase({refusals}{{reason="overdue"}}[10m])) > 0',
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} copies on {{ $labels.instance }} stayed open past their "
+            "limit in the last 10 minutes",
+            "A copy (or a delayed free, or a cache's write or load) was not reported done "
+            "within its limit: blocks or pages are held meanwhile, and one never reported "
+            f"is a leak. {_WHY} `kvlife audit check LOG --overdue-fails` lists them.",
+        ),
+        Alert(
+            "KvlifeLifecycleLeakGrowing",
+            f"{ns}_oldest_live_age_seconds > 1800 and "
+            f"deriv({ns}_oldest_live_age_seconds[10m]) > 0.5",
+            "10m",
+            "page",
+            "A request's lifecycle on {{ $labels.instance }} has been live for "
+            "{{ $value | humanizeDuration }} and keeps ageing",
+            "The oldest unreleased lifecycle is older than 30 minutes and still the same "
+            "one: its host memory (and the engine's blocks, if a free waits on it) is never "
+            f"given back. {_WHY} `kvlife audit stats LOG` shows the live lifecycles.",
+        ),
+        Alert(
+            "KvlifeDataAtRisk",
+            f'sum by ({by}, reason) (increase({refusals}{{reason=~"{_one_of(PAGE_VERDICTS)}"}}'
+            "[10m])) > 0",
+            "0m",
+            "page",
+            "{{ $value | humanize }} {{ $labels.reason }} verdict(s) on {{ $labels.instance }} "
+            "in the last 10 minutes",
+            "The watched component raised (the engine's scheduler may have died), or host "
+            "memory was freed under a copy, or a failed write was taken as backed: a "
+            f"request can be served KV that was never written. {_WHY}",
+        ),
+        Alert(
+            "KvlifeProtocolBroken",
+            f'sum by ({by}, reason) (increase({refusals}{{reason=~"{_one_of(TICKET_VERDICTS)}"}}'
+            "[10m])) > 0",
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} {{ $labels.reason }} verdict(s) on {{ $labels.instance }} "
+            "in the last 10 minutes",
+            "The watched component reported a completion no copy explains, credited a copy "
+            "to another request, released a lock it never took or overwrote a pending "
+            f"entry. kvlife wrote it down; the engine serves on. {_WHY}",
+        ),
+        Alert(
+            "KvlifeLateReportsRefused",
+            f'sum by ({by}, reason) (increase({refusals}{{reason=~"{_one_of(LATE_REFUSALS)}"}}'
+            "[10m])) > 0",
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} late or repeated reports refused on "
+            "{{ $labels.instance }} ({{ $labels.reason }})",
+            "A completion came for a request that was already released (or twice): "
+            "kvlife refused it, so it changed nothing, but the component that sent it keeps "
+            f"ids too long. {_WHY}",
+        ),
+        Alert(
+            "KvlifeKvEventWrong",
+            f'sum by ({by}) (increase({refusals}{{reason="event_mismatch"}}[10m])) > 0',
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} KV events on {{ $labels.instance }} contradict what the "
+            "engine holds",
+            "A KV-aware router fed these events routes requests to blocks that are not "
+            f"there (or away from blocks that are). {_WHY}",
+        ),
+        Alert(
+            "KvlifeAuditIncomplete",
+            f"sum by ({by}) (increase({ns}_sink_dropped_total[10m])) > 0 or "
+            f"sum by ({by}) (increase({ns}_sink_errors_total[10m])) > 0",
+            "5m",
+            "ticket",
+            "The audit log on {{ $labels.instance }} is failing or losing records",
+            "An audit sink keeps failing (a full disk, a closed file): records are held in "
+            "a bounded backlog, then dropped, and `kvlife audit check` reports the lost "
+            "range. Free the disk or fix the path; the verdicts above may be incomplete.",
+        ),
+    ]
+    return rules
+
+
+def _vllm(prefix: str) -> RuleSet:
+    by = "instance, engine, model_name"
+    rules = RuleSet("vllm", prefix)
+    rules.recordings = [
+        Recording(
+            f"{prefix.rstrip('_:')}:tickets_overdue_open:max",
+            f"max by ({by}) ({prefix}tickets_overdue_open)",
+        ),
+    ]
+    rules.alerts = [
+        Alert(
+            "KvlifeBlocksHeldPastLimit",
+            f"max by ({by}) ({prefix}tickets_overdue_open) > 0",
+            "2m",
+            "ticket",
+            "{{ $value | humanize }} request(s) on {{ $labels.instance }} (engine "
+            "{{ $labels.engine }}) hold blocks past the audit limit",
+            "A store, a load or a delayed free of the KV connector was not reported done "
+            "within audit_overdue_s: vLLM keeps those requests' blocks meanwhile. "
+            f"{_WHY} `kvlife audit check LOG --overdue-fails` names the rids.",
+        ),
+        Alert(
+            "KvlifeBlocksLeaking",
+            f"max by ({by}) ({prefix}oldest_open_ticket_seconds) > 600 and "
+            f"max by ({by}) (deriv({prefix}oldest_open_ticket_seconds[5m])) > 0.5",
+            "5m",
+            "page",
+            "A request's blocks on {{ $labels.instance }} (engine {{ $labels.engine }}) have "
+            "been held {{ $value | humanizeDuration }} and counting",
+            "The oldest open ticket is older than 10 minutes and still the same one: the "
+            "connector will never report it (LMCache 0.5.6's reused-id leak looks like "
+            "this), and vLLM holds its blocks for ever; the free pool shrinks with each. "
+            f"{_WHY}",
+        ),
+        Alert(
+            "KvlifeReportsRefused",
+            f"sum by ({by}) (increase({prefix}refusals_total[10m])) > 0",
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} late or repeated reports refused on "
+            "{{ $labels.instance }} (engine {{ $labels.engine }})",
+            "kvlife's connector refused reports for requests already released (or "
+            f"reported twice): they changed nothing. {_WHY}",
+        ),
+    ]
+    return rules
+
+
+def rule_set(flavour: Flavour = "library", prefix: str | None = None) -> RuleSet:
+    """The rules of ``flavour`` for metric names starting with ``prefix`` (``library``: the
+    namespace given to ``PrometheusMetrics``, default ``kvlife``; ``vllm``: the connector's
+    metric prefix, default ``vllm:kvlife_``).
+
+    Raises:
+        ValueError: an unknown flavour, or a prefix Prometheus would not take as the start
+            of a metric name.
+    """
+    if flavour not in FLAVOURS:
+        raise ValueError(f"kvlife: rules are for {FLAVOURS}, got {flavour!r}")
+    if prefix is None:
+        prefix = "kvlife" if flavour == "library" else "vllm:kvlife_"
+    if not _METRIC_PREFIX.fullmatch(prefix):
+        raise ValueError(
+            f"kvlife: {prefix!r} cannot begin a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*)"
+        )
+    return _library(prefix) if flavour == "library" else _vllm(prefix)
+
+
+def _scalar(text: str) -> str:
+    """A YAML scalar: JSON's double-quoted string is one."""
+    return json.dumps(text)
+
+
+def rules_yaml(rules: RuleSet) -> str:
+    """A Prometheus rules file (YAML) holding ``rules`` as one group."""
+    out = [
+        "# kvlife's alerting rules: kvlife metrics rules "
+        f"--for {rules.flavour} --prefix {rules.prefix}",
+        "groups:",
+        f"  - name: {_scalar('kvlife-' + rules.flavour)}",
+        "    rules:",
+    ]
+    for recording in rules.recordings:
+        out += [
+            f"      - record: {_scalar(recording.record)}",
+            f"        expr: {_scalar(recording.expr)}",
+        ]
+    for alert in rules.alerts:
+        out += [
+            f"      - alert: {alert.name}",
+            f"        expr: {_scalar(alert.expr)}",
+            f"        for: {alert.for_}",
+            "        labels:",
+            f"          severity: {alert.severity}",
+            f"          flavour: {rules.flavour}",
+            "        annotations:",
+            f"          summary: {_scalar(alert.summary)}",
+            f"          description: {_scalar(alert.description)}",
+        ]
+    return "\n".join(out) + "\n"
+
+
+__all__ = [
+    "FLAVOURS",
+    "LATE_REFUSALS",
+    "PAGE_VERDICTS",
+    "TICKET_VERDICTS",
+    "Alert",
+    "Flavour",
+    "Recording",
+    "RuleSet",
+    "rule_set",
+    "rules_yaml",
+]
