@@ -170,32 +170,59 @@ def test_the_library_rules_fire_on_what_should_page_and_stay_quiet_otherwise(
 
 
 @needs_promtool
-def test_the_vllm_rules_fire_on_held_blocks_and_a_leak_and_not_on_a_blip(
+def test_the_vllm_rules_read_the_connector_and_the_wrapper_and_not_a_blip(
     tmp_path: Path,
 ) -> None:
+    """kvlife's connector (``vllm:kvlife_...``) and the audit wrapper
+    (``vllm:kvlife_audit_...``): each alone fires a rule, both on one engine are summed
+    (counters) or the larger taken (gauges)."""
     held = "KvlifeBlocksHeldPastLimit"
     leaking = "KvlifeBlocksLeaking"
-    refused = "KvlifeReportsRefused"
-    open_ = "vllm:kvlife_tickets_overdue_open"
-    oldest = "vllm:kvlife_oldest_open_ticket_seconds"
+    late = "KvlifeLateReportsRefused"
+    risk = "KvlifeDataAtRisk"
+    incomplete = "KvlifeAuditIncomplete"
+    mine, wrapper = "vllm:kvlife_", "vllm:kvlife_audit_"
+    stale = {**VLLM, "verdict": "stale_instance"}
+    raised = {**VLLM, "verdict": "connector_raised"}
     cases = [
         _case(
-            [_series(open_, VLLM, "0 2 2 2 2 2")],
+            [_series(f"{wrapper}tickets_overdue_open", VLLM, "0 2 2 2 2 2")],
             [("2m", held, []), ("4m", held, [_fired("vllm", held, VLLM, "2")])],
         ),
-        _case([_series(open_, VLLM, "0 1 0 0 0 0")], [("4m", held, [])]),  # reported late
-        _case([_series(open_, VLLM, "0x9")], [("9m", held, [])]),
+        _case(  # both on one engine: the larger
+            [
+                _series(f"{wrapper}tickets_overdue_open", VLLM, "0 2 2 2 2 2"),
+                _series(f"{mine}tickets_overdue_open", VLLM, "0 3 3 3 3 3"),
+            ],
+            [("4m", held, [_fired("vllm", held, VLLM, "3")])],
+        ),
+        _case([_series(f"{mine}tickets_overdue_open", VLLM, "0 1 0 0 0 0")], [("4m", held, [])]),
+        _case([_series(f"{wrapper}tickets_overdue_open", VLLM, "0x9")], [("9m", held, [])]),
         _case(
-            [_series(oldest, VLLM, "400+60x20")],
+            [_series(f"{wrapper}oldest_open_ticket_seconds", VLLM, "400+60x20")],
             [("8m", leaking, []), ("10m", leaking, [_fired("vllm", leaking, VLLM, "", "16m 40s")])],
         ),
         # tickets that complete: the oldest open one stays young
-        _case([_series(oldest, VLLM, "0 30 60 5 35 65 10 40 70 3 33 63")], [("11m", leaking, [])]),
         _case(
-            [_series("vllm:kvlife_refusals_total", VLLM, "0 0 1 1 1")],
-            [("4m", refused, [_fired("vllm", refused, VLLM, "1")])],
+            [_series(f"{mine}oldest_open_ticket_seconds", VLLM, "0 30 60 5 35 65 10 40 70 3 33")],
+            [("10m", leaking, [])],
         ),
-        _case([_series("vllm:kvlife_refusals_total", VLLM, "4 4 0 0 0")], [("4m", refused, [])]),
+        _case(
+            [_series(f"{mine}verdicts_total", stale, "0 0 1 1 1")],
+            [("4m", late, [_fired("vllm", late, stale, "1")]), ("4m", risk, [])],
+        ),
+        _case(  # the wrapper's and the connector's verdicts on one engine add up
+            [
+                _series(f"{wrapper}verdicts_total", raised, "0 0 2 2 2"),
+                _series(f"{mine}verdicts_total", raised, "0 0 1 1 1"),
+            ],
+            [("4m", risk, [_fired("vllm", risk, raised, "3")])],
+        ),
+        _case([_series(f"{mine}verdicts_total", stale, "4 4 0 0 0")], [("4m", late, [])]),
+        _case(
+            [_series(f"{wrapper}records_lost_total", VLLM, "0 0 5 5 5 5 5 5 5")],
+            [("8m", incomplete, [_fired("vllm", incomplete, VLLM, "5")])],
+        ),
     ]
     _promtool(tmp_path, "vllm", cases)
 

@@ -86,20 +86,135 @@ _WHY = (
 )
 
 
-def _library(ns: str) -> RuleSet:
-    refusals = f"{ns}_refusals_total"
-    by = "job, instance"
-    rules = RuleSet("library", ns)
-    rules.recordings = [
-        Recording(
-            f"{ns}:verdicts:increase10m",
-            f"sum by ({by}, reason) (increase({refusals}[10m]))",
+def _plus(a: str, b: str) -> str:
+    """``a + b`` where both have a series, else the one that has (PromQL's ``+`` keeps
+    only label sets both sides have)."""
+    return f"(({a} + {b}) or {a} or {b})"
+
+
+def _greater(a: str, b: str) -> str:
+    """The larger of ``a`` and ``b`` per label set, or the one that has a series."""
+    return f"(({a} >= {b}) or {b} or {a})"
+
+
+@dataclass(frozen=True)
+class _Names:
+    """Where one flavour's series are: the counters' names (one, or the connector's and
+    the wrapper's), the label that names a verdict, the labels that name an engine."""
+
+    by: str
+    label: str
+    recording: str
+    verdicts: tuple[str, ...]  # the verdict counters' names
+    age: tuple[str, ...]  # the age of the oldest thing held
+    age_bound_s: int
+    lost: tuple[str, ...]
+    errors: tuple[str, ...]
+
+    def sums(self, names: tuple[str, ...], matcher: str = "", by: str = "") -> str:
+        """``sum by (...) (increase(NAME{matcher}[10m]))``, summed over ``names``."""
+        inner = f"{{{matcher}}}" if matcher else ""
+        parts = [f"sum by ({by or self.by}) (increase({n}{inner}[10m]))" for n in names]
+        return parts[0] if len(parts) == 1 else _plus(parts[0], parts[1])
+
+    def largest(self, names: tuple[str, ...], of: str = "{}") -> str:
+        """``max by (...) (...)`` of ``of`` (``{}``: the series), over ``names``."""
+        parts = [f"max by ({self.by}) ({of.format(n)})" for n in names]
+        return parts[0] if len(parts) == 1 else _greater(parts[0], parts[1])
+
+
+def _recorded(names: _Names) -> Recording:
+    """The verdicts over 10 minutes by engine and verdict: what the verdict alerts read."""
+    return Recording(names.recording, names.sums(names.verdicts, by=f"{names.by}, {names.label}"))
+
+
+def _verdicts(names: _Names, reasons: tuple[str, ...] | str, by: str = "") -> str:
+    """The verdicts of ``reasons`` over 10 minutes (the recording rule), summed by
+    ``by``."""
+    match = reasons if isinstance(reasons, str) else _one_of(reasons)
+    return f'sum by ({by or names.by}) ({names.recording}{{{names.label}=~"{match}"}})'
+
+
+def _shared(names: _Names, flavour: Flavour) -> list[Alert]:
+    """The alerts both flavours have: one per kind of verdict, and the audit's health."""
+    by, label = names.by, names.label
+    where = "{{ $labels.instance }}" + (
+        " (engine {{ $labels.engine }})" if flavour == "vllm" else ""
+    )
+    return [
+        Alert(
+            "KvlifeDataAtRisk",
+            f"{_verdicts(names, PAGE_VERDICTS, f'{by}, {label}')} > 0",
+            "0m",
+            "page",
+            "{{ $value | humanize }} {{ $labels." + label + " }} verdict(s) on " + where + " "
+            "in the last 10 minutes",
+            "The watched component raised (the engine's scheduler may have died), or host "
+            "memory was freed under a copy, or a failed write was taken as backed: a "
+            f"request can be served KV that was never written. {_WHY}",
+        ),
+        Alert(
+            "KvlifeProtocolBroken",
+            f"{_verdicts(names, TICKET_VERDICTS, f'{by}, {label}')} > 0",
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} {{ $labels." + label + " }} verdict(s) on " + where + " "
+            "in the last 10 minutes",
+            "The watched component reported a completion no copy explains, credited a copy "
+            "to another request, released a lock it never took or overwrote a pending "
+            f"entry. kvlife wrote it down; the engine serves on. {_WHY}",
+        ),
+        Alert(
+            "KvlifeLateReportsRefused",
+            f"{_verdicts(names, LATE_REFUSALS, f'{by}, {label}')} > 0",
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} late or repeated reports refused on " + where + " "
+            "({{ $labels." + label + " }})",
+            "A completion came for a request that was already released (or twice): "
+            "kvlife refused it, so it changed nothing, but the component that sent it keeps "
+            f"ids too long. {_WHY}",
+        ),
+        Alert(
+            "KvlifeKvEventWrong",
+            f"{_verdicts(names, 'event_mismatch')} > 0",
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} KV events on " + where + " contradict what the engine holds",
+            "A KV-aware router fed these events routes requests to blocks that are not "
+            f"there (or away from blocks that are). {_WHY}",
+        ),
+        Alert(
+            "KvlifeAuditIncomplete",
+            f"{names.sums(names.lost)} > 0 or {names.sums(names.errors)} > 0",
+            "5m",
+            "ticket",
+            "The audit log on " + where + " is failing or losing records",
+            "An audit sink keeps failing (a full disk, a closed file): records are held in "
+            "a bounded backlog, then dropped, and `kvlife audit check` reports the lost "
+            "range. Free the disk or fix the path; the verdicts above may be incomplete.",
         ),
     ]
+
+
+def _library(ns: str) -> RuleSet:
+    names = _Names(
+        by="job, instance",
+        label="reason",
+        recording=f"{ns}:verdicts:increase10m",
+        verdicts=(f"{ns}_refusals_total",),
+        age=(f"{ns}_oldest_live_age_seconds",),
+        age_bound_s=1800,
+        lost=(f"{ns}_sink_dropped_total",),
+        errors=(f"{ns}_sink_errors_total",),
+    )
+    rules = RuleSet("library", ns)
+    rules.recordings = [_recorded(names)]
     rules.alerts = [
+        *_shared(names, "library"),
         Alert(
             "KvlifeCopiesOverdue",
-            f'sum by ({by}) (increase({refusals}{{reason="overdue"}}[10m])) > 0',
+            f"{_verdicts(names, 'overdue')} > 0",
             "0m",
             "ticket",
             "{{ $value | humanize }} copies on {{ $labels.instance }} stayed open past their "
@@ -110,8 +225,7 @@ def _library(ns: str) -> RuleSet:
         ),
         Alert(
             "KvlifeLifecycleLeakGrowing",
-            f"{ns}_oldest_live_age_seconds > 1800 and "
-            f"deriv({ns}_oldest_live_age_seconds[10m]) > 0.5",
+            f"{names.age[0]} > {names.age_bound_s} and deriv({names.age[0]}[10m]) > 0.5",
             "10m",
             "page",
             "A request's lifecycle on {{ $labels.instance }} has been live for "
@@ -120,80 +234,34 @@ def _library(ns: str) -> RuleSet:
             "one: its host memory (and the engine's blocks, if a free waits on it) is never "
             f"given back. {_WHY} `kvlife audit stats LOG` shows the live lifecycles.",
         ),
-        Alert(
-            "KvlifeDataAtRisk",
-            f'sum by ({by}, reason) (increase({refusals}{{reason=~"{_one_of(PAGE_VERDICTS)}"}}'
-            "[10m])) > 0",
-            "0m",
-            "page",
-            "{{ $value | humanize }} {{ $labels.reason }} verdict(s) on {{ $labels.instance }} "
-            "in the last 10 minutes",
-            "The watched component raised (the engine's scheduler may have died), or host "
-            "memory was freed under a copy, or a failed write was taken as backed: a "
-            f"request can be served KV that was never written. {_WHY}",
-        ),
-        Alert(
-            "KvlifeProtocolBroken",
-            f'sum by ({by}, reason) (increase({refusals}{{reason=~"{_one_of(TICKET_VERDICTS)}"}}'
-            "[10m])) > 0",
-            "0m",
-            "ticket",
-            "{{ $value | humanize }} {{ $labels.reason }} verdict(s) on {{ $labels.instance }} "
-            "in the last 10 minutes",
-            "The watched component reported a completion no copy explains, credited a copy "
-            "to another request, released a lock it never took or overwrote a pending "
-            f"entry. kvlife wrote it down; the engine serves on. {_WHY}",
-        ),
-        Alert(
-            "KvlifeLateReportsRefused",
-            f'sum by ({by}, reason) (increase({refusals}{{reason=~"{_one_of(LATE_REFUSALS)}"}}'
-            "[10m])) > 0",
-            "0m",
-            "ticket",
-            "{{ $value | humanize }} late or repeated reports refused on "
-            "{{ $labels.instance }} ({{ $labels.reason }})",
-            "A completion came for a request that was already released (or twice): "
-            "kvlife refused it, so it changed nothing, but the component that sent it keeps "
-            f"ids too long. {_WHY}",
-        ),
-        Alert(
-            "KvlifeKvEventWrong",
-            f'sum by ({by}) (increase({refusals}{{reason="event_mismatch"}}[10m])) > 0',
-            "0m",
-            "ticket",
-            "{{ $value | humanize }} KV events on {{ $labels.instance }} contradict what the "
-            "engine holds",
-            "A KV-aware router fed these events routes requests to blocks that are not "
-            f"there (or away from blocks that are). {_WHY}",
-        ),
-        Alert(
-            "KvlifeAuditIncomplete",
-            f"sum by ({by}) (increase({ns}_sink_dropped_total[10m])) > 0 or "
-            f"sum by ({by}) (increase({ns}_sink_errors_total[10m])) > 0",
-            "5m",
-            "ticket",
-            "The audit log on {{ $labels.instance }} is failing or losing records",
-            "An audit sink keeps failing (a full disk, a closed file): records are held in "
-            "a bounded backlog, then dropped, and `kvlife audit check` reports the lost "
-            "range. Free the disk or fix the path; the verdicts above may be incomplete.",
-        ),
     ]
     return rules
 
 
 def _vllm(prefix: str) -> RuleSet:
-    by = "instance, engine, model_name"
+    """kvlife's connector (``PREFIX...``) and the audit wrapper (``PREFIXaudit_...``): each
+    rule reads both, summed (or the larger) per engine."""
+
+    def both(name: str) -> tuple[str, ...]:
+        return (f"{prefix}{name}", f"{prefix}audit_{name}")
+
+    names = _Names(
+        by="instance, engine, model_name",
+        label="verdict",
+        recording=f"{prefix.rstrip('_:')}:verdicts:increase10m",
+        verdicts=both("verdicts_total"),
+        age=both("oldest_open_ticket_seconds"),
+        age_bound_s=600,
+        lost=both("records_lost_total"),
+        errors=both("sink_errors_total"),
+    )
     rules = RuleSet("vllm", prefix)
-    rules.recordings = [
-        Recording(
-            f"{prefix.rstrip('_:')}:tickets_overdue_open:max",
-            f"max by ({by}) ({prefix}tickets_overdue_open)",
-        ),
-    ]
+    rules.recordings = [_recorded(names)]
     rules.alerts = [
+        *_shared(names, "vllm"),
         Alert(
             "KvlifeBlocksHeldPastLimit",
-            f"max by ({by}) ({prefix}tickets_overdue_open) > 0",
+            f"{names.largest(both('tickets_overdue_open'))} > 0",
             "2m",
             "ticket",
             "{{ $value | humanize }} request(s) on {{ $labels.instance }} (engine "
@@ -204,8 +272,8 @@ def _vllm(prefix: str) -> RuleSet:
         ),
         Alert(
             "KvlifeBlocksLeaking",
-            f"max by ({by}) ({prefix}oldest_open_ticket_seconds) > 600 and "
-            f"max by ({by}) (deriv({prefix}oldest_open_ticket_seconds[5m])) > 0.5",
+            f"{names.largest(names.age)} > {names.age_bound_s} and "
+            f"{names.largest(names.age, 'deriv({}[5m])')} > 0.5",
             "5m",
             "page",
             "A request's blocks on {{ $labels.instance }} (engine {{ $labels.engine }}) have "
@@ -214,16 +282,6 @@ def _vllm(prefix: str) -> RuleSet:
             "connector will never report it (LMCache 0.5.6's reused-id leak looks like "
             "this), and vLLM holds its blocks for ever; the free pool shrinks with each. "
             f"{_WHY}",
-        ),
-        Alert(
-            "KvlifeReportsRefused",
-            f"sum by ({by}) (increase({prefix}refusals_total[10m])) > 0",
-            "0m",
-            "ticket",
-            "{{ $value | humanize }} late or repeated reports refused on "
-            "{{ $labels.instance }} (engine {{ $labels.engine }})",
-            "kvlife's connector refused reports for requests already released (or "
-            f"reported twice): they changed nothing. {_WHY}",
         ),
     ]
     return rules

@@ -541,6 +541,7 @@ from kvlife.offload.engines.vllm import (  # noqa: E402
     KVLifeConnectorMetadata,
     KVLifeConnectorStats,
 )
+from kvlife.offload.engines.vllm.stats import AUDIT_COUNTERS  # noqa: E402
 from kvlife.offload.planner import LoadOrder, StoreOrder  # noqa: E402
 
 LAYOUT_BLOCKS, LAYOUT_LAYERS = 12, 3
@@ -901,7 +902,7 @@ class _Metric:
     made: ClassVar[dict[str, _Metric]] = {}
 
     def __init__(self, name: str, documentation: str, labelnames: list[str], **_: Any) -> None:
-        assert documentation and labelnames == ["engine", "model_name"]
+        assert documentation and labelnames[:2] == ["engine", "model_name"]
         self.values: dict[tuple[Any, ...], float] = {}
         self.made[name] = self
         self._labels: tuple[Any, ...] = ()
@@ -936,7 +937,8 @@ def test_kvlifes_stats_reach_prometheus_with_vllms_labels() -> None:
     assert made["vllm:kvlife_stored_bytes"].values == {("1", "m"): 100}
     assert made["vllm:kvlife_host_pages_free"].values == {("1", "m"): 5}  # gauges: latest
     assert made["vllm:kvlife_lifecycles_allocated"].values == {("1", "m"): 4}
-    assert set(made) == {f"vllm:kvlife_{key}" for key in STAT_KEYS}
+    exported = (*STAT_KEYS, *AUDIT_COUNTERS, "verdicts")  # the last two for the alert rules
+    assert set(made) == {f"vllm:kvlife_{key}" for key in exported}
 
 
 def test_stats_carry_bytes_and_the_lifecycles_live_per_state() -> None:
@@ -1067,6 +1069,7 @@ def test_a_store_held_back_past_audit_overdue_s_is_written_and_counted(tmp_path:
     (said,) = [r for r in read_audit(audit).records if r.reason == "overdue"]
     assert (said.rid, said.op, said.detail["kind"]) == ("a", op, "store")
     assert handed[-1]["tickets_overdue_open"] == 1 and handed[-1]["overdue_tickets"] == 1
+    assert handed[-1]["verdict_overdue"] == 1  # the counter by verdict, for the rules
     engine.run_until_idle()  # reported late: no violation, the watch forgets it
     assert handed[-1]["tickets_overdue_open"] == 0
     report = check_audit(AuditReader(audit), expect_released=True)
@@ -1094,3 +1097,35 @@ def test_a_released_request_is_dropped_at_once() -> None:
         assert gone() is None, [type(r) for r in gc.get_referrers(gone())]
     finally:
         gc.enable()
+
+
+def test_each_verdict_reaches_prometheus_as_a_labelled_counter() -> None:
+    """``verdict_<reason>`` keys add up over intervals and become one counter,
+    ``vllm:kvlife_verdicts_total{verdict=...}``; the audit sinks' losses and errors are
+    counters of their own (what ``kvlife metrics rules --for vllm`` reads)."""
+    from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
+
+    from kvlife.offload.engines.vllm import KVLifeConnectorStats  # noqa: PLC0415
+
+    _Metric.made.clear()
+    vllm_config = make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm").vllm_config
+    prom = KVLifeConnector.build_prom_metrics(
+        vllm_config,
+        {Counter: _Metric, Gauge: _Metric, Histogram: _Metric},
+        ["engine", "model_name"],
+        {0: ["0", "m"]},
+    )
+    first = KVLifeConnectorStats(data={"verdict_stale_instance": 2, "records_lost": 3})
+    second = KVLifeConnectorStats(data={"verdict_stale_instance": 1, "verdict_duplicate_ack": 1})
+    both = first.aggregate(second)
+    assert not both.is_empty()
+    reduced = both.reduce()
+    assert reduced["verdict_stale_instance"] == 3 and reduced["verdict_duplicate_ack"] == 1
+    prom.observe(both.data, engine_idx=0)
+    made = _Metric.made
+    assert made["vllm:kvlife_verdicts"].values == {
+        ("0", "m", "stale_instance"): 3,
+        ("0", "m", "duplicate_ack"): 1,
+    }
+    assert made["vllm:kvlife_records_lost"].values == {("0", "m"): 3}
+    assert made["vllm:kvlife_sink_errors"].values == {}

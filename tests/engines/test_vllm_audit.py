@@ -219,7 +219,18 @@ def test_a_stray_report_kills_vllm_and_the_log_names_the_rid(tmp_path: Path, fau
 @pytest.mark.parametrize("fault", ["repeat_sending", "never_delayed", "recv_no_load"])
 def test_in_refuse_mode_a_stray_report_never_reaches_vllm(tmp_path: Path, fault: str) -> None:
     path = tmp_path / "a.jsonl"
-    play = Play(_scheduler(_play_config(), path, mode="refuse"), seed=1, fault=fault)
+    scheduler = _scheduler(_play_config(), path, mode="refuse", stats_interval_s=0)
+    handed: list[dict[str, Any]] = []  # the wrapper's own stats, as vLLM's hook takes them
+    take = scheduler.connector.get_kv_connector_stats
+
+    def hook() -> Any:
+        stats = take()
+        if stats is not None:
+            handed.append(stats.data.get("kvlife") or {})
+        return stats
+
+    scheduler.connector.get_kv_connector_stats = hook
+    play = Play(scheduler, seed=1, fault=fault)
     play.run(80)
     play.drain()
     assert play.faulty is not None
@@ -229,6 +240,8 @@ def test_in_refuse_mode_a_stray_report_never_reaches_vllm(tmp_path: Path, fault:
     assert [(v.kind, v.rid) for v in report.violations] == [("stray_report", play.faulty)]
     (said,) = [r for r in read_audit(path).records if not r.ok]
     assert said.detail["refused"] is True
+    # counted by verdict for the alerting rules, once
+    assert sum(h.get("verdict_stray_report", 0) for h in handed) == 1
 
 
 def test_a_delayed_free_never_reported_is_unreported_at_the_end(tmp_path: Path) -> None:
@@ -307,7 +320,14 @@ def test_the_wrappers_overdue_stats_reach_prometheus(tmp_path: Path) -> None:
         )
         assert stats is not None
         prom.observe(stats.data, engine_idx=0)
+    prom.observe(
+        WrappedConnectorStats.of(
+            type(scheduler.connector.wrapped), None, {"verdict_connector_raised": 1}
+        ).data,  # type: ignore[union-attr]
+        engine_idx=0,
+    )
     made = _Metric.made
+    assert made["vllm:kvlife_audit_verdicts"].values == {("0", "m", "connector_raised"): 1}
     assert made["vllm:kvlife_audit_overdue_tickets"].values == {("0", "m"): 3}
     assert made["vllm:kvlife_audit_tickets_overdue_open"].values == {("0", "m"): 3}
     assert made["vllm:kvlife_audit_oldest_open_ticket_seconds"].values == {("0", "m"): 250.0}

@@ -84,7 +84,10 @@ from kvlife.offload.engines.vllm.stats import (
     OVERDUE_COUNTERS,
     OVERDUE_GAUGES,
     KVLifePromMetrics,
+    audit_growth,
+    is_counter,
     overdue_gauges,
+    verdict_growth,
 )
 
 if TYPE_CHECKING:
@@ -212,8 +215,9 @@ def _merge_kvlife(
     if not mine or not theirs:
         return dict(theirs or mine or {}) or None
     merged = {**mine, **theirs}
-    for key in OVERDUE_COUNTERS:
-        merged[key] = mine.get(key, 0) + theirs.get(key, 0)
+    for key in {*mine, *theirs}:
+        if is_counter(key):
+            merged[key] = mine.get(key, 0) + theirs.get(key, 0)
     return merged
 
 
@@ -384,6 +388,8 @@ class _Watch:
         self.stats_interval_s = config.audit.stats_interval_s
         self._stats_at = -float("inf")
         self._overdue_reported = 0
+        self._verdicts_reported: dict[str, int] = {}
+        self._audit_reported = [0, 0]
         self._gauges: dict[str, float] = {}
         self.refuse = config.mode == "refuse"
         self.witness = witness
@@ -463,8 +469,9 @@ class _Watch:
             self.written()
 
     def stats(self) -> dict[str, Any] | None:
-        """The overdue counter's growth since it was last handed over, and the gauges
-        now; ``None`` within ``stats_interval_s`` of the last hand-over, or when nothing
+        """The counters' growth since they were last handed over (overdue tickets, each
+        verdict by reason, the audit sinks' losses and errors), and the gauges now;
+        ``None`` within ``stats_interval_s`` of the last hand-over, or when nothing
         changed."""
         now = time.monotonic()
         if now - self._stats_at < self.stats_interval_s:
@@ -472,11 +479,13 @@ class _Watch:
         self._stats_at = now
         watch = self.overdue
         grown = watch.overdue_total - self._overdue_reported
+        verdicts = verdict_growth(self.registry.refusals, self._verdicts_reported)
+        verdicts |= audit_growth(self.registry, self._audit_reported)
         gauges = overdue_gauges(watch)
-        if not grown and gauges == self._gauges:
+        if not grown and not verdicts and gauges == self._gauges:
             return None
         self._overdue_reported, self._gauges = watch.overdue_total, gauges
-        return {"overdue_tickets": grown, **gauges}
+        return {"overdue_tickets": grown, **verdicts, **gauges}
 
     def end(self, request: Request, **detail: DetailValue) -> None:
         self.claims.discard(id(request))  # claimed a load, but never allocated

@@ -36,8 +36,10 @@ from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLife
 from kvlife.offload.engines.vllm.stats import (
     KVLifeConnectorStats,
     account_stats,
+    audit_growth,
     lifecycle_stats,
     overdue_gauges,
+    verdict_growth,
 )
 from kvlife.offload.planner import (
     COUNTERS,
@@ -238,6 +240,8 @@ class SchedulerSide:
         self._due: dict[str, int] = {}
         self._reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # given to vLLM so far
         self._overdue_reported = 0
+        self._verdicts_reported: dict[str, int] = {}  # refusals by reason given to vLLM
+        self._audit_reported = [0, 0]  # audit records lost, sink errors given to vLLM
         self._gauges: dict[str, float] = {}  # the gauges vLLM was last given
         self._stats_at = -float("inf")  # when vLLM was last given them
         self.stats_interval_s = config.stats_interval_s
@@ -452,10 +456,12 @@ class SchedulerSide:
         return out
 
     def stats(self) -> KVLifeConnectorStats | None:
-        """The counters' growth since they were last handed over, and the gauges (page
-        account, lifecycles per state) now; ``None`` within ``stats_interval_s`` of the
-        last hand-over (the growth waits for the next one: vLLM calls this at every step,
-        and logs and exports per interval of seconds), or when nothing changed."""
+        """The counters' growth since they were last handed over (the planner's, the
+        overdue tickets, each verdict by reason, the audit sinks' losses and errors), and
+        the gauges (page account, lifecycles per state) now; ``None`` within
+        ``stats_interval_s`` of the last hand-over (the growth waits for the next one: vLLM
+        calls this at every step, and logs and exports per interval of seconds), or when
+        nothing changed."""
         now = monotonic()
         if now - self._stats_at < self.stats_interval_s:
             return None
@@ -464,6 +470,8 @@ class SchedulerSide:
         delta: dict[str, Any] = {key: counts[key] - reported[key] for key in COUNTERS}
         watch = self.overdue
         delta["overdue_tickets"] = watch.overdue_total - self._overdue_reported
+        delta |= verdict_growth(self.registry.refusals, self._verdicts_reported)
+        delta |= audit_growth(self.registry, self._audit_reported)
         gauges = (
             account_stats(self.planner.account())
             | lifecycle_stats(self.registry.statistics().live)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvlife.fsm import OverdueWatch, State
+from kvlife.fsm import LifecycleRegistry, OverdueWatch, State
 from kvlife.offload.planner import COUNTERS as PLANNER_COUNTERS
 from kvlife.offload.planner import PageAccount
 
@@ -45,7 +46,49 @@ lifecycles live in each state, and the overdue gauges
 ([`OVERDUE_GAUGES`][kvlife.offload.engines.vllm.stats.OVERDUE_GAUGES])."""
 
 STAT_KEYS = COUNTERS + GAUGES
-"""Every key the connector reports."""
+"""Every key the connector reports (and the verdict and audit counters below)."""
+
+VERDICT_PREFIX = "verdict_"
+"""A counter per verdict: ``verdict_<reason>`` is how many calls the registry refused, or
+verdicts it wrote down on a watched component, with that reason (one of
+[`REASONS`][kvlife.fsm.errors.REASONS]) in the interval. Exported as one labelled counter,
+``<prefix>verdicts_total{verdict="<reason>"}``."""
+
+AUDIT_COUNTERS = ("records_lost", "sink_errors")
+"""Audit records a sink lost for good, and failed sink writes, in the interval."""
+
+
+def verdict_growth(refusals: Mapping[str, int], reported: dict[str, int]) -> dict[str, int]:
+    """The verdict counters' growth since ``reported`` (which is brought up to date):
+    ``verdict_<reason>`` for each reason that grew."""
+    grown: dict[str, int] = {}
+    for reason, count in refusals.items():
+        before = reported.get(reason, 0)
+        if count > before:
+            grown[VERDICT_PREFIX + reason] = count - before
+            reported[reason] = count
+    return grown
+
+
+def audit_growth(registry: LifecycleRegistry, reported: list[int]) -> dict[str, int]:
+    """The audit counters' growth since ``reported`` ([lost, errors], brought up to
+    date), over every sink of ``registry``; only the counters that grew."""
+    sinks = registry.statistics().sinks
+    lost = sum(s.dropped for s in sinks)
+    errors = sum(s.errors for s in sinks)
+    grown = {}
+    if lost > reported[0]:
+        grown["records_lost"] = lost - reported[0]
+    if errors > reported[1]:
+        grown["sink_errors"] = errors - reported[1]
+    reported[:] = [lost, errors]
+    return grown
+
+
+def is_counter(key: str) -> bool:
+    """Whether a stats key adds up over intervals (every key but the gauges)."""
+    return key not in GAUGES
+
 
 _HELP = {
     "stores": "Stores over (every worker reported them).",
@@ -72,6 +115,9 @@ _HELP = {
     "overdue_tickets": "Tickets (stores, loads, delayed frees) open longer than audit_overdue_s.",
     "tickets_overdue_open": "Overdue tickets still open.",
     "oldest_open_ticket_seconds": "Age of the oldest open ticket (0 when none is open).",
+    "verdicts": "kvlife's verdicts (and its registry's refusals), by reason.",
+    "records_lost": "Audit records a sink lost for good (the log is incomplete).",
+    "sink_errors": "Failed audit sink writes (a full disk, a closed file).",
 }
 
 
@@ -124,8 +170,13 @@ class KVLifePromMetrics(KVConnectorPromMetrics):
             key: self._counter_cls(
                 name=f"{prefix}{key}", documentation=_HELP[key], labelnames=labelnames
             )
-            for key in counters
+            for key in (*counters, *AUDIT_COUNTERS)
         }
+        self._verdicts = self._counter_cls(
+            name=f"{prefix}verdicts",
+            documentation=_HELP["verdicts"],
+            labelnames=[*labelnames, "verdict"],
+        )
         self._gauges = {
             key: self._gauge_cls(
                 name=f"{prefix}{key}",
@@ -145,6 +196,9 @@ class KVLifePromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(key)
             if value:
                 counter.labels(*labels).inc(value)
+        for key, value in transfer_stats_data.items():
+            if value and key.startswith(VERDICT_PREFIX):
+                self._verdicts.labels(*labels, key[len(VERDICT_PREFIX) :]).inc(value)
         for key, gauge in self._gauges.items():
             if key in transfer_stats_data:
                 gauge.labels(*labels).set(transfer_stats_data[key])
@@ -171,7 +225,8 @@ class KVLifeConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         counts: dict[str, int | float] = {key: self.data.get(key, 0) for key in COUNTERS}
-        return counts | {key: self.data[key] for key in GAUGES if key in self.data}
+        extra = {key: v for key, v in self.data.items() if key not in counts and is_counter(key)}
+        return counts | extra | {key: self.data[key] for key in GAUGES if key in self.data}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key, 0) for key in COUNTERS)
+        return not any(v for key, v in self.data.items() if is_counter(key))
