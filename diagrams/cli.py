@@ -14,7 +14,7 @@ Subcommands::
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
     kvlife vllm exercise CONFIG [...]   (in vLLM's environment)
     kvlife sglang exercise [...]        (in SGLang's environment)
-    kvlife metrics rules [--for library|vllm] [--prefix PREFIX]
+    kvlife metrics rules [--for library|vllm] [--prefix PREFIX] [--timescale FACTOR]
 
 Bare ``kvlife``, ``kvlife audit`` and ``kvlife bench`` print their usage (exit 2);
 ``kvlife --version`` prints the version. Usage errors print one line and exit 2, and so do
@@ -229,6 +229,13 @@ def _parser() -> _Parser:
     )
     rules.add_argument("--for", dest="flavour", choices=["library", "vllm"], default="library")
     rules.add_argument("--prefix", help="the metric name prefix (see above)")
+    rules.add_argument(
+        "--timescale",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="multiply every for: time, window and age bound (a test or a demo; default 1)",
+    )
     sglang = sub.add_parser(
         "sglang",
         help="SGLang tools (run in SGLang's environment)",
@@ -406,7 +413,7 @@ def _rules(args: argparse.Namespace) -> int:
     from kvlife.fsm.audit.alerts import rule_set, rules_yaml
 
     try:
-        rules = rule_set(args.flavour, args.prefix)
+        rules = rule_set(args.flavour, args.prefix, timescale=args.timescale)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     sys.stdout.write(rules_yaml(rules))

@@ -4,6 +4,8 @@ Usage: ``python tests/screenshot.py REPORT.html OUT.png [RID]`` -- opens the pag
 headless Chromium, filters the table to one rid (``req-7`` by default), selects its first
 lifecycle and captures the table and the story of the rid under it. With ``--top`` for
 ``RID``: the page's first screen as it opens (the verdict and what it says first).
+``python tests/screenshot.py --url URL OUT.png``: a served page (Prometheus's alerts
+page, from the alerting test), every collapsed group opened.
 """
 
 from __future__ import annotations
@@ -35,5 +37,25 @@ def main(report: Path, out: Path, rid: str = "req-7") -> None:
         browser.close()
 
 
+def served(url: str, out: Path) -> None:
+    """A served page as it shows once loaded, its collapsed groups opened."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        raise SystemExit("screenshot.py: no Chromium (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(url)
+        page.wait_for_load_state("networkidle")
+        for toggle in page.locator(".alert-heading, .card-header, tr.alert-danger").all():
+            toggle.click()
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(out), full_page=True)
+        browser.close()
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4])
+    if sys.argv[1] == "--url":
+        served(sys.argv[2], Path(sys.argv[3]))
+    else:
+        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4])

@@ -276,3 +276,22 @@ def test_the_library_metrics_carry_the_series_the_rules_read() -> None:
         assert metric in rules and metric in text
     for metric in ("kvlife_sink_dropped_total", "kvlife_sink_errors_total"):
         assert metric in rules  # a family with one series per sink: none attached here
+
+
+@needs_promtool
+def test_a_time_scale_runs_the_same_rules_on_a_faster_clock(tmp_path: Path) -> None:
+    """``--timescale 0.02``: 2 minutes are 2 s, 10 minutes 12 s, the leak's bound 12 s
+    (what the end-to-end test runs, with a scrape a second)."""
+    rules = rule_set("vllm", timescale=0.02)
+    fors = {a.name: a.for_ for a in rules.alerts}
+    assert fors["KvlifeBlocksHeldPastLimit"] == "2s" and fors["KvlifeBlocksLeaking"] == "6s"
+    assert "> 12 and" in next(a.expr for a in rules.alerts if a.name == "KvlifeBlocksLeaking")
+    assert "[12s]" in rules.recordings[0].expr
+    path = tmp_path / "fast.yml"
+    path.write_text(rules_yaml(rules))
+    assert PROMTOOL is not None
+    done = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, check=False)
+    assert done.returncode == 0, done.stdout
+    with pytest.raises(ValueError, match="time scale"):
+        rule_set("vllm", timescale=0)
+    assert main(["metrics", "rules", "--timescale", "-1"]) == 2

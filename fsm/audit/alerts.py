@@ -86,6 +86,15 @@ _WHY = (
 )
 
 
+def _duration(seconds: float) -> str:
+    """A Prometheus duration: whole minutes as ``Nm``, else seconds (at least 1 s), or
+    ``0m``."""
+    if seconds <= 0:
+        return "0m"
+    whole = max(1, round(seconds))
+    return f"{whole // 60}m" if whole % 60 == 0 else f"{whole}s"
+
+
 def _plus(a: str, b: str) -> str:
     """``a + b`` where both have a series, else the one that has (PromQL's ``+`` keeps
     only label sets both sides have)."""
@@ -110,11 +119,17 @@ class _Names:
     age_bound_s: int
     lost: tuple[str, ...]
     errors: tuple[str, ...]
+    scale: float = 1.0
+
+    def d(self, minutes: float) -> str:
+        """``minutes`` as a Prometheus duration, on this rule set's time scale."""
+        return _duration(minutes * 60 * self.scale)
 
     def sums(self, names: tuple[str, ...], matcher: str = "", by: str = "") -> str:
         """``sum by (...) (increase(NAME{matcher}[10m]))``, summed over ``names``."""
         inner = f"{{{matcher}}}" if matcher else ""
-        parts = [f"sum by ({by or self.by}) (increase({n}{inner}[10m]))" for n in names]
+        window = self.d(10)
+        parts = [f"sum by ({by or self.by}) (increase({n}{inner}[{window}]))" for n in names]
         return parts[0] if len(parts) == 1 else _plus(parts[0], parts[1])
 
     def largest(self, names: tuple[str, ...], of: str = "{}") -> str:
@@ -187,7 +202,7 @@ def _shared(names: _Names, flavour: Flavour) -> list[Alert]:
         Alert(
             "KvlifeAuditIncomplete",
             f"{names.sums(names.lost)} > 0 or {names.sums(names.errors)} > 0",
-            "5m",
+            names.d(5),
             "ticket",
             "The audit log on " + where + " is failing or losing records",
             "An audit sink keeps failing (a full disk, a closed file): records are held in "
@@ -197,16 +212,17 @@ def _shared(names: _Names, flavour: Flavour) -> list[Alert]:
     ]
 
 
-def _library(ns: str) -> RuleSet:
+def _library(ns: str, scale: float) -> RuleSet:
     names = _Names(
         by="job, instance",
         label="reason",
         recording=f"{ns}:verdicts:increase10m",
         verdicts=(f"{ns}_refusals_total",),
         age=(f"{ns}_oldest_live_age_seconds",),
-        age_bound_s=1800,
+        age_bound_s=round(1800 * scale),
         lost=(f"{ns}_sink_dropped_total",),
         errors=(f"{ns}_sink_errors_total",),
+        scale=scale,
     )
     rules = RuleSet("library", ns)
     rules.recordings = [_recorded(names)]
@@ -225,8 +241,8 @@ def _library(ns: str) -> RuleSet:
         ),
         Alert(
             "KvlifeLifecycleLeakGrowing",
-            f"{names.age[0]} > {names.age_bound_s} and deriv({names.age[0]}[10m]) > 0.5",
-            "10m",
+            f"{names.age[0]} > {names.age_bound_s} and deriv({names.age[0]}[{names.d(10)}]) > 0.5",
+            names.d(10),
             "page",
             "A request's lifecycle on {{ $labels.instance }} has been live for "
             "{{ $value | humanizeDuration }} and keeps ageing",
@@ -238,7 +254,7 @@ def _library(ns: str) -> RuleSet:
     return rules
 
 
-def _vllm(prefix: str) -> RuleSet:
+def _vllm(prefix: str, scale: float) -> RuleSet:
     """kvlife's connector (``PREFIX...``) and the audit wrapper (``PREFIXaudit_...``): each
     rule reads both, summed (or the larger) per engine."""
 
@@ -251,9 +267,10 @@ def _vllm(prefix: str) -> RuleSet:
         recording=f"{prefix.rstrip('_:')}:verdicts:increase10m",
         verdicts=both("verdicts_total"),
         age=both("oldest_open_ticket_seconds"),
-        age_bound_s=600,
+        age_bound_s=round(600 * scale),
         lost=both("records_lost_total"),
         errors=both("sink_errors_total"),
+        scale=scale,
     )
     rules = RuleSet("vllm", prefix)
     rules.recordings = [_recorded(names)]
@@ -262,7 +279,7 @@ def _vllm(prefix: str) -> RuleSet:
         Alert(
             "KvlifeBlocksHeldPastLimit",
             f"{names.largest(both('tickets_overdue_open'))} > 0",
-            "2m",
+            names.d(2),
             "ticket",
             "{{ $value | humanize }} request(s) on {{ $labels.instance }} (engine "
             "{{ $labels.engine }}) hold blocks past the audit limit",
@@ -273,8 +290,8 @@ def _vllm(prefix: str) -> RuleSet:
         Alert(
             "KvlifeBlocksLeaking",
             f"{names.largest(names.age)} > {names.age_bound_s} and "
-            f"{names.largest(names.age, 'deriv({}[5m])')} > 0.5",
-            "5m",
+            f"{names.largest(names.age, 'deriv({}[' + names.d(5) + '])')} > 0.5",
+            names.d(5),
             "page",
             "A request's blocks on {{ $labels.instance }} (engine {{ $labels.engine }}) have "
             "been held {{ $value | humanizeDuration }} and counting",
@@ -287,15 +304,21 @@ def _vllm(prefix: str) -> RuleSet:
     return rules
 
 
-def rule_set(flavour: Flavour = "library", prefix: str | None = None) -> RuleSet:
+def rule_set(
+    flavour: Flavour = "library", prefix: str | None = None, *, timescale: float = 1.0
+) -> RuleSet:
     """The rules of ``flavour`` for metric names starting with ``prefix`` (``library``: the
     namespace given to ``PrometheusMetrics``, default ``kvlife``; ``vllm``: the connector's
-    metric prefix, default ``vllm:kvlife_``).
+    metric prefix, default ``vllm:kvlife_``). ``timescale`` multiplies every duration and
+    age bound (the ``for:`` times, the windows, the leak's age): 1 in production; a test
+    or a demo runs the same rules on a faster clock.
 
     Raises:
-        ValueError: an unknown flavour, or a prefix Prometheus would not take as the start
-            of a metric name.
+        ValueError: an unknown flavour, a prefix Prometheus would not take as the start
+            of a metric name, or a time scale that is not a positive number.
     """
+    if not (isinstance(timescale, (int, float)) and 0 < timescale <= 100):
+        raise ValueError(f"kvlife: the time scale must be in (0, 100], got {timescale!r}")
     if flavour not in FLAVOURS:
         raise ValueError(f"kvlife: rules are for {FLAVOURS}, got {flavour!r}")
     if prefix is None:
@@ -304,7 +327,9 @@ def rule_set(flavour: Flavour = "library", prefix: str | None = None) -> RuleSet
         raise ValueError(
             f"kvlife: {prefix!r} cannot begin a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*)"
         )
-    return _library(prefix) if flavour == "library" else _vllm(prefix)
+    if flavour == "library":
+        return _library(prefix, float(timescale))
+    return _vllm(prefix, float(timescale))
 
 
 def _scalar(text: str) -> str:
