@@ -525,6 +525,7 @@ def stored(tmp_path: Path, core: str) -> tuple[H.HiCache, HiCacheLens, Path]:
     ``TOKENS`` written to host and backed up to storage (both acks in)."""
     hc = H.build(core, storage_dir=str(tmp_path / "l3"))
     hc.cache.prefetch_threshold = H.PAGE
+    hc.cache.prefetch_stop_policy = "wait_complete"  # not cut short by a slow machine
     path = tmp_path / f"hicache-{core}.jsonl"
     lens = attach(hc.cache, HiCacheLens(path, WITNESS))
     hc.insert(TOKENS)

@@ -3,7 +3,9 @@ CPU, both tree cores. Runs in ``.venv-sglang``."""
 
 from __future__ import annotations
 
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +56,24 @@ def test_a_kernel_sglang_imported_is_left_alone(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(mha, "transfer_kv_direct", kernel, raising=False)
     cpu.use_cpu_standins()
     assert mha.transfer_kv_direct is kernel
+
+
+def test_the_storage_directory_given_is_used_whatever_the_environment_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's HiCacheFile takes ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` before its
+    config (another cache of the process may have set it): a cache built here writes to
+    its own directory all the same."""
+    other = tmp_path / "somebody-elses"
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(other))
+    mine = tmp_path / "l3"
+    hc = cpu.build("rust", storage_dir=str(mine))
+    hc.insert(TOKENS)
+    for _ in range(200):
+        hc.poll()
+        if any(mine.iterdir()) and not hc.cache.ongoing_backup:
+            break
+        time.sleep(0.01)
+    hc.cache.release_host_resources()
+    assert any(p.suffix == ".bin" for p in mine.iterdir())
+    assert not other.exists() or not any(other.iterdir())

@@ -221,7 +221,10 @@ def build(
         if tp_group is not None:
             ranks["tp_rank"] = torch.distributed.get_rank(tp_group)
             ranks["tp_size"] = torch.distributed.get_world_size(tp_group)
-        with get_parallel().override(**ranks):
+        # SGLang's HiCacheFile takes its directory from this variable before the config
+        # (another cache of the process may have set it): this cache's is the one given
+        directory = envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir)
+        with get_parallel().override(**ranks), directory:
             cache.init_hicache(args, params)
     atexit.unregister(cache.shutdown)  # the caller releases it (a test builds hundreds)
     from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: PLC0415

@@ -23,7 +23,8 @@ of its cache:
 
 Each family runs on both tree cores (``python`` and ``rust``); ``storage`` adds an L3 tier
 (SGLang's ``HiCacheFile`` backend in a directory of its own per run), waiting for each
-backup and prefetch to end so that a run is the same run to run. What it does not cover:
+backup and each prefetch to end (SGLang's ``wait_complete`` prefetch policy) so that a run
+is the same run to run. What it does not cover:
 tensor parallelism (see ``kvlife audit ranks``), a GPU (the CUDA kernels and the pinned
 host pool), storage backends other than the file one.
 """
@@ -294,7 +295,7 @@ class _Run:
             self.result.requests += 1
             return False
         deadline = time.monotonic() + STORAGE_WAIT_S
-        while not cache.check_prefetch_progress(handle):
+        while not cache.check_prefetch_progress(handle):  # wait_complete: until all is in
             if time.monotonic() > deadline:
                 raise TimeoutError(f"a prefetch from storage did not end in {STORAGE_WAIT_S} s")
             self.poll()
@@ -411,6 +412,7 @@ def run_one(
         storage_dir=None if storage is None else str(storage),
     )
     hc.cache.prefetch_threshold = PAGE
+    hc.cache.prefetch_stop_policy = "wait_complete"  # a prefetch brings all it finds
     witness = f"SGLang UnifiedRadixCache ({family.name}, {core} core, seed {seed})"
     lens = attach(hc.cache, HiCacheLens(log, witness))
     run = _Run(hc, family, seed, result)
