@@ -8,8 +8,10 @@ Two sets, by who exposes the metrics:
   (``NAMESPACE_refusals_total{reason="stray_report"}``), and so is every overdue ticket
   (``reason="overdue"``), so each rule reads a labelled counter, never a log.
 * ``vllm``: kvlife's vLLM connector and the audit wrapper, in vLLM's ``/metrics`` (names
-  ``vllm:kvlife_...``, labels ``engine`` and ``model_name``): overdue tickets open, the
-  oldest open ticket's age, and kvlife's refused reports.
+  ``vllm:kvlife_...`` and ``vllm:kvlife_audit_...``, labels ``engine`` and ``model_name``):
+  each verdict (``verdicts_total{verdict=...}``), the audit sinks' losses and errors, the
+  overdue tickets open and the oldest open ticket's age; each rule reads both the
+  connector's and the wrapper's.
 
 Each alert says how many (its value), where (the labels that name the engine), and the
 first commands to run. Severities: ``page`` (someone should look now: the engine is losing

@@ -155,7 +155,8 @@ class HiCacheLens:
         self.witness = witness
         self.counts = LensCounts()
         self.closed = False
-        self._overdue_at = 0.0  # monotonic time of the next overdue look
+        #: ``monotonic()`` time from which the next poll's ``step()`` has work to do
+        self.step_due = 0.0
         self._nodes: dict[int, NodeCopy] = {}  # node id -> its live lifecycle's key
         # per ack queue, per node id: the copies an ack naming it would complete, oldest first
         self._pending: dict[AckQueue, dict[Hashable, deque[_Copy]]] = {
@@ -474,9 +475,9 @@ class HiCacheLens:
         and write the records out (a verdict is written out at once, and so is
         everything when the cache raises or closes)."""
         now = monotonic()
-        if now < self._overdue_at:
+        if now < self.step_due:
             return
-        self._overdue_at = now + _OVERDUE_EVERY_S
+        self.step_due = now + _OVERDUE_EVERY_S
         self._step_overdue()
         sink = self.sink
         if sink is not None and sink.waiting:

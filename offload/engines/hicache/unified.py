@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable
+from time import monotonic
 from typing import Any
 
 from kvlife.offload.engines.hicache.lens import AckQueue, HiCacheLens
@@ -262,18 +263,22 @@ def install(cache: Any, lens: HiCacheLens) -> None:
         if type(cache.ongoing_prefetch) is not _Prefetches:
             cache.ongoing_prefetch = _Prefetches(cache.ongoing_prefetch, lens)
 
-    def poll(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
+    def poll(original: Callable[[], Any]) -> Callable[[], Any]:
+        """``check_hicache_events`` (it takes no argument in this release): the common
+        poll, nothing due and nothing to refuse, costs one call and a clock read."""
+
+        def call() -> Any:
             if refuse:
                 refused(cc.ack_write_queue, "write")
                 refused(cc.ack_load_queue, "load")
             try:
-                return original(*args, **kwargs)
+                return original()
             except Exception as exc:
                 lens.raised("check_hicache_events", exc)
                 raise
             finally:
-                lens.step()
+                if monotonic() >= lens.step_due:  # most polls: nothing due, no call
+                    lens.step()
 
         return call
 
