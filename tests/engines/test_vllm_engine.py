@@ -36,6 +36,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
 
 from kvlife.fsm import AuditReader, check_audit, read_audit
+from kvlife.fsm.audit.checker import pid_alive
 from tests.engines.vllm_model import BLOCK, make_llm, make_model, prompts
 from tests.engines.vllm_server import free_port, stop, wait_healthy
 
@@ -716,6 +717,14 @@ def test_a_stopped_server_closes_its_log_and_a_killed_one_is_told_cut_short(
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=120)
             streams.join(timeout=120)
+            # the engine core (the log's writer) dies with its group, but a process that
+            # big takes a moment to be gone on a loaded machine: until then its log is open
+            writer = read_audit(audit).segments[0].header
+            assert writer is not None
+            deadline = time.monotonic() + 60
+            while pid_alive(writer.pid):
+                assert time.monotonic() < deadline, f"pid {writer.pid} outlived SIGKILL"
+                time.sleep(0.2)
     report = check_audit(AuditReader(audit))
     [ending] = report.endings
     assert ending.witness == ("KVLifeConnector" if wrapped else ""), ending
