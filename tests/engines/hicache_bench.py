@@ -82,14 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"HiCache lens cost, SGLang 0.5.23 on CPU, medians of {args.rounds} alternating rounds")
     print(f"{'core':6} {'call':22} {'alone us':>9} {'lens us':>9} {'ratio':>6}")
-    worst = 0.0
+    worst = {"hot": 0.0, "step": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
         for core in H.CORES:
             for name, (a, b) in measure(core, args.rounds, args.calls, Path(tmp)).items():
                 ratio = b / a
-                worst = max(worst, ratio)
+                kind = "step" if name == "workload step" else "hot"
+                worst[kind] = max(worst[kind], ratio)
                 print(f"{core:6} {name:22} {a:9.1f} {b:9.1f} {ratio:6.3f}")
-    print(f"worst ratio {worst:.3f} (the target: at most 1.05)")
+    print(
+        f"worst ratio on the hot calls {worst['hot']:.3f} (the target: at most 1.05); "
+        f"on a workload step {worst['step']:.3f}"
+    )
     return 0
 
 
