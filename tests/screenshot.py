@@ -12,46 +12,49 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import Page, sync_playwright
 
 
-def main(report: Path, out: Path, rid: str = "req-7") -> None:
+@contextmanager
+def _page() -> Iterator[Page]:
+    """A page of 1280x900 in headless Chromium (Debian's)."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         raise SystemExit("screenshot.py: no Chromium (apt-get install chromium)")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 900})
+        finally:
+            browser.close()
+
+
+def main(report: Path, out: Path, rid: str = "req-7") -> None:
+    with _page() as page:
         page.goto(report.resolve().as_uri())
         if rid == "--top":
             page.set_viewport_size({"width": 1280, "height": 560})
             page.screenshot(path=str(out))
-            browser.close()
             return
         page.fill("#rid-filter", rid)
         page.locator("#lifecycles tbody tr").first.click()
         page.evaluate("document.querySelector('#filters').scrollIntoView()")
         page.screenshot(path=str(out))
-        browser.close()
 
 
 def served(url: str, out: Path) -> None:
     """A served page as it shows once loaded, its collapsed groups opened."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        raise SystemExit("screenshot.py: no Chromium (apt-get install chromium)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
+    with _page() as page:
         page.goto(url)
         page.wait_for_load_state("networkidle")
         for toggle in page.locator(".alert-heading, .card-header, tr.alert-danger").all():
             toggle.click()
         page.wait_for_timeout(500)
         page.screenshot(path=str(out), full_page=True)
-        browser.close()
 
 
 if __name__ == "__main__":

@@ -199,6 +199,22 @@ def test_with_the_wrapper_vllm_schedules_exactly_as_with_the_connector_alone(
     assert report.lifecycles == report.released and report.reused_while_unreleased >= 0
 
 
+def _handed(scheduler: Any) -> list[dict[str, Any]]:
+    """The wrapper's own stats as vLLM's stats hook takes them, step by step (filled as
+    the scheduler runs)."""
+    handed: list[dict[str, Any]] = []
+    take = scheduler.connector.get_kv_connector_stats
+
+    def hook() -> Any:
+        stats = take()
+        if stats is not None:
+            handed.append(stats.data.get("kvlife") or {})
+        return stats
+
+    scheduler.connector.get_kv_connector_stats = hook
+    return handed
+
+
 @pytest.mark.parametrize("fault", ["repeat_sending", "never_delayed", "recv_no_load"])
 def test_a_stray_report_kills_vllm_and_the_log_names_the_rid(tmp_path: Path, fault: str) -> None:
     for alone in (True, False):  # the same fault kills vLLM's scheduler with or without kvlife
@@ -220,16 +236,7 @@ def test_a_stray_report_kills_vllm_and_the_log_names_the_rid(tmp_path: Path, fau
 def test_in_refuse_mode_a_stray_report_never_reaches_vllm(tmp_path: Path, fault: str) -> None:
     path = tmp_path / "a.jsonl"
     scheduler = _scheduler(_play_config(), path, mode="refuse", stats_interval_s=0)
-    handed: list[dict[str, Any]] = []  # the wrapper's own stats, as vLLM's hook takes them
-    take = scheduler.connector.get_kv_connector_stats
-
-    def hook() -> Any:
-        stats = take()
-        if stats is not None:
-            handed.append(stats.data.get("kvlife") or {})
-        return stats
-
-    scheduler.connector.get_kv_connector_stats = hook
+    handed = _handed(scheduler)
     play = Play(scheduler, seed=1, fault=fault)
     play.run(80)
     play.drain()
@@ -262,16 +269,7 @@ def test_a_delayed_free_never_reported_is_told_overdue_while_vllm_runs(tmp_path:
     path = tmp_path / "a.jsonl"
     extra = {"audit_overdue_s": 0.05, "stats_interval_s": 0}
     scheduler = _scheduler(_play_config(), path, **extra)
-    handed: list[dict[str, Any]] = []  # what vLLM's stats hook was given, step by step
-    take = scheduler.connector.get_kv_connector_stats
-
-    def hook() -> Any:
-        stats = take()
-        if stats is not None:
-            handed.append(stats.data.get("kvlife") or {})
-        return stats
-
-    scheduler.connector.get_kv_connector_stats = hook
+    handed = _handed(scheduler)
     play = Play(scheduler, seed=2, fault="never_reported")
     play.run(40)
     play.drain()

@@ -46,6 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvlife.offload.engines.exercise_cli import (
+    add_run_options,
+    listed,
+    progress_line,
+    run_counts_error,
+)
 from kvlife.offload.engines.hicache.cpu import CORES, PAGE, CpuCache, build
 
 #: polls after the workload for every copy to be acked
@@ -565,33 +571,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the CPU) through the schedules that break caches, with kvlife's lens on it, and "
         "check what a serving engine needs of it.",
     )
-    parser.add_argument(
-        "--families",
-        default=",".join(FAMILIES),
-        help=f"comma-separated, of {', '.join(FAMILIES)} (default: all)",
-    )
+    add_run_options(parser, FAMILIES)
     parser.add_argument("--cores", default=",".join(CORES), help="tree cores (default: both)")
-    parser.add_argument("--seeds", type=int, default=20, help="runs per family (default 20)")
-    parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--steps", type=int, default=120, help="workload steps a run (default 120)")
-    parser.add_argument("--out", default="kvlife-exercise", help="where failing runs' logs stay")
-    parser.add_argument("--json", action="store_true", help="the reports and runs as JSON")
     args = parser.parse_args(argv)
-    if args.seeds < 1 or args.steps < 1:
-        print("kvlife sglang exercise: --seeds and --steps must be at least 1", file=sys.stderr)
+    error = run_counts_error(args, "kvlife sglang exercise")
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
-    cores = [c.strip() for c in args.cores.split(",") if c.strip()]
-    out = Path(args.out)
-    redraw = sys.stderr.isatty()  # a log file gets one line a family, not the redraws
-
-    def progress(family: str, done: int, total: int) -> None:
-        if redraw:
-            print(f"\r{family}: {done}/{total} runs", end="", file=sys.stderr, flush=True)
-            if done == total:
-                print(file=sys.stderr)
-        elif done == total:
-            print(f"{family}: {total} runs", file=sys.stderr, flush=True)
+    families, cores, out = listed(args.families), listed(args.cores), Path(args.out)
+    progress = progress_line()
 
     with warnings.catch_warnings():  # SGLang's imports warn of quantizations needing CUDA
         warnings.simplefilter("ignore")

@@ -58,6 +58,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvlife.offload.engines.exercise_cli import (
+    add_run_options,
+    listed,
+    progress_line,
+    run_counts_error,
+)
 from kvlife.offload.engines.vllm.config import STOPPING
 
 BLOCK = 16
@@ -928,31 +934,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "config", help="the connector's kv_transfer_config as JSON, or @FILE holding it"
     )
-    parser.add_argument(
-        "--families",
-        default=",".join(FAMILIES),
-        help=f"comma-separated, of {', '.join(FAMILIES)} (default: all)",
-    )
-    parser.add_argument("--seeds", type=int, default=20, help="runs per family (default 20)")
-    parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--steps", type=int, default=120, help="workload steps a run (default 120)")
-    parser.add_argument("--out", default="kvlife-exercise", help="where failing runs' logs stay")
-    parser.add_argument("--json", action="store_true", help="the reports and runs as JSON")
+    add_run_options(parser, FAMILIES)
     args = parser.parse_args(argv)
-    if args.seeds < 1 or args.steps < 1:
-        print("kvlife vllm exercise: --seeds and --steps must be at least 1", file=sys.stderr)
+    error = run_counts_error(args, "kvlife vllm exercise")
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
-
-    redraw = sys.stderr.isatty()  # a log file gets one line a family, not the redraws
-
-    def progress(family: str, done: int, total: int) -> None:
-        if redraw:
-            print(f"\r{family}: {done}/{total} runs", end="", file=sys.stderr, flush=True)
-            if done == total:
-                print(file=sys.stderr)
-        elif done == total:
-            print(f"{family}: {total} runs", file=sys.stderr, flush=True)
+    families = listed(args.families)
+    progress = progress_line()
 
     import vllm.logger  # noqa: F401, PLC0415  (vLLM sets its loggers up when imported)
 
