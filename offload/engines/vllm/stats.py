@@ -73,7 +73,7 @@ def verdict_growth(refusals: Mapping[str, int], reported: dict[str, int]) -> dic
 def audit_growth(registry: LifecycleRegistry, reported: list[int]) -> dict[str, int]:
     """The audit counters' growth since ``reported`` ([lost, errors], brought up to
     date), over every sink of ``registry``; only the counters that grew."""
-    sinks = registry.statistics().sinks
+    sinks = registry.sink_statistics()
     lost = sum(s.dropped for s in sinks)
     errors = sum(s.errors for s in sinks)
     grown = {}
