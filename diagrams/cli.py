@@ -32,6 +32,7 @@ LOG is read with its rotated backups (``LOG.N ... LOG.1 LOG``), in one streaming
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -388,23 +389,27 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.which is None:
         sys.stderr.write(usage_of.format_help())
         return 2
-    if args.command == "vllm":
-        return _vllm(args)
-    if args.command == "sglang":
-        return _sglang(args)
+    if args.command in ("vllm", "sglang"):
+        needs, module = {
+            "vllm": ("vLLM", "kvlife.offload.engines.vllm.exercise"),
+            "sglang": ("SGLang", "kvlife.offload.engines.hicache.exercise"),
+        }[args.command]
+        return _exercise(args, args.command, needs, module)
     return _bench(args)
 
 
-def _vllm(args: argparse.Namespace) -> int:
-    """``kvlife vllm exercise ...``: vLLM's scheduler, in the environment vLLM runs in."""
+def _exercise(args: argparse.Namespace, engine: str, needs: str, module: str) -> int:
+    """``kvlife ENGINE exercise ...``: the tool in ``module``, in the environment the
+    engine runs in (the package ``engine`` must import; ``needs`` names it when not)."""
     try:
-        from kvlife.offload.engines.vllm import exercise
+        importlib.import_module(engine)
+        tool = importlib.import_module(module)
     except ImportError as exc:
         raise UsageError(
-            f"kvlife vllm {args.which}: needs vLLM in this environment "
-            f"(pip install 'kvlife[vllm]'): {exc}"
+            f"kvlife {engine} {args.which}: needs {needs} in this environment "
+            f"(pip install 'kvlife[{engine}]'): {exc}"
         ) from exc
-    status: int = exercise.main(args.args)
+    status: int = tool.main(args.args)
     return status
 
 
@@ -418,21 +423,6 @@ def _rules(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     sys.stdout.write(rules_yaml(rules))
     return 0
-
-
-def _sglang(args: argparse.Namespace) -> int:
-    """``kvlife sglang exercise ...``: SGLang's cache, in the environment SGLang runs in."""
-    from kvlife.offload.engines.hicache import exercise  # imports no engine at the top
-
-    try:
-        import sglang  # noqa: F401
-    except ImportError as exc:
-        raise UsageError(
-            f"kvlife sglang {args.which}: needs SGLang in this environment "
-            f"(pip install 'kvlife[sglang]'): {exc}"
-        ) from exc
-    status: int = exercise.main(args.args)
-    return status
 
 
 def _write_file(path: str, data: bytes) -> None:

@@ -365,14 +365,17 @@ def test_a_bare_command_prints_its_usage(
         assert "exercise" in err
 
 
-def test_vllm_exercise_without_vllm_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """In an environment without vLLM (this one: its tests run in vLLM's own, make
-    test-vllm) the command names what it needs."""
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here: tests/engines/test_vllm_exercise.py runs it")
-    assert main(["vllm", "exercise", "{}"]) == 2
+@pytest.mark.parametrize(("engine", "name"), [("vllm", "vLLM"), ("sglang", "SGLang")])
+def test_an_exercise_without_its_engine_says_so_in_one_line(
+    engine: str, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In an environment without the engine (this one: their tests run in the engines'
+    own, make test-vllm, make test-sglang) the command names what it needs."""
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{name} is installed here: its exercise's tests run it")
+    assert main([engine, "exercise", "{}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs vLLM in this environment" in err, err
+    assert err.count("\n") == 1 and f"needs {name} in this environment" in err, err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

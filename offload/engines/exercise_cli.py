@@ -5,8 +5,12 @@ the progress line on stderr. Imports no engine."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 
 def add_run_options(parser: argparse.ArgumentParser, families: Iterable[str]) -> None:
@@ -53,4 +57,43 @@ def progress_line(redraw: bool | None = None) -> Callable[[str, int, int], None]
     return progress
 
 
-__all__ = ["add_run_options", "listed", "progress_line", "run_counts_error"]
+class _Report(Protocol):
+    def lines(self) -> list[str]: ...
+
+
+class _Run(Protocol):
+    @property
+    def failed(self) -> bool: ...
+
+
+def print_reports(
+    reports: Sequence[_Report],
+    runs: Sequence[_Run],
+    title: str,
+    *,
+    as_json: bool,
+    head: dict[str, Any] | None = None,
+    out: Path | None = None,
+) -> int:
+    """Print the families' reports (``title`` first, then each family's lines, then where
+    the failing runs' logs are when ``out`` is given), or with ``as_json`` one JSON
+    object (``head``'s keys, ``families``, ``runs`` with their ``failed``); both are
+    dataclasses. Returns the exit status: 1 when a run failed, else 0."""
+    failed = any(r.failed for r in runs)
+    if as_json:
+        body = {
+            **(head or {}),
+            "families": [dataclasses.asdict(r) for r in reports],  # type: ignore[call-overload]
+            "runs": [dataclasses.asdict(r) | {"failed": r.failed} for r in runs],  # type: ignore[call-overload]
+        }
+        print(json.dumps(body, indent=1))
+    else:
+        print(title)
+        for report in reports:
+            print("\n".join(report.lines()))
+        if failed and out is not None:
+            print(f"the failing runs' logs are in {out}")
+    return 1 if failed else 0
+
+
+__all__ = ["add_run_options", "listed", "print_reports", "progress_line", "run_counts_error"]

@@ -83,6 +83,18 @@ def loading(hc: H.HiCache) -> Any:
     return hc.cache.cache_controller.ack_load_queue[-1]
 
 
+def acks_waiting(hc: H.HiCache, queue: str) -> Any:
+    """A write of ``TOKENS`` (``queue="write"``) or a load-back of it (``"load"``)
+    submitted and not polled: the controller's ack queue its ack waits in."""
+    cc = hc.cache.cache_controller
+    if queue == "write":
+        hc.insert(TOKENS)
+        cc.start_writing()
+        return cc.ack_write_queue
+    loading(hc)
+    return cc.ack_load_queue
+
+
 CORES = pytest.mark.parametrize("core", H.CORES)
 
 
@@ -93,13 +105,7 @@ CORES = pytest.mark.parametrize("core", H.CORES)
 @pytest.mark.parametrize("queue", ["write", "load"])
 def test_without_kvlife_a_duplicate_ack_kills_the_poll(core: str, queue: str) -> None:
     hc = H.build(core)
-    if queue == "write":
-        hc.insert(TOKENS)
-        hc.cache.cache_controller.start_writing()
-        q = hc.cache.cache_controller.ack_write_queue
-    else:
-        loading(hc)
-        q = hc.cache.cache_controller.ack_load_queue
+    q = acks_waiting(hc, queue)
     q.append(q[-1])
     with pytest.raises(KeyError):
         hc.cache.check_hicache_events()
@@ -112,13 +118,7 @@ def test_a_duplicate_ack_is_a_stray_report_and_refuse_mode_keeps_the_cache_alive
 ) -> None:
     for mode in ("observe", "refuse"):
         hc, lens, path = lensed(tmp_path / mode, core, mode=mode)
-        if queue == "write":
-            hc.insert(TOKENS)
-            hc.cache.cache_controller.start_writing()
-            q = hc.cache.cache_controller.ack_write_queue
-        else:
-            loading(hc)
-            q = hc.cache.cache_controller.ack_load_queue
+        q = acks_waiting(hc, queue)
         q.append(q[-1])
         if mode == "observe":
             with pytest.raises(KeyError):

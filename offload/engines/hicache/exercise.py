@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import shutil
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 from kvlife.offload.engines.exercise_cli import (
     add_run_options,
     listed,
+    print_reports,
     progress_line,
     run_counts_error,
 )
@@ -166,16 +166,14 @@ class _Request:
 STORAGE_WAIT_S = 5.0
 
 
-@dataclass
-class RunResult:
-    """One run: what it did and what went wrong (``failed`` when anything did)."""
+@dataclass(kw_only=True)
+class Did:
+    """What runs did, for the report (a run's, or a family's summed by
+    [`count()`][kvlife.offload.engines.hicache.exercise.Did.count])."""
 
-    family: str
-    core: str
-    seed: int
-    log: str
     requests: int = 0
     aborts: int = 0
+    #: copies started, by ticket kind
     copies: dict[str, int] = field(default_factory=dict)
     splits: int = 0
     host_frees: int = 0
@@ -183,6 +181,26 @@ class RunResult:
     prefetches: int = 0
     #: tokens prefetches brought from storage into host memory
     prefetched: int = 0
+
+    def count(self, other: Did) -> None:
+        """Add what ``other`` did."""
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for kind, n in other.copies.items():
+            self.copies[kind] = self.copies.get(kind, 0) + n
+
+
+_SUMMED = tuple(f.name for f in dataclasses.fields(Did) if f.name != "copies")
+
+
+@dataclass
+class RunResult(Did):
+    """One run: what it did and what went wrong (``failed`` when anything did)."""
+
+    family: str
+    core: str
+    seed: int
+    log: str
     #: ``Type: message`` of an exception, and its innermost frame
     raised: str = ""
     raised_at: str = ""
@@ -447,7 +465,7 @@ def run_one(
 
 
 @dataclass
-class FamilyReport:
+class FamilyReport(Did):
     """A family's runs on one tree core, summed up: each kind of failure with how often
     and the first seed that shows it."""
 
@@ -456,28 +474,12 @@ class FamilyReport:
     what: str
     runs: int = 0
     failed: int = 0
-    requests: int = 0
-    aborts: int = 0
-    copies: dict[str, int] = field(default_factory=dict)
-    splits: int = 0
-    host_frees: int = 0
-    writes_without_pages: int = 0
-    prefetches: int = 0
-    prefetched: int = 0
     #: what went wrong -> (runs, the first seed, what it said)
     failures: dict[str, tuple[int, int, str]] = field(default_factory=dict)
 
     def add(self, run: RunResult) -> None:
         self.runs += 1
-        self.requests += run.requests
-        self.aborts += run.aborts
-        self.splits += run.splits
-        self.host_frees += run.host_frees
-        self.writes_without_pages += run.writes_without_pages
-        self.prefetches += run.prefetches
-        self.prefetched += run.prefetched
-        for kind, n in run.copies.items():
-            self.copies[kind] = self.copies.get(kind, 0) + n
+        self.count(run)
         if not run.failed:
             return
         self.failed += 1
@@ -592,23 +594,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExerciseError as exc:
         print(f"kvlife sglang exercise: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        body = {
-            "families": [dataclasses.asdict(r) for r in reports],
-            "runs": [dataclasses.asdict(r) | {"failed": r.failed} for r in runs],
-        }
-        print(json.dumps(body, indent=1))
-    else:
-        print(f"kvlife sglang exercise: SGLang's HiCache on the CPU, {args.steps} steps a run")
-        for report in reports:
-            print("\n".join(report.lines()))
-        if any(r.failed for r in runs):
-            print(f"the failing runs' logs are in {out}")
-    return 1 if any(r.failed for r in runs) else 0
+    title = f"kvlife sglang exercise: SGLang's HiCache on the CPU, {args.steps} steps a run"
+    return print_reports(reports, runs, title, as_json=args.json, out=out)
 
 
 __all__ = [
     "FAMILIES",
+    "Did",
     "ExerciseError",
     "Family",
     "FamilyReport",

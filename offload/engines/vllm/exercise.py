@@ -61,6 +61,7 @@ from typing import Any, Protocol
 from kvlife.offload.engines.exercise_cli import (
     add_run_options,
     listed,
+    print_reports,
     progress_line,
     run_counts_error,
 )
@@ -961,18 +962,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExerciseConfigError as exc:
         print(f"kvlife vllm exercise: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        body = {
-            "connector": transfer.get("kv_connector"),
-            "families": [dataclasses.asdict(r) for r in reports],
-            "runs": [dataclasses.asdict(r) | {"failed": r.failed} for r in runs],
-        }
-        print(json.dumps(body, indent=1))
-    else:
-        print(f"kvlife vllm exercise: {transfer['kv_connector']}, {args.steps} steps a run")
-        for report in reports:
-            print("\n".join(report.lines()))
-    return 1 if any(r.failed for r in runs) else 0
+    title = f"kvlife vllm exercise: {transfer['kv_connector']}, {args.steps} steps a run"
+    return print_reports(
+        reports, runs, title, as_json=args.json, head={"connector": transfer.get("kv_connector")}
+    )
 
 
 __all__ = [
