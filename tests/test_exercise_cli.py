@@ -4,12 +4,16 @@ share (``kvlife vllm exercise``, ``kvlife sglang exercise``)."""
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from kvlife.offload.engines.exercise_cli import (
     add_run_options,
     listed,
+    print_reports,
     progress_line,
     run_counts_error,
 )
@@ -36,3 +40,38 @@ def test_progress_redraws_only_on_a_terminal(capsys: pytest.CaptureFixture[str])
     for done in (1, 2):
         on_a_terminal("hold", done, 2)
     assert capsys.readouterr().err == "\rhold: 1/2 runs\rhold: 2/2 runs\n"
+
+
+@dataclass
+class _Report:
+    family: str
+    failed: int
+
+    def lines(self) -> list[str]:
+        return [f"{self.family}: {self.failed} failed"]
+
+
+@dataclass
+class _Run:
+    seed: int
+    failed: bool
+
+
+def test_reports_print_as_text_or_json_and_the_status_says_whether_a_run_failed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    clean = print_reports([_Report("basic", 0)], [_Run(0, False)], "title", as_json=False)
+    assert clean == 0 and capsys.readouterr().out == "title\nbasic: 0 failed\n"
+    failed = print_reports(
+        [_Report("hold", 1)], [_Run(0, False), _Run(1, True)], "t", as_json=False, out=tmp_path
+    )
+    assert failed == 1 and f"the failing runs' logs are in {tmp_path}" in capsys.readouterr().out
+    as_json = print_reports(
+        [_Report("hold", 1)], [_Run(1, True)], "t", as_json=True, head={"connector": "X"}
+    )
+    body = json.loads(capsys.readouterr().out)
+    assert as_json == 1 and body == {
+        "connector": "X",
+        "families": [{"family": "hold", "failed": 1}],
+        "runs": [{"seed": 1, "failed": True}],
+    }
