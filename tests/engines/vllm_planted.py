@@ -39,7 +39,9 @@ class PlantedMeta(KVConnectorMetadata):
 class Planted(KVConnectorBase_V1):
     """The correct connector."""
 
-    _ranks: ClassVar[dict[int, int]] = {}  # a config's id -> workers made with it
+    # a config's id -> (the config, workers made with it): the config is kept so that its
+    # id is never another config's (a freed config's id, reused, made a lone worker rank 1)
+    _ranks: ClassVar[dict[int, tuple[Any, int]]] = {}
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -54,8 +56,9 @@ class Planted(KVConnectorBase_V1):
         self.owed: tuple[set[str], set[str]] = (set(), set())
         self.rank = 0
         if role == KVConnectorRole.WORKER:
-            self.rank = self._ranks.get(id(vllm_config), 0)
-            self._ranks[id(vllm_config)] = self.rank + 1
+            seen, made = self._ranks.get(id(vllm_config), (None, 0))
+            self.rank = made if seen is vllm_config else 0
+            self._ranks[id(vllm_config)] = (vllm_config, self.rank + 1)
 
     # scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
