@@ -11,6 +11,7 @@ Subcommands::
     kvlife audit report LOG -o FILE.html [--accept-table D]
     kvlife audit timeline LOG -o FILE.png|svg [--rid RID ...] [--max-rows N]
     kvlife audit ranks LOG LOG [LOG ...] [--json]
+    kvlife audit watch LOG [LOG ...] [--port P] [--host H] [--interval S] [--settle S] [--once]
     kvlife bench fsm [...]   kvlife bench offload [...]   kvlife bench audit [...]
     kvlife vllm exercise CONFIG [...]   (in vLLM's environment)
     kvlife sglang exercise [...]        (in SGLang's environment)
@@ -37,6 +38,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -193,6 +195,48 @@ def _parser() -> _Parser:
         "rank_logs", nargs="+", metavar="LOG", help="rank 0's log, rank 1's, ... (two or more)"
     )
     ranks.add_argument("--json", action="store_true", help="machine-readable output")
+    watch = audit_sub.add_parser(
+        "watch",
+        help="check logs while they are written; serve the verdicts to Prometheus",
+        description="Follow LOG(s) as their writers append to them and rotate them (a "
+        "directory: every *.jsonl log in it, those that appear later too), check them as "
+        "audit check does, join the prefill/decode hand-overs of all of them, print each "
+        "verdict as it is found and, with --port, serve the counts by log and kind on "
+        "/metrics (kvlife metrics rules --for watch pages on them). Runs until stopped.",
+    )
+    watch.add_argument("log", nargs="+", metavar="LOG", help=_LOG_HELP)
+    watch.add_argument(
+        "--port", type=int_in(0, 65535, "a port (0-65535)"), help="serve /metrics on this port"
+    )
+    watch.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
+    watch.add_argument(
+        "--interval",
+        type=_seconds(0.01, 3600),
+        default=1.0,
+        metavar="S",
+        help="read the logs every S seconds (default 1)",
+    )
+    watch.add_argument(
+        "--settle",
+        type=_seconds(0, 3600),
+        default=None,
+        metavar="S",
+        help="a hand-over verdict must hold S seconds before it counts (default 2)",
+    )
+    watch.add_argument(
+        "--namespace", default="kvlife", help="metric names start NAMESPACE_watch_ (kvlife)"
+    )
+    watch.add_argument(
+        "--once",
+        action="store_true",
+        help="read what the logs hold, print the verdicts and exit (1 when any)",
+    )
+    watch.add_argument(
+        "--overdue-fails",
+        action="store_true",
+        help="every ticket written as overdue is a violation, even one that completed later",
+    )
+    _accept_table(watch, "replay segments written")
 
     bench = sub.add_parser(
         "bench",
@@ -225,10 +269,13 @@ def _parser() -> _Parser:
         "rules",
         help="print the alerting and recording rules (YAML)",
         description="Print kvlife's Prometheus rules: --for library (PrometheusMetrics on "
-        "your registry; --prefix is its namespace, default kvlife) or --for vllm (kvlife's "
-        "connector and the audit wrapper in vLLM's /metrics; --prefix default vllm:kvlife_).",
+        "your registry; --prefix is its namespace, default kvlife), --for vllm (kvlife's "
+        "connector and the audit wrapper in vLLM's /metrics; --prefix default vllm:kvlife_) "
+        "or --for watch (kvlife audit watch; --prefix is its --namespace, default kvlife).",
     )
-    rules.add_argument("--for", dest="flavour", choices=["library", "vllm"], default="library")
+    rules.add_argument(
+        "--for", dest="flavour", choices=["library", "vllm", "watch"], default="library"
+    )
     rules.add_argument("--prefix", help="the metric name prefix (see above)")
     rules.add_argument(
         "--timescale",
@@ -248,7 +295,7 @@ def _parser() -> _Parser:
     sglang.add_argument("args", nargs=argparse.REMAINDER, help="passed to the tool")
     parser.set_defaults(usage_of=parser)
     commands = (demo, diagram, audit, bench, vllm, sglang, check, stats, why, report, timeline)
-    for command in (*commands, ranks, metrics, rules):
+    for command in (*commands, ranks, watch, metrics, rules):
         command.set_defaults(usage_of=command)
     return parser
 
@@ -315,6 +362,23 @@ def _segment(text: str) -> str:
             f"expected a segment index (0, 1, ...) or a segment id (hex), got {text!r}"
         )
     return text
+
+
+def _seconds(low: float, high: float) -> Callable[[str], float]:
+    """An argparse ``type``: seconds in [low, high]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected seconds between {low:g} and {high:g}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 _seed = int_in(0, 2**63 - 1, "a seed between 0 and 2**63 - 1")  # what torch takes
@@ -761,9 +825,68 @@ def _report(args: argparse.Namespace) -> int:
     return _say_verdict(args, args.log, data.report, readers[-1])
 
 
+def _watch(args: argparse.Namespace) -> int:
+    """``kvlife audit watch``: follow the logs, print each verdict, serve the counts."""
+    from kvlife.fsm.audit.watch import SETTLE_S, AuditWatch, WatchCollector
+
+    for path in map(Path, args.logs):
+        if not path.exists() and not path.parent.is_dir():
+            raise UsageError(f"kvlife audit watch: {path}: no such file or directory")
+    settle = args.settle if args.settle is not None else (0.0 if args.once else SETTLE_S)
+    watch = AuditWatch(
+        args.logs,
+        overdue_fails=args.overdue_fails,
+        accept_tables=args.accept_table,
+        settle_s=settle,
+    )
+    collector = WatchCollector(watch, args.namespace)
+    found = 0
+
+    def poll() -> None:
+        nonlocal found
+        for verdict in watch.poll():
+            found += 1
+            print(f"kvlife audit watch: {verdict.line()}", flush=True)
+        for log in watch.logs.values():
+            if log.failed is not None and log.label not in failed:
+                failed.add(log.label)
+                print(f"kvlife audit watch: not following {log.label}: {log.failed}", flush=True)
+        collector.publish()
+
+    failed: set[str] = set()
+    try:
+        poll()
+        if args.once:
+            return 1 if found or failed else 0
+        if args.port is not None:
+            try:
+                from prometheus_client import CollectorRegistry, start_http_server
+            except ImportError as exc:
+                raise UsageError(
+                    "kvlife audit watch --port: needs prometheus_client "
+                    f"(pip install 'kvlife[metrics]'): {exc}"
+                ) from exc
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(collector)
+            server, _ = start_http_server(args.port, args.host, registry)
+            port = server.server_address[1]
+            print(
+                f"kvlife audit watch: {len(watch.logs)} log(s) followed; metrics on "
+                f"http://{args.host}:{port}/metrics",
+                flush=True,
+            )
+        while True:
+            time.sleep(args.interval)
+            poll()
+    finally:
+        watch.close()
+
+
 def _audit(args: argparse.Namespace) -> int:
     if args.audit_command == "ranks":
         return _ranks(args)
+    if args.audit_command == "watch":
+        return _watch(args)
     if args.audit_command == "why":
         return _why(args)
     if args.audit_command == "report":

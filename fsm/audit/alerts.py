@@ -12,6 +12,10 @@ Two sets, by who exposes the metrics:
   each verdict (``verdicts_total{verdict=...}``), the audit sinks' losses and errors, the
   overdue tickets open and the oldest open ticket's age; each rule reads both the
   connector's and the wrapper's.
+* ``watch``: ``kvlife audit watch`` (names ``NAMESPACE_watch_...``, label ``log``), which
+  follows the logs of several servers at once and counts what only their join shows: a
+  prefill/decode hand-over freed before its read, or read from other blocks than were
+  handed over; and any violation of the transition table a log shows.
 
 Each alert says how many (its value), where (the labels that name the engine), and the
 first commands to run. Severities: ``page`` (someone should look now: the engine is losing
@@ -29,8 +33,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-Flavour = Literal["library", "vllm"]
-FLAVOURS: Final[tuple[Flavour, ...]] = ("library", "vllm")
+Flavour = Literal["library", "vllm", "watch"]
+FLAVOURS: Final[tuple[Flavour, ...]] = ("library", "vllm", "watch")
 
 #: Verdicts that mean memory is being lost or wrong data served: page.
 PAGE_VERDICTS: Final = ("connector_raised", "host_freed_in_flight", "failed_write_backed")
@@ -306,12 +310,100 @@ def _vllm(prefix: str, scale: float) -> RuleSet:
     return rules
 
 
+#: What the watch counts that its own hand-over alerts, or the engines' own counters (the
+#: vLLM and library sets' alerts), already page on: left out of ``KvlifeLogViolation``.
+_ALERTED_ELSEWHERE: Final = (
+    "freed_before_read",
+    "handover_mismatch",
+    *PAGE_VERDICTS,
+    *TICKET_VERDICTS,
+    "event_mismatch",
+    "overdue",
+    "unreported",
+    "leaked",
+)
+
+
+def _watch(ns: str, scale: float) -> RuleSet:
+    """``kvlife audit watch``'s counters (``NS_watch_...``, by ``log`` and ``kind``)."""
+    names = _Names(
+        by="instance, log",
+        label="kind",
+        recording=f"{ns}:watch_violations:increase10m",
+        verdicts=(f"{ns}_watch_violations_total",),
+        age=(),
+        age_bound_s=0,
+        lost=(f"{ns}_watch_records_lost_total",),
+        errors=(f"{ns}_watch_unreadable_lines_total",),
+        scale=scale,
+    )
+    why = (
+        "The watch's output names the rid (VIOLATION KIND in LOG rid=...). First: `kvlife "
+        "audit check PREFILL_LOG DECODE_LOG` (both servers' logs, or the directory that "
+        "holds them), then `kvlife audit why LOGS --rid RID`, which tells the request on "
+        "both servers."
+    )
+    elsewhere = _one_of(_ALERTED_ELSEWHERE)
+    rules = RuleSet("watch", ns)
+    rules.recordings = [_recorded(names)]
+    rules.alerts = [
+        Alert(
+            "KvlifeHandoverFreedBeforeRead",
+            f"{_verdicts(names, 'freed_before_read')} > 0",
+            "0m",
+            "page",
+            "{{ $value | humanize }} request(s) read by the decode server of "
+            "{{ $labels.log }} from blocks the prefill server had freed",
+            "A prefill server freed a handed-over request's blocks (its lease or timeout "
+            "ended) before the decode server began to read them: the decode server read "
+            "blocks that may hold another request's KV by then, and its answer may be "
+            "wrong. Lengthen the prefill side's lease (NixlConnector's kv_lease_duration) "
+            f"or find why the decode side came late. {why}",
+        ),
+        Alert(
+            "KvlifeHandoverMismatch",
+            f"{_verdicts(names, 'handover_mismatch')} > 0",
+            "0m",
+            "page",
+            "{{ $value | humanize }} request(s) on {{ $labels.log }} read other blocks than "
+            "were handed over",
+            "The decode server read other blocks than the prefill server handed over under "
+            "that request's identity (a proxy that mixed up two requests' kv_transfer_params): "
+            f"its answer is built on another request's KV. {why}",
+        ),
+        Alert(
+            "KvlifeLogViolation",
+            f'sum by (instance, log, kind) ({names.recording}{{kind!~"{elsewhere}"}}) > 0',
+            "0m",
+            "ticket",
+            "{{ $value | humanize }} {{ $labels.kind }} violation(s) in {{ $labels.log }}",
+            "The log shows a transition the lifecycle table does not allow, or records "
+            "missing that no sink reported lost: kvlife's own bookkeeping or the log itself "
+            "is wrong (report it to kvlife's developers with the log). " + why,
+        ),
+        Alert(
+            "KvlifeWatchIncomplete",
+            f"{names.sums(names.lost)} > 0 or {names.sums(names.errors)} > 0 or "
+            f"max by ({names.by}) ({ns}_watch_log_failed) > 0",
+            names.d(5),
+            "ticket",
+            "The watch cannot read all of {{ $labels.log }}",
+            "The log's writer reported records lost, or lines are not records, or the file "
+            "is not a kvlife audit log (or was written with another transition table): "
+            "the watch's verdicts on it may be incomplete. `kvlife audit check LOG` says "
+            "which.",
+        ),
+    ]
+    return rules
+
+
 def rule_set(
     flavour: Flavour = "library", prefix: str | None = None, *, timescale: float = 1.0
 ) -> RuleSet:
     """The rules of ``flavour`` for metric names starting with ``prefix`` (``library``: the
     namespace given to ``PrometheusMetrics``, default ``kvlife``; ``vllm``: the connector's
-    metric prefix, default ``vllm:kvlife_``). ``timescale`` multiplies every duration and
+    metric prefix, default ``vllm:kvlife_``; ``watch``: ``kvlife audit watch``'s
+    namespace, default ``kvlife``). ``timescale`` multiplies every duration and
     age bound (the ``for:`` times, the windows, the leak's age): 1 in production; a test
     or a demo runs the same rules on a faster clock.
 
@@ -324,13 +416,15 @@ def rule_set(
     if flavour not in FLAVOURS:
         raise ValueError(f"kvlife: rules are for {FLAVOURS}, got {flavour!r}")
     if prefix is None:
-        prefix = "kvlife" if flavour == "library" else "vllm:kvlife_"
+        prefix = "vllm:kvlife_" if flavour == "vllm" else "kvlife"
     if not _METRIC_PREFIX.fullmatch(prefix):
         raise ValueError(
             f"kvlife: {prefix!r} cannot begin a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*)"
         )
     if flavour == "library":
         return _library(prefix, float(timescale))
+    if flavour == "watch":
+        return _watch(prefix, float(timescale))
     return _vllm(prefix, float(timescale))
 
 

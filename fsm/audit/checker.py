@@ -358,6 +358,8 @@ class AuditReport:
     released: int = 0
     violations: list[Violation] = field(default_factory=list)
     violation_count: int = 0
+    #: Every violation by kind (not only those kept in ``violations``).
+    violation_kinds: dict[str, int] = field(default_factory=dict)
     lost: list[LostRecords] = field(default_factory=list)
     lost_records: int = 0
     live: list[InstanceSummary] = field(default_factory=list)
@@ -574,6 +576,12 @@ class AuditChecker:
             completed later.
         alive: whether a writer's pid runs (tells a segment still being written from
             one cut short); ``kill(pid, 0)`` on this machine by default.
+        join: the hand-over join to feed (one shared by the checkers of several logs
+            followed at once); a join of its own by default.
+
+    ``report.violation_kinds`` counts every violation found so far by kind (the list
+    keeps the first [`MAX_VIOLATIONS`][kvlife.fsm.audit.checker.MAX_VIOLATIONS]): what a
+    tool that checks a log while it is written reads between events.
     """
 
     def __init__(
@@ -584,6 +592,7 @@ class AuditChecker:
         keep_instances: bool = False,
         overdue_fails: bool = False,
         alive: Callable[[int], bool] = pid_alive,
+        join: HandoverJoin | None = None,
     ) -> None:
         self._alive = alive
         self.expect_released = expect_released
@@ -594,7 +603,7 @@ class AuditChecker:
         self._segment: _SegmentState | None = None
         self._rid_live: dict[str | None, list[int]] = {}  # rid -> its unreleased serials
         self._live_total = 0
-        self._join = HandoverJoin()
+        self._join = join if join is not None else HandoverJoin()
         self._joined = False
 
     # ------------------------------------------------------------------ events
@@ -652,6 +661,7 @@ class AuditChecker:
     ) -> None:
         report = self.report
         report.violation_count += 1
+        report.violation_kinds[kind] = report.violation_kinds.get(kind, 0) + 1
         if len(report.violations) < MAX_VIOLATIONS:
             index = segment
             if index is None:
@@ -778,7 +788,10 @@ class AuditChecker:
         elif trigger == "ack" or trigger == "fail":  # noqa: PLR1714 - two literals, hot loop
             self._completion(seg, inst, r, serial)
         if r.detail or self._join.open:  # a transfer identity, or a completion of one
-            self._join.record(r)
+            join = self._join
+            if join.at != (seg.file, seg.index):  # another checker fed it last
+                join.segment(seg.header, seg.file, seg.index)
+            join.record(r)
         inst.state = r.dst or inst.state
         inst.inflight = r.inflight
         inst.transitions += 1
@@ -787,7 +800,10 @@ class AuditChecker:
 
     def _overdue(self, seg: _SegmentState, r: AuditRecord) -> None:
         self.report.overdue += 1
-        self._join.overdue(r)
+        join = self._join
+        if join.at != (seg.file, seg.index):
+            join.segment(seg.header, seg.file, seg.index)
+        join.overdue(r)
         detail = r.detail
         message = (
             f"{detail.get('kind', 'ticket')} (copy {r.op}) open {detail.get('age_s', '?')} s, "

@@ -152,25 +152,48 @@ class HandoverJoin:
     """Joins the prefill and decode sides of handed-over requests across logs: fed the
     records of every segment (``segment()`` at each segment's start, ``record()`` for
     each accepted record), then ``finish()``. Keeps one small side per handed-over
-    request (at most [`MAX_HANDOVERS`][kvlife.fsm.audit.handover.MAX_HANDOVERS])."""
+    request (at most [`MAX_HANDOVERS`][kvlife.fsm.audit.handover.MAX_HANDOVERS]).
 
-    def __init__(self) -> None:
+    A segment is known by the file it began in and its index, so several checkers (one
+    per log followed, as ``kvlife audit watch`` runs them) can feed one join, each calling
+    ``segment()`` again before it feeds records of its own segment. With
+    ``track_changes``, ``changed()`` names the identities whose sides changed since it was
+    last called, and ``finish(keys)`` judges only those: a join that is judged while the
+    logs are still being written."""
+
+    def __init__(self, *, track_changes: bool = False) -> None:
         self._base: Clock = (0.0, 0)
         self._file = ""
         self._index = 0
+        #: The segment being fed: (the file it began in, its index).
+        self.at: tuple[str, int] = ("", 0)
         self.prefill: dict[tuple[str, str], list[HandoverSide]] = {}
         self.decode: dict[tuple[str, str], list[HandoverSide]] = {}
-        self._by_serial: dict[tuple[int, int], HandoverSide] = {}  # (segment, serial)
-        #: The tickets of sides still open, by (segment, copy number).
-        self.open: dict[tuple[int, int], HandoverSide] = {}
+        self._by_serial: dict[tuple[str, int, int], HandoverSide] = {}  # segment, serial
+        #: The tickets of sides still open, by (segment's file, segment, copy number).
+        self.open: dict[tuple[str, int, int], HandoverSide] = {}
         self.sides = 0
         self.dropped = 0
+        self._track = track_changes
+        self._changed: set[tuple[str, str]] = set()
 
-    def segment(self, header: AuditHeader, file: str, index: int) -> None:
-        """Segment ``index`` begins (read from ``file``): its clock anchor."""
-        self._base = anchor(header)
+    def segment(self, header: AuditHeader | None, file: str, index: int) -> None:
+        """Segment ``index`` begins (read from ``file``), or is fed again: its clock
+        anchor (none for bare records without a header)."""
+        self._base = anchor(header) if header is not None else (0.0, 0)
         self._file = file
         self._index = index
+        self.at = (file, index)
+
+    def changed(self) -> set[tuple[str, str]]:
+        """The (engine, id) of the hand-overs whose sides changed since the last call
+        (with ``track_changes``; else always empty)."""
+        keys, self._changed = self._changed, set()
+        return keys
+
+    def _touch(self, side: HandoverSide) -> None:
+        if self._track:
+            self._changed.add((side.engine, side.key_rid))
 
     def record(self, r: AuditRecord) -> None:
         """Take an accepted record (only those with a transfer identity, and the
@@ -178,8 +201,9 @@ class HandoverJoin:
         trigger = r.trigger
         if trigger == "ack" or trigger == "fail":  # noqa: PLR1714
             if self.open and r.op is not None:
-                side = self.open.pop((self._index, r.op), None)
+                side = self.open.pop((self._file, self._index, r.op), None)
                 if side is not None:
+                    self._touch(side)
                     side.closed = wall(r.t_ns, self._base)
                     side.closed_ok = trigger == "ack"
                     detail = r.detail
@@ -202,20 +226,22 @@ class HandoverJoin:
             side.op = r.op
             side.seq = r.seq
             if r.op is not None:
-                self.open[(self._index, r.op)] = side
+                self.open[(self._file, self._index, r.op)] = side
+            self._touch(side)
         elif trigger == "finish" or trigger == "abort":  # noqa: PLR1714
             side.ended = when
             side.ended_how = trigger
+            self._touch(side)
 
     def overdue(self, r: AuditRecord) -> None:
         """An ``overdue`` record: marks the side whose ticket it names."""
         if r.op is not None:
-            side = self.open.get((self._index, r.op))
+            side = self.open.get((self._file, self._index, r.op))
             if side is not None:
                 side.overdue = True
 
     def _side(self, r: AuditRecord, prefill: bool) -> HandoverSide | None:
-        key = (self._index, r.serial or 0)
+        key = (self._file, self._index, r.serial or 0)
         side = self._by_serial.get(key)
         if side is not None:
             return side
@@ -245,15 +271,18 @@ class HandoverJoin:
         )
         self._by_serial[key] = side
         self.sides += 1
+        self._touch(side)
         (self.prefill if prefill else self.decode).setdefault((engine, key_rid), []).append(side)
         return side
 
-    def finish(self) -> list[Handover]:
+    def finish(self, keys: Iterable[tuple[str, str]] | None = None) -> list[Handover]:
         """The hand-overs, each prefill side with the decode sides that named it (a decode
         side goes to the latest prefill side of its identity that finished before its load
-        began, else the first), and the verdicts on each."""
+        began, else the first), and the verdicts on each: of every identity, or of the
+        (engine, id) ``keys`` given. It changes nothing: call it as often as wanted."""
         handovers: list[Handover] = []
-        keys = list(dict.fromkeys([*self.prefill, *self.decode]))
+        if keys is None:
+            keys = list(dict.fromkeys([*self.prefill, *self.decode]))
         for engine, rid in keys:
             prefills = sorted(
                 self.prefill.get((engine, rid), []), key=lambda s: s.ended or s.opened or 0.0

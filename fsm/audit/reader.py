@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Final
 
 import msgspec
 
@@ -181,6 +181,10 @@ class AuditReader:
         self.closings = 0
         self.segments = 0
         self._started = False
+        self._header: AuditHeader | None = None
+        #: (lines, bytes) of the file last read that were complete: see ``read_lines``
+        self.position = (0, 0)
+        self._torn_here = 0
 
     def total_bytes(self) -> int:
         """The size of every file of the log together."""
@@ -199,56 +203,84 @@ class AuditReader:
         self._started = True
         total = self.total_bytes() if self.progress is not None else 0
         done = 0
-        header: AuditHeader | None = None
-        decode_record = _RECORD.decode
         for position, file in enumerate(self.files):
-            name = str(file)
-            offset = complete = 0
             with open(file, "rb", buffering=1 << 20) as f:
-                for number, line in enumerate(f, start=1):
-                    start = offset
-                    offset += len(line)
-                    if line[-1:] != b"\n":
-                        self.torn_tail += len(line)  # only the last line can lack it
-                        break
-                    complete = number
-                    try:
-                        record = decode_record(line)
-                    except (msgspec.DecodeError, RecursionError):
-                        event = self._other_line(file, number, start, line)
-                        if type(event) is AuditHeader:
-                            continued = event.continues(header)
-                            header = event
-                            if not continued:
-                                self.segments += 1
-                                yield Segment(self.segments - 1, event, name)
-                        elif type(event) is LostRecords:
-                            self.lost_markers += 1
-                            yield event
-                        elif type(event) is ClosingRecord:
-                            self.closings += 1
-                            yield event
-                        continue
-                    if number == 1:
-                        raise self._not_a_log(file)
-                    try:
-                        check_record(record)  # the one rule types cannot say
-                    except AuditSchemaError as exc:
-                        self._problem(file, number, start, str(exc))
-                        continue
-                    self.records += 1
-                    yield record
-                    if self.progress is not None and not number & 0x7FFF:
-                        self.progress(done + offset, total)
+                yield from self.read_lines(f, file, done=done, total=total)
+            complete, offset = self.position
             # A later file of a rotated set may be empty or hold a torn header: the writer
             # was killed while rotating. The first file must hold at least a header.
             if complete == 0 and position == 0:
                 raise AuditFormatError(
                     f"{file} has no complete line: not a kvlife audit log (no header)"
                 )
-            done += offset
+            done += offset + self._torn_here
             if self.progress is not None:
                 self.progress(done, total)
+
+    def read_lines(
+        self,
+        f: BinaryIO,
+        file: Path,
+        *,
+        line: int = 0,
+        offset: int = 0,
+        follow: bool = False,
+        done: int = 0,
+        total: int = 0,
+    ) -> Iterator[Event]:
+        """The events of ``f``'s complete lines from where it stands (line ``line`` and
+        byte ``offset`` of ``file`` read before). A last line without its newline is a
+        torn tail (counted in ``torn_tail``), or with ``follow`` a line still being
+        written (left unread). Afterwards ``position`` is (the last complete line's number,
+        the byte after it): where to go on from.
+
+        Raises:
+            AuditFormatError: as iterating the reader does.
+        """
+        name = str(file)
+        decode_record = _RECORD.decode
+        complete, end = line, offset
+        self._torn_here = 0
+        try:
+            for number, text in enumerate(f, start=line + 1):
+                start = end
+                if text[-1:] != b"\n":
+                    if not follow:
+                        self.torn_tail += len(text)  # only the last line can lack it
+                        self._torn_here = len(text)
+                    break
+                end += len(text)
+                complete = number
+                try:
+                    record = decode_record(text)
+                except (msgspec.DecodeError, RecursionError):
+                    event = self._other_line(file, number, start, text)
+                    if type(event) is AuditHeader:
+                        continued = event.continues(self._header)
+                        self._header = event
+                        if not continued:
+                            self.segments += 1
+                            yield Segment(self.segments - 1, event, name)
+                    elif type(event) is LostRecords:
+                        self.lost_markers += 1
+                        yield event
+                    elif type(event) is ClosingRecord:
+                        self.closings += 1
+                        yield event
+                    continue
+                if number == 1:
+                    raise self._not_a_log(file)
+                try:
+                    check_record(record)  # the one rule types cannot say
+                except AuditSchemaError as exc:
+                    self._problem(file, number, start, str(exc))
+                    continue
+                self.records += 1
+                yield record
+                if self.progress is not None and not number & 0x7FFF:
+                    self.progress(done + end, total)
+        finally:
+            self.position = (complete, end)
 
     @staticmethod
     def _not_a_log(file: Path) -> AuditFormatError:
