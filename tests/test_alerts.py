@@ -295,3 +295,48 @@ def test_a_time_scale_runs_the_same_rules_on_a_faster_clock(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="time scale"):
         rule_set("vllm", timescale=0)
     assert main(["metrics", "rules", "--timescale", "-1"]) == 2
+
+
+WATCH = {"instance": "127.0.0.1:9400", "log": "/var/log/kvlife/decode.jsonl"}
+WATCHED = "kvlife_watch_violations_total"
+
+
+@needs_promtool
+def test_the_watch_rules_page_on_a_hand_over_and_leave_the_engines_verdicts_alone(
+    tmp_path: Path,
+) -> None:
+    """``kvlife audit watch``'s counters: a hand-over freed before its read or mismatched
+    pages; a table violation only the log shows is a ticket; a verdict the engine's own
+    counters page on (``stray_report``) or a hand-over verdict is not counted twice; a
+    log the watch cannot read is a ticket after 5 minutes."""
+    freed, mismatch = "KvlifeHandoverFreedBeforeRead", "KvlifeHandoverMismatch"
+    table, incomplete = "KvlifeLogViolation", "KvlifeWatchIncomplete"
+    early = {**WATCH, "kind": "freed_before_read"}
+    mixed = {**WATCH, "kind": "handover_mismatch"}
+    gap = {**WATCH, "kind": "seq_gap"}
+    stray = {**WATCH, "kind": "stray_report"}
+    cases = [
+        _case(
+            [_series(WATCHED, early, "0 0 1 1 1"), _series(WATCHED, gap, "0x4")],
+            [
+                ("1m", freed, []),
+                ("3m", freed, [_fired("watch", freed, WATCH, "1")]),
+                ("3m", table, []),
+                ("3m", mismatch, []),
+            ],
+        ),
+        _case([_series(WATCHED, early, "2x10")], [("9m", freed, [])]),  # history: no page
+        _case(
+            [_series(WATCHED, mixed, "0 2 2 2")],
+            [("2m", mismatch, [_fired("watch", mismatch, WATCH, "2")])],
+        ),
+        _case(
+            [_series(WATCHED, gap, "0 0 1 1"), _series(WATCHED, stray, "0 0 3 3")],
+            [("3m", table, [_fired("watch", table, gap, "1")])],
+        ),
+        _case(
+            [_series("kvlife_watch_log_failed", WATCH, "1x9")],
+            [("3m", incomplete, []), ("6m", incomplete, [_fired("watch", incomplete, WATCH, "")])],
+        ),
+    ]
+    _promtool(tmp_path, "watch", cases)

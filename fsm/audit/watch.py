@@ -71,6 +71,13 @@ class Found:
         return f"VIOLATION {self.kind} in {self.log} rid={self.rid!r}: {self.message}"
 
 
+def _first_line(file: BinaryIO) -> bytes:
+    """A file's first line (its header), as far as it is written (at most 64 KiB)."""
+    head = os.pread(file.fileno(), 1 << 16, 0)
+    end = head.find(b"\n")
+    return head if end < 0 else head[: end + 1]
+
+
 def _always_alive(_pid: int) -> bool:
     return True  # a followed log is being written: never judged cut short
 
@@ -107,7 +114,9 @@ class FollowedLog:
         self._name = path
         self._position = (0, 0)
         self._started = False
+        self._closed = False
         self._told = 0  # violations of the report already returned
+        self._read: set[bytes] = set()  # the header lines of the backups read through
 
     def _feed(self, file: BinaryIO, name: Path, *, follow: bool) -> None:
         line, offset = self._position
@@ -117,10 +126,13 @@ class FollowedLog:
             feed(event)
         self._position = self.reader.position
 
-    def _read_backups(self) -> None:
-        """The rotated backups there when the watch began, oldest first, each complete:
-        read through (the file open as ``PATH``, if it was rotated meanwhile, is not one)."""
-        opened: list[tuple[Path, BinaryIO]] = []
+    def _catch_up(self) -> None:
+        """Read through every rotated backup not read yet, oldest first (each is
+        complete). A file is known by its header line, which no other file of the log
+        shares (the header names the segment and the file's part of it)."""
+        opened: list[tuple[Path, BinaryIO, bytes]] = []
+        current = _first_line(self._file) if self._file is not None else None
+        present: set[bytes] = set()
         try:
             for name in audit_files(self.path):
                 if name == self.path:
@@ -129,16 +141,20 @@ class FollowedLog:
                     file: BinaryIO = open(name, "rb")  # noqa: SIM115 - closed below
                 except FileNotFoundError:
                     continue  # rotated away meanwhile (the oldest backup is dropped)
-                if os.fstat(file.fileno()).st_ino == self._inode:
+                header = _first_line(file)
+                present.add(header)
+                if header in self._read or header == current:
                     file.close()
                     continue
-                opened.append((name, file))
-            for name, file in opened:
+                opened.append((name, file, header))
+            for name, file, header in opened:
                 self._position = (0, 0)
                 self._feed(file, name, follow=False)
+                self._read.add(header)
         finally:
-            for _, file in opened:
+            for _, file, _ in opened:
                 file.close()
+        self._read &= present  # a backup dropped is never seen again
 
     def _open_current(self) -> BinaryIO | None:
         """Open ``PATH`` (``None`` while it does not exist) and follow it from its start."""
@@ -159,26 +175,29 @@ class FollowedLog:
 
     def poll(self) -> list[Found]:
         """Read what was written since the last poll; the violations it showed."""
-        if self.failed is not None:
+        if self.failed is not None or self._closed:
             return []
         try:
             if not self._started:
                 self._started = True
                 self._open_current()  # first: a rotation from here on is seen as one
-                self._read_backups()
-                if self._file is not None:
-                    self._position = (0, 0)
+                self._catch_up()
+                self._position = (0, 0)
             file = self._file if self._file is not None else self._open_current()
             if file is None:
                 return self._found()
             self._feed(file, self._name, follow=True)
-            if self._replaced():
-                self._feed(file, self._name, follow=False)  # its last lines
+            while self._replaced():  # the writer rotated it: its last lines, the backups
+                self._feed(file, self._name, follow=False)  # written since, then PATH
+                self._read.add(_first_line(file))
                 file.close()
                 self._file = None
+                self._catch_up()
                 successor = self._open_current()
-                if successor is not None:
-                    self._feed(successor, self._name, follow=True)
+                if successor is None:
+                    break
+                file = successor
+                self._feed(file, self._name, follow=True)
         except AuditFormatError as exc:
             self.failed = str(exc)
             self.close()
@@ -191,7 +210,8 @@ class FollowedLog:
         return [Found(self.label, v.kind, v.rid, v.message) for v in new]
 
     def close(self) -> None:
-        """Close the file followed."""
+        """Close the file followed and stop following (a poll after it reads nothing)."""
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -1,0 +1,358 @@
+"""Checking logs while they are written (``kvlife.fsm.audit.watch``, ``kvlife audit watch``):
+logs followed as they grow and rotate, hand-overs joined across two servers' logs live,
+each verdict counted once and only when the whole logs would give it too."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvlife.diagrams.cli import main
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+from kvlife.fsm.audit import AuditReader, check_audit
+from kvlife.fsm.audit.handover import block_digest
+from kvlife.fsm.audit.watch import AuditWatch, WatchCollector
+from tests.strategies import Req
+
+ENGINE = "prefill-engine-1"
+BLOCKS = [3, 4, 5]
+
+
+def _identity(side: str, rid: str) -> dict[str, str | int]:
+    return {
+        f"{side}_engine": ENGINE,
+        f"{side}_rid": rid,
+        f"{side}_blocks": len(BLOCKS),
+        f"{side}_digest": block_digest(BLOCKS),
+    }
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Servers:
+    """A prefill and a decode server's audit logs, written record by record as the audit
+    wrapper writes them (each record reaches its file at once unless ``held``)."""
+
+    def __init__(self, directory: Path, **sink: int) -> None:
+        self.sinks = {
+            name: JsonLinesSink(directory / f"{name}.jsonl", witness="Nixl", **sink)
+            for name in ("prefill", "decode")
+        }
+        self.prefill = LifecycleRegistry(sinks=[self.sinks["prefill"]])
+        self.decode = LifecycleRegistry(sinks=[self.sinks["decode"]])
+        self.held: set[str] = set()
+
+    def flush(self) -> None:
+        for name, sink in self.sinks.items():
+            if name not in self.held:
+                sink.flush()
+
+    def close(self) -> None:
+        for sink in self.sinks.values():
+            sink.close()
+
+
+def _prefill(servers: Servers, rid: str) -> tuple[Req, object]:
+    req = Req(rid)
+    servers.prefill.register(req)
+    free = servers.prefill.start_offload(req, kind="delayed_free", **_identity("handoff", rid))
+    servers.prefill.finish(req, **_identity("handoff", rid))
+    servers.flush()
+    return req, free
+
+
+def _decode(servers: Servers, rid: str, of: str) -> tuple[Req, object]:
+    req = Req(rid)
+    servers.decode.register(req)
+    load = servers.decode.start_offload(req, kind="load", tokens=48, **_identity("peer", of))
+    servers.flush()
+    return req, load
+
+
+def _watch(tmp_path: Path, clock: Clock) -> AuditWatch:
+    return AuditWatch([tmp_path], settle_s=2.0, clock=clock)
+
+
+def test_a_clean_hand_over_followed_live_gives_no_verdict(tmp_path: Path) -> None:
+    clock = Clock()
+    servers = Servers(tmp_path)
+    watch = _watch(tmp_path, clock)
+    _, free = _prefill(servers, "p-1")
+    assert watch.poll() == []
+    d_req, load = _decode(servers, "d-1", "p-1")
+    assert watch.poll() == []
+    time.sleep(0.01)
+    servers.decode.complete(load, report="finished_recving")  # type: ignore[arg-type]
+    servers.prefill.complete(free, report="finished_sending")  # type: ignore[arg-type]
+    servers.decode.finish(d_req, **_identity("peer", "p-1"))
+    servers.flush()
+    for _ in range(3):
+        clock.now += 5
+        assert watch.poll() == []
+    assert sum(watch.violations().values()) == 0
+    assert {log.label: log.checker.report.records for log in watch.logs.values()} == {
+        str(tmp_path / "decode.jsonl"): 4,
+        str(tmp_path / "prefill.jsonl"): 4,
+    }
+    servers.close()
+    watch.close()
+    assert check_audit(AuditReader(sorted(tmp_path.glob("*.jsonl")))).ok
+
+
+def test_blocks_freed_before_the_read_are_counted_once_settled_on_the_decode_log(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    servers = Servers(tmp_path)
+    watch = _watch(tmp_path, clock)
+    _, free = _prefill(servers, "p-1")
+    time.sleep(0.02)
+    servers.prefill.complete(free, report="finished_sending")  # type: ignore[arg-type]  # lease
+    servers.flush()
+    assert watch.poll() == []
+    time.sleep(0.02)
+    d_req, load = _decode(servers, "d-1", "p-1")
+    assert watch.poll() == []  # found, but not counted before it has held settle_s
+    clock.now += 1
+    assert watch.poll() == []
+    clock.now += 1.5
+    (found,) = watch.poll()
+    decode_log = str(tmp_path / "decode.jsonl")
+    assert (found.log, found.kind, found.rid) == (decode_log, "freed_before_read", "d-1")
+    assert "freed the blocks of 'p-1' (finished_sending)" in found.message
+    assert found.line().startswith(f"VIOLATION freed_before_read in {decode_log} rid='d-1': ")
+    clock.now += 10
+    assert watch.poll() == []  # counted once
+    assert watch.violations()[(decode_log, "freed_before_read")] == 1
+    servers.decode.complete(load, report="finished_recving")  # type: ignore[arg-type]
+    servers.decode.finish(d_req)
+    servers.close()
+    watch.close()
+    whole = check_audit(AuditReader(sorted(tmp_path.glob("*.jsonl"))))
+    assert [(v.kind, v.rid) for v in whole.violations] == [("freed_before_read", "d-1")]
+
+
+def test_a_prefill_log_read_late_makes_no_verdict_the_whole_logs_would_not_give(
+    tmp_path: Path,
+) -> None:
+    """The proxy reuses a prefill id: the first prefill's blocks were freed long ago, the
+    second one's are held for the decode side. While the prefill server's newer records
+    wait in its buffer, the decode side's load looks like a read of the first prefill's
+    freed blocks; once they are read, it is the second's: nothing is counted."""
+    clock = Clock()
+    servers = Servers(tmp_path)
+    watch = _watch(tmp_path, clock)
+    _, first = _prefill(servers, "p-1")
+    servers.prefill.complete(first, report="finished_sending")  # type: ignore[arg-type]
+    servers.flush()
+    assert watch.poll() == []
+    servers.held.add("prefill")  # its next records stay in its buffer a while
+    time.sleep(0.02)
+    _, second = _prefill(servers, "p-1")
+    time.sleep(0.02)
+    _, load = _decode(servers, "d-1", "p-1")
+    assert watch.poll() == []
+    assert watch._pending, "the partial logs do look wrong"
+    clock.now += 1
+    servers.sinks["prefill"].flush()
+    assert watch.poll() == []
+    assert not watch._pending
+    clock.now += 10
+    servers.decode.complete(load, report="finished_recving")  # type: ignore[arg-type]
+    servers.prefill.complete(second, report="finished_sending")  # type: ignore[arg-type]
+    servers.sinks["prefill"].flush()
+    servers.flush()
+    assert watch.poll() == []
+    assert sum(watch.violations().values()) == 0
+    servers.close()
+    watch.close()
+    assert check_audit(AuditReader(sorted(tmp_path.glob("*.jsonl")))).ok
+
+
+def test_a_log_that_rotates_while_followed_is_read_whole(tmp_path: Path) -> None:
+    log = tmp_path / "engine.jsonl"
+    sink = JsonLinesSink(log, max_bytes=2000, backups=50)
+    registry = LifecycleRegistry(sinks=[sink])
+    watch = AuditWatch([log], clock=Clock())
+    for i in range(60):
+        req = Req(f"r-{i}")
+        registry.register(req)
+        ticket = registry.start_offload(req, tokens=16)
+        registry.finish(req)
+        registry.complete(ticket)
+        if i % 7 == 0:
+            sink.flush()
+            watch.poll()
+    sink.close()
+    watch.poll()
+    watch.close()
+    assert sink.rotations >= 3
+    whole = check_audit(AuditReader(log))
+    (followed,) = watch.logs.values()
+    report = followed.checker.report
+    assert (
+        (report.records, report.lifecycles, report.released)
+        == (
+            whole.records,
+            whole.lifecycles,
+            whole.released,
+        )
+        == (240, 60, 60)
+    )
+    assert report.segments == 1 and followed.reader.problem_count == 0
+    assert sum(watch.violations().values()) == 0
+
+
+def test_a_log_already_rotated_when_the_watch_starts_is_read_from_its_oldest_file(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "engine.jsonl"
+    sink = JsonLinesSink(log, max_bytes=2000, backups=50)
+    registry = LifecycleRegistry(sinks=[sink])
+    for i in range(30):
+        req = Req(f"r-{i}")
+        registry.register(req)
+        registry.finish(req)
+        sink.flush()
+    assert sink.rotations >= 2
+    watch = AuditWatch([log], clock=Clock())
+    watch.poll()
+    (followed,) = watch.logs.values()
+    assert followed.checker.report.lifecycles == 30 and followed.checker.report.released == 30
+    sink.close()
+    watch.close()
+
+
+def test_a_line_still_being_written_is_read_when_it_is_complete(tmp_path: Path) -> None:
+    source = tmp_path / "written.jsonl"
+    registry = LifecycleRegistry(sinks=[JsonLinesSink(source)])
+    req = Req("a")
+    registry.register(req)
+    registry.finish(req)
+    registry.sinks[0].close()
+    data = source.read_bytes()
+    cut = data.index(b"\n", data.index(b"\n") + 1) + 7  # seven bytes into the 2nd record
+    log = tmp_path / "live" / "engine.jsonl"
+    log.parent.mkdir()
+    watch = AuditWatch([log.parent], clock=Clock())
+    assert watch.poll() == [] and not watch.logs  # nothing there yet
+    log.write_bytes(data[:cut])
+    watch.poll()
+    (followed,) = watch.logs.values()
+    assert followed.checker.report.records == 1
+    with log.open("ab") as f:
+        f.write(data[cut:])
+    watch.poll()
+    assert followed.checker.report.records == 2 and followed.reader.problem_count == 0
+    assert followed.checker.report.released == 1 and followed.reader.torn_tail == 0
+    watch.close()
+
+
+def test_a_file_that_is_not_a_log_is_not_followed_and_the_others_are(tmp_path: Path) -> None:
+    (tmp_path / "notes.jsonl").write_text('{"hello": 1}\n')
+    registry = LifecycleRegistry(sinks=[JsonLinesSink(tmp_path / "engine.jsonl")])
+    registry.register(Req("a"))
+    registry.sinks[0].flush()
+    watch = AuditWatch([tmp_path], clock=Clock())
+    watch.poll()
+    notes = watch.logs[tmp_path / "notes.jsonl"]
+    assert notes.failed is not None and "not a kvlife audit log" in notes.failed
+    assert watch.logs[tmp_path / "engine.jsonl"].checker.report.records == 1
+    collector = WatchCollector(watch)
+    collector.publish()
+    registry_ = CollectorRegistry(auto_describe=False)
+    registry_.register(collector)  # type: ignore[arg-type]
+    text = generate_latest(registry_).decode()
+    assert f'kvlife_watch_log_failed{{log="{tmp_path / "notes.jsonl"}"}} 1.0' in text
+    assert f'kvlife_watch_log_failed{{log="{tmp_path / "engine.jsonl"}"}} 0.0' in text
+    registry.sinks[0].close()
+    watch.close()
+    watch.close()
+
+
+def test_the_collector_serves_every_kind_from_zero_and_the_verdicts_found(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    servers = Servers(tmp_path)
+    watch = _watch(tmp_path, clock)
+    collector = WatchCollector(watch, "edge")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)  # type: ignore[arg-type]
+    watch.poll()
+    collector.publish()
+    decode_log = tmp_path / "decode.jsonl"
+    text = generate_latest(registry).decode()
+    zero = f'edge_watch_violations_total{{kind="freed_before_read",log="{decode_log}"}} 0.0'
+    assert zero in text
+    assert f'edge_watch_violations_total{{kind="seq_gap",log="{decode_log}"}} 0.0' in text
+    _, free = _prefill(servers, "p-1")
+    servers.prefill.complete(free, report="finished_sending")  # type: ignore[arg-type]
+    servers.flush()
+    time.sleep(0.02)
+    _decode(servers, "d-1", "p-1")
+    watch.poll()
+    clock.now += 3
+    watch.poll()
+    collector.publish()
+    text = generate_latest(registry).decode()
+    assert zero.replace("0.0", "1.0") in text
+    assert f'edge_watch_records_total{{log="{decode_log}"}} 2.0' in text
+    assert "edge_watch_logs 2.0" in text and "edge_watch_handovers 1.0" in text
+    servers.close()
+    watch.close()
+
+
+def test_watch_once_prints_the_verdicts_and_exits_as_check_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servers = Servers(tmp_path)
+    _, free = _prefill(servers, "p-1")
+    servers.prefill.complete(free, report="finished_sending")  # type: ignore[arg-type]
+    time.sleep(0.02)
+    _decode(servers, "d-1", "p-1")
+    servers.close()
+    assert main(["audit", "watch", "--once", str(tmp_path / "prefill.jsonl")]) == 0
+    assert main(["audit", "watch", "--once", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "kvlife audit watch: VIOLATION freed_before_read in " in out and "rid='d-1'" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--interval", "0"], "expected seconds between 0.01 and 3600"),
+        (["--settle", "-1"], "expected seconds between 0 and 3600"),
+        (["--port", "70000"], "a port (0-65535)"),
+    ],
+)
+def test_watch_refuses_bad_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    assert main(["audit", "watch", *argv, str(tmp_path)]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_watch_refuses_a_path_in_no_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", "watch", "--once", str(tmp_path / "no" / "such.jsonl")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_an_audit_watch_needs_a_path_and_a_settle_time_that_is_not_negative() -> None:
+    with pytest.raises(ValueError, match="no log given"):
+        AuditWatch([])
+    with pytest.raises(ValueError, match="settle_s must be >= 0"):
+        AuditWatch(["x.jsonl"], settle_s=-1)
