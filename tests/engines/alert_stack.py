@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -22,6 +23,7 @@ from typing import Any
 from tests.engines.vllm_server import free_port
 
 PROMETHEUS = shutil.which("prometheus")
+KVLIFE = Path(sys.executable).with_name("kvlife")  # the environment's console script
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 
@@ -163,6 +165,31 @@ def prometheus(
     ]
     with _running(command, directory / "prometheus.log", f"http://127.0.0.1:{port}/-/ready"):
         yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def watcher(directory: Path, logs: list[Path], interval_s: float = 0.2) -> Iterator[str]:
+    """``kvlife audit watch LOGS`` serving ``/metrics`` on a free loopback port, its output
+    in ``DIRECTORY/watch.log``. Yields ``host:port``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    command = [str(KVLIFE), "audit", "watch", *map(str, logs)]
+    command += ["--port", str(port), "--interval", str(interval_s)]
+    with _running(command, directory / "watch.log", f"http://127.0.0.1:{port}/metrics"):
+        yield f"127.0.0.1:{port}"
+
+
+def scrape(target: str, name: str) -> dict[str, float]:
+    """``name``'s samples on ``target``'s ``/metrics`` (``host:port``), by their labels'
+    text."""
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line.rsplit(" ", 1)
+            samples[labels[len(name) :]] = float(value)
+    return samples
 
 
 def query(url: str, promql: str) -> list[dict[str, Any]]:

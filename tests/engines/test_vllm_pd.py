@@ -33,6 +33,8 @@ if importlib.util.find_spec("nixl") is None:
 
 from kvlife.diagrams.cli import main
 from kvlife.fsm import AuditReader, check_audit, read_audit
+from kvlife.fsm.audit.alerts import rule_set, rules_yaml
+from tests.engines import alert_stack
 from tests.engines.vllm_model import make_model, prompts
 from tests.engines.vllm_pd import disaggregated, post, servers, transfer_config
 
@@ -75,9 +77,13 @@ def test_prefill_and_decode_on_two_servers_under_the_wrapper_decode_the_same_tok
     """Six prompts, three at a time through the proxy: the decode server's tokens equal the
     prefill server's own for the same prompt; each server's log checks clean, every
     lifecycle released; the prefill side held each request's blocks (a delayed free) until
-    NIXL's read was reported, and the decode side loaded each prompt (a load ticket)."""
+    NIXL's read was reported, and the decode side loaded each prompt (a load ticket).
+    ``kvlife audit watch``, following both logs while they are written, finds nothing."""
     model = make_model(tmp_path / "llama")
-    with _servers(model, tmp_path) as (prefill, decode):
+    with (
+        _servers(model, tmp_path) as (prefill, decode),
+        alert_stack.watcher(tmp_path / "watch", _logs(tmp_path)) as watch,
+    ):
         own = [
             _tokens(
                 post(
@@ -96,7 +102,14 @@ def test_prefill_and_decode_on_two_servers_under_the_wrapper_decode_the_same_tok
         ]
         with ThreadPoolExecutor(3) as pool:
             split = list(pool.map(lambda p: _disaggregated(model, prefill, decode, p), PROMPTS))
+        time.sleep(4)  # a second for the servers' logs, the watch's settle time, a poll
+        verdicts = alert_stack.scrape(watch, "kvlife_watch_violations_total")
+        joined = alert_stack.scrape(watch, "kvlife_watch_handovers")
+        records = alert_stack.scrape(watch, "kvlife_watch_records_total")
     assert split == own
+    assert verdicts and not any(verdicts.values()), {k: v for k, v in verdicts.items() if v}
+    assert joined == {"": len(PROMPTS)} and len(records) == 2 and all(records.values())
+    assert "VIOLATION" not in (tmp_path / "watch" / "watch.log").read_text()
     reports = {}
     for name in ("prefill", "decode"):
         path = tmp_path / f"{name}.jsonl"
@@ -180,6 +193,14 @@ LEASE_S = 12  # NIXL's lease on a prefill's blocks (480 s in vLLM's docs, 30 s b
 OVERDUE_S = 2.0
 
 
+PAGES = alert_stack.PROMETHEUS is not None and alert_stack.ALERTMANAGER is not None
+TIMESCALE = 0.02  # the watch rules' windows on a fast clock (as in test_vllm_alerts)
+SCRAPE_S = 1
+WATCH_S = 0.2  # how often the watch reads the logs
+FLUSH_S = 1.0  # the wrapper's audit_flush_s (its default)
+SETTLE_S = 2.0  # the watch's default
+
+
 def test_a_prefill_no_decode_side_takes_is_told_overdue_and_a_late_read_is_named(
     tmp_path: Path,
 ) -> None:
@@ -188,11 +209,27 @@ def test_a_prefill_no_decode_side_takes_is_told_overdue_and_a_late_read_is_named
     ``/metrics``), long before NIXL gives the blocks back (``finished_sending`` with no
     read). When the decode request comes after all, the decode side reads blocks the
     prefill side freed: each log alone checks clean; the two joined name it
-    ``freed_before_read`` on the decode side's request."""
+    ``freed_before_read`` on the decode side's request. While the servers run,
+    ``kvlife audit watch`` follows both logs and counts it; with Debian's Prometheus and
+    Alertmanager (``make prometheus``) scraping the watch with ``kvlife metrics rules --for
+    watch``, it pages (``KvlifeHandoverFreedBeforeRead``) within the logs' flush, the
+    watch's settle time and two scrapes of the read, and not before."""
     model = make_model(tmp_path / "llama")
     audit = {"audit_overdue_s": OVERDUE_S, "stats_interval_s": 0}
     prefill_log = tmp_path / "prefill.jsonl"
-    with _servers(model, tmp_path, audit, {"kv_lease_duration": LEASE_S}) as (prefill, decode):
+    hook = alert_stack.Webhook()
+    rules = rules_yaml(rule_set("watch", timescale=TIMESCALE))
+    with contextlib.ExitStack() as stack:
+        prefill, decode = stack.enter_context(
+            _servers(model, tmp_path, audit, {"kv_lease_duration": LEASE_S})
+        )
+        watch = stack.enter_context(alert_stack.watcher(tmp_path / "watch", _logs(tmp_path)))
+        stack.callback(hook.close)
+        if PAGES:
+            am = stack.enter_context(alert_stack.alertmanager(tmp_path / "am", hook.url))
+            stack.enter_context(
+                alert_stack.prometheus(tmp_path / "prom", [watch], rules, am, SCRAPE_S)
+            )
         common = {"model": str(model), "prompt": PROMPTS[0], "temperature": 0.0}
         first = post(
             f"{prefill}/v1/completions",
@@ -222,11 +259,40 @@ def test_a_prefill_no_decode_side_takes_is_told_overdue_and_a_late_read_is_named
         freed_s = time.monotonic() - since
         assert freed.detail.get("report") == "finished_sending"
         assert told_s < LEASE_S <= freed_s + 1  # told about 10 s before NIXL freed the blocks
+        time.sleep(FLUSH_S + SETTLE_S + 2 * SCRAPE_S)
+        assert not hook.alerts  # blocks freed unread are no verdict while no one reads them
+        read_at = time.monotonic()
         late = post(
             f"{decode}/v1/completions",
             {**common, "max_tokens": MAX_TOKENS, "ignore_eos": True, "kv_transfer_params": params},
         )
+        answered_at = time.monotonic()
         assert len(late["choices"][0]["text"]) > 0
+        counted = _until(
+            lambda: [
+                v for v in alert_stack.scrape(watch, "kvlife_watch_violations_total").values() if v
+            ],
+            30,
+            "the watch never counted the read",
+        )
+        counted_s = time.monotonic() - read_at
+        assert counted == [1.0]
+        if PAGES:
+            name = "KvlifeHandoverFreedBeforeRead"
+            ((paged_at, alert),) = _until(lambda: hook.firing(name), 30, f"{name} never paged")
+            paged_s = paged_at - answered_at
+            # the decode log's flush, the watch's poll and settle time, two scrapes and an
+            # evaluation, and 3 s for Alertmanager and two engines on two busy cores
+            assert paged_s <= FLUSH_S + WATCH_S + SETTLE_S + 2 * SCRAPE_S + 3, paged_s
+            assert alert["labels"]["log"] == str(tmp_path / "decode.jsonl")
+            assert alert["labels"]["severity"] == "page"
+            assert "kvlife audit why" in alert["annotations"]["description"]
+            assert [a["labels"]["alertname"] for _, a in hook.alerts] == [name]
+            print(
+                f"watch counted the read {counted_s:.1f} s after the decode request began; "
+                f"{name} paged {paged_s:.1f} s after it was answered (read took "
+                f"{answered_at - read_at:.1f} s)"
+            )
     # without kvlife, vLLM says only this, on the prefill worker, when the lease ends
     said = (tmp_path / "prefill.log").read_text()
     assert f"Releasing expired KV blocks for request {rid} which were retrieved by 0" in said
@@ -242,6 +308,9 @@ def test_a_prefill_no_decode_side_takes_is_told_overdue_and_a_late_read_is_named
     assert re.search(r"OVERDUE (delayed free|load) \d+: the", text), text
     assert "told overdue while it ran" in text
     assert f"!! VIOLATION freed_before_read (decode #{read.serial} rid {read.rid!r})" in text
+    said_by_watch = (tmp_path / "watch" / "watch.log").read_text()
+    decode_log = tmp_path / "decode.jsonl"
+    assert f"VIOLATION freed_before_read in {decode_log} rid={read.rid!r}" in said_by_watch
     print(f"told overdue after {told_s:.1f} s; NIXL freed the blocks after {freed_s:.1f} s")
 
 
