@@ -52,6 +52,7 @@ import copy
 import functools
 import importlib
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -367,6 +368,18 @@ def _rids(args: Iterable[Any]) -> list[str]:
     return list(dict.fromkeys(rids))
 
 
+def _named_in(exc: BaseException, rids: Iterable[str]) -> list[str]:
+    """The ids of ``rids`` that ``exc`` names: one of its arguments (``KeyError('r1')``)
+    or a whole word of its message (``r1`` is not named by ``r10``)."""
+    args = {a for a in exc.args if isinstance(a, str)}
+    text = str(exc)
+    return [
+        rid
+        for rid in dict.fromkeys(rids)
+        if rid in args or re.search(rf"(?<![\w-]){re.escape(rid)}(?![\w-])", text)
+    ]
+
+
 class _Watch:
     """The scheduler side's lifecycles: one per vLLM request object, tickets for the
     asynchronous loads and delayed frees the wrapped connector announced."""
@@ -597,12 +610,17 @@ class _Watch:
             setattr(output, name, kept)
 
     def raised(self, call: str, args: tuple[Any, ...], exc: BaseException) -> None:
+        """Write the exception down on the requests it concerns: those it names (an
+        argument that is a request id, or an id of the call in its message), else every
+        request of the call."""
         trigger = _CALL_TRIGGER.get(call, Trigger.START_OFFLOAD)
         error = f"{type(exc).__name__}: {exc}"[:300]
         named = _rids(args)
         if call == "update_connector_output":  # the lensed jobs it was completing
             named = list(dict.fromkeys([*named, *self.completing]))
-        rids: list[str | None] = list(named) or [None]
+        known = [a for a in exc.args if isinstance(a, str) and self.holder(a) is not None]
+        concerned = _named_in(exc, [*known, *named])
+        rids: list[str | None] = list(concerned or named) or [None]
         for rid in rids[:64]:
             self.registry.record_violation(
                 "connector_raised",

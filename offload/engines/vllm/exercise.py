@@ -455,8 +455,12 @@ class RealWorkers:
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
         blocks = scheduler.kv_cache_config.num_blocks
         self.ranks = []
-        for _ in range(workers):
-            worker = cls(vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+        for rank in range(workers):
+            worker = self.build(
+                lambda config: cls(config, KVConnectorRole.WORKER, scheduler.kv_cache_config),
+                vllm_config,
+                rank,
+            )
             shape = (2, blocks, BLOCK, HEADS, HEAD_DIM)
             worker.register_kv_caches(
                 {name: torch.zeros(shape, dtype=torch.float16) for name in LAYERS}
@@ -464,14 +468,24 @@ class RealWorkers:
             self.ranks.append(worker)
         self.held = _Held(workers)
 
+    def build(self, make: Callable[[Any], Any], vllm_config: Any, rank: int) -> Any:
+        """Worker ``rank``'s connector, ``make(vllm_config)``: every worker of one config
+        here; a connector that needs each worker to know its rank says so here."""
+        return make(vllm_config)
+
+    def forward_context(self) -> Any:
+        """What ``start_load_kv`` is given: no forward pass runs (``None``)."""
+        return None
+
     def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
         from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
 
         meta = out.kv_connector_metadata
+        context = self.forward_context()
         for rank, worker in enumerate(self.ranks):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
+            worker.start_load_kv(context)
             worker.wait_for_save()
             self.saved(worker)
             results = worker.get_transfer_results(out.finished_req_ids)
@@ -628,6 +642,11 @@ def workers_class(connector: str) -> type[Any]:
         from kvlife.offload.engines.vllm.exercise_lmcache import LMCacheWorkers  # noqa: PLC0415
 
         return LMCacheWorkers
+    if connector == "LMCacheConnectorV1":
+        from kvlife.offload.engines.vllm import exercise_lmcache_inprocess as inprocess  # noqa: PLC0415
+
+        inprocess.settings()  # before LMCache reads its config, once per process
+        return inprocess.LMCacheInProcessWorkers
     return PLAYED.get(connector, RealWorkers)
 
 

@@ -60,9 +60,17 @@ class Lens(Protocol):
 
 def lens_for(connector: Any) -> Lens | None:
     """The lens of ``connector`` (the wrapped connector's scheduler side), or ``None``."""
-    from kvlife.offload.engines.vllm.lenses import offloading, simple_cpu  # noqa: PLC0415
+    from kvlife.offload.engines.vllm.lenses import (  # noqa: PLC0415
+        lmcache_inprocess,
+        offloading,
+        simple_cpu,
+    )
 
-    lens: Lens | None = offloading.lens_for(connector) or simple_cpu.lens_for(connector)
+    lens: Lens | None = (
+        offloading.lens_for(connector)
+        or simple_cpu.lens_for(connector)
+        or lmcache_inprocess.lens_for(connector)
+    )
     return lens
 
 

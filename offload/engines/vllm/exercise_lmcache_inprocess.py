@@ -1,0 +1,198 @@
+"""LMCache's in-process connector (``LMCacheConnectorV1``: vLLM's ``lmcache_connector.py``
+delegating to LMCache's ``integration/vllm/vllm_v1_adapter.py``) in ``kvlife vllm
+exercise``: its real scheduler role, and its real worker role with LMCache's engine, its
+lookup server and its local CPU backend, in the exercise's process, on the CPU.
+
+LMCache reads its settings from ``LMCACHE_*`` variables (or ``LMCACHE_CONFIG_FILE``), once
+per process, and from ``lmcache.*`` keys of the connector's ``kv_connector_extra_config``.
+The exercise runs it with its local CPU backend (``LMCACHE_LOCAL_CPU=True``), chunks of one
+vLLM block (``LMCACHE_CHUNK_SIZE=16``) and a small ``LMCACHE_MAX_LOCAL_CPU_SIZE``
+(:data:`SETTINGS`, used where the variable is not set).
+
+What LMCache's worker needs that a vLLM worker process would have given it, all of it here:
+
+* vLLM's distributed state, initialised once in the process: gloo, one rank, under
+  ``set_current_vllm_config`` (LMCache asks vLLM for its tensor-parallel group; without
+  one it falls into its degraded mode, never starts its lookup server, and every lookup
+  waits out its timeout);
+* the KV cache layout resolved (``LBNHC``, which LMCache reads as ``NHD``);
+* a GPU connector: LMCache has none for the CPU, so its own ``MockGPUConnector`` stands in
+  (LMCache's engine, lookups, chunk keys, CPU backend, stores and retrievals all run; the
+  bytes are not copied, so the exercise compares none);
+* a forward context whose ``attn_metadata`` is set (``start_load_kv`` loads nothing
+  without one);
+* each of the ``tp2`` family's workers its own rank (its own engine, lookup server and
+  chunk keys, as in two worker processes: the scheduler's lookup asks both and takes the
+  smaller answer);
+* at the end of a run, LMCache's services closed from the thread that made them and its
+  engine destroyed, but not through LMCache's ``stop_services``, which closes a ZMQ socket
+  another thread is blocked on and aborts the process in libzmq.
+
+vLLM's wrapper makes every load of this connector synchronous (``get_num_new_matched_tokens``
+answers ``load_async=False``): a load runs inside ``start_load_kv`` of the step that
+carries it. LMCache's asynchronous loading mode (``enable_async_loading``) is not run: its
+lookups and prefetches finish on LMCache's threads, which the exercise cannot pace so that
+a seed replays the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvlife.offload.engines.vllm.exercise import RealWorkers
+
+#: LMCache's settings for the exercise, where the environment does not set them
+SETTINGS = {
+    "LMCACHE_LOCAL_CPU": "True",
+    "LMCACHE_CHUNK_SIZE": "16",
+    "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.1",
+}
+
+
+def settings() -> None:
+    """Set :data:`SETTINGS` where the environment has none (before LMCache reads its
+    config, which it does once per process)."""
+    for name, value in SETTINGS.items():
+        os.environ.setdefault(name, value)
+
+
+def distributed(vllm_config: Any) -> None:
+    """vLLM's distributed state for this process, once: one rank on gloo, a
+    tensor-parallel group of one."""
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+    from vllm.distributed import parallel_state  # noqa: PLC0415
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with set_current_vllm_config(vllm_config):
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int) -> Iterator[None]:
+    """LMCache's worker services built as tensor-parallel rank ``rank``'s (its offload
+    server asks vLLM for the rank; this process's own group has one), with
+    ``MockGPUConnector`` for the GPU connector."""
+    from lmcache.v1 import gpu_connector  # noqa: PLC0415
+    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector  # noqa: PLC0415
+    from vllm.distributed import parallel_state  # noqa: PLC0415
+
+    def mock(config: Any, metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        return MockGPUConnector(kv_shape=metadata.kv_shape)
+
+    saved = gpu_connector.CreateGPUConnector, parallel_state.get_tensor_model_parallel_rank
+    gpu_connector.CreateGPUConnector = mock
+    parallel_state.get_tensor_model_parallel_rank = lambda: rank
+    try:
+        yield
+    finally:
+        gpu_connector.CreateGPUConnector, parallel_state.get_tensor_model_parallel_rank = saved
+
+
+def _impl(connector: Any) -> Any:
+    """LMCache's ``LMCacheConnectorV1Impl`` inside vLLM's connector (or kvlife's wrapper)."""
+    return getattr(connector, "wrapped", connector)._lmcache_engine
+
+
+class LMCacheInProcessWorkers(RealWorkers):
+    """LMCache's in-process worker role, one instance (and one LMCache engine) per worker;
+    the scheduler's lookups served by the workers' lookup servers."""
+
+    #: the KV cache layout vLLM must resolve before LMCache is built (LMCache's ``NHD``)
+    kv_cache_layout = "LBNHC"
+
+    def __init__(self, scheduler: Any, workers: int) -> None:
+        from vllm.forward_context import ForwardContext  # noqa: PLC0415
+
+        self.scheduler_side = _impl(scheduler.connector)
+        self.engines: list[tuple[Any, Any]] = []  # (engine, its stats logger)
+        distributed(scheduler.vllm_config)
+        super().__init__(scheduler, workers)
+        self.context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+
+    def build(self, make: Callable[[Any], Any], vllm_config: Any, rank: int) -> Any:
+        from lmcache.integration.vllm.utils import ENGINE_NAME  # noqa: PLC0415
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: PLC0415
+
+        mine = copy.copy(vllm_config)
+        mine.parallel_config = copy.copy(vllm_config.parallel_config)
+        mine.parallel_config.rank = rank
+        with _as_rank(rank):
+            worker = make(mine)
+        manager = _impl(worker)._manager
+        if manager._init_failed:
+            raise RuntimeError(
+                f"LMCache's worker {rank} did not start: {manager._init_failed_reason}"
+            )
+        # LMCache keeps one engine per process under one name; each worker keeps its own
+        stats = LMCacheEngineBuilder._stat_loggers.get(ENGINE_NAME)
+        for table in ("_instances", "_cfgs", "_metadatas", "_stat_loggers"):
+            getattr(LMCacheEngineBuilder, table).pop(ENGINE_NAME, None)
+        self.engines.append((manager.lmcache_engine, stats))
+        return worker
+
+    def forward_context(self) -> Any:
+        return self.context
+
+    def close(self) -> None:
+        """Close what LMCache started for the run, each from this thread: the workers'
+        offload and lookup servers, the scheduler's lookup sockets (not the process's
+        shared ZMQ context, which LMCache's client would terminate); destroy the engines."""
+        for worker in self.ranks:
+            manager = _impl(worker)._manager
+            if manager.offload_server is not None:
+                _stop_offload_server(manager.offload_server)
+            server = manager.lookup_server
+            if server is not None:
+                server.close()  # its thread leaves its loop within its receive timeout
+                server.transport.ctx.term()  # its own context
+        client = self.scheduler_side._manager.lookup_client
+        for sent in getattr(getattr(client, "transport", None), "sockets", ()):
+            sent.close(linger=0)
+        for engine, stats in self.engines:
+            if stats is not None:
+                stats.shutdown()
+            engine.close()
+        self.engines.clear()
+
+
+def _stop_offload_server(server: Any) -> None:
+    """LMCache's offload server thread blocks in ``recv`` with no timeout; closing its
+    socket from here aborts the process. Stop it the way it can stop: clear its flag, send
+    it one (empty) request from here, let its thread answer and leave its loop, then
+    close its socket."""
+    import zmq  # noqa: PLC0415
+
+    server.running = False
+    if server.thread.is_alive():
+        path = server.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        context = zmq.Context()
+        waker = context.socket(zmq.REQ)
+        waker.setsockopt(zmq.LINGER, 0)
+        waker.setsockopt(zmq.SNDTIMEO, 2000)
+        waker.connect(path)
+        with contextlib.suppress(zmq.ZMQError):
+            waker.send(b"")
+        server.thread.join(timeout=5.0)
+        waker.close()
+        context.term()
+    if not server.thread.is_alive():
+        server.socket.close(linger=0)
+
+
+__all__ = ["SETTINGS", "LMCacheInProcessWorkers", "distributed", "settings"]
