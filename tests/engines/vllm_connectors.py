@@ -8,6 +8,8 @@ the test, which reads what each connector is waiting for (``sending``, ``loading
 - ``async_load_tokens``: for a request whose id starts with ``load``, claim that many
   tokens as an asynchronous load, once;
 - ``raise_on``: ``request_finished`` raises ``KeyError`` for this request id;
+- ``raise_in_step``: ``build_connector_meta`` raises ``ValueError`` naming this request id
+  in its message (as LMCache's does) when vLLM schedules it;
 - ``stored_events``: publish a ``BlockStored`` for each finished request's first block;
   ``"wrong"`` pairs it with the tokens of the request finished before it, ``"removed"``
   also publishes a ``BlockRemoved`` for its second block, which was never stored;
@@ -39,6 +41,7 @@ class PlayConnector(KVConnectorBase_V1):
         self.delay_free = bool(extra.get("delay_free", False))
         self.async_load_tokens = int(extra.get("async_load_tokens", 0))
         self.raise_on = extra.get("raise_on")
+        self.raise_in_step = extra.get("raise_in_step")
         self.stored_events = extra.get("stored_events")
         self.delay_while_loading = bool(extra.get("delay_while_loading", False))
         self.block_size = vllm_config.cache_config.block_size
@@ -81,6 +84,8 @@ class PlayConnector(KVConnectorBase_V1):
             self.receiving.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self.raise_in_step in scheduler_output.num_scheduled_tokens:
+            raise ValueError(f"Request {self.raise_in_step} is not in its state")
         return KVConnectorMetadata()
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -71,6 +71,11 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+#: LMCache's in-process connector, configured by the LMCACHE_* settings the exercise sets
+#: where the environment has none (kvlife.offload.engines.vllm.exercise_lmcache_inprocess)
+LMCACHE_IN_PROCESS: dict[str, Any] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+
+
 def _cell(report: FamilyReport) -> str:
     if not report.failed:
         return "ok"
@@ -113,7 +118,7 @@ def section(seeds: int, steps: int, connectors: list[tuple[str, dict[str, Any]]]
     import vllm  # noqa: PLC0415
 
     version = vllm.__version__
-    if any(config["kv_connector"] == "LMCacheMPConnector" for _, config in connectors):
+    if any(config["kv_connector"].startswith("LMCache") for _, config in connectors):
         from importlib.metadata import version as installed  # noqa: PLC0415
 
         version += f", lmcache {installed('lmcache')}"
@@ -179,14 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if importlib.util.find_spec("lmcache") is None:
         text = section(args.seeds, args.steps, CONNECTORS)
-    else:  # LMCache's environment: its connector, against a real server started here
+    else:  # LMCache's environment: its two connectors (the MP one against a real server)
         from tests.engines.lmcache_server import lmcache_config, lmcache_server  # noqa: PLC0415
 
         logs = Path("build/exercise")
         logs.mkdir(parents=True, exist_ok=True)
         with lmcache_server(logs / "lmcache-server.log") as server:
-            name = "LMCache `LMCacheMPConnector`, real server"
-            text = section(args.seeds, args.steps, [(name, lmcache_config(server))])
+            connectors = [
+                ("LMCache `LMCacheMPConnector`, real server", lmcache_config(server)),
+                ("LMCache `LMCacheConnectorV1`, local CPU backend", LMCACHE_IN_PROCESS),
+            ]
+            text = section(args.seeds, args.steps, connectors)
     write(text)
     print(text)
     return 0

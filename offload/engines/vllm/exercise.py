@@ -360,6 +360,14 @@ def shut_down(scheduler: Any, workers: Any = None) -> BaseException | None:
     return raised
 
 
+def released(made: type[Any], scheduler: Any) -> None:
+    """What the connector's scheduler side holds past vLLM's ``shutdown()`` (sockets, say),
+    let go by the worker class that knows it (``release_scheduler``), after the run."""
+    release = getattr(made, "release_scheduler", None)
+    if release is not None:
+        release(scheduler)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
@@ -793,6 +801,7 @@ def run_one(
         result.raised_at = _where(exc)
     finally:
         stopped = shut_down(scheduler, workers)
+        released(made, scheduler)
     if stopped is not None and result.raised is None:  # the run found it at shutdown
         result.raised = f"{type(stopped).__name__} at shutdown(): {_first_line(stopped)}"
         result.raised_at = _where(stopped)
@@ -909,7 +918,9 @@ def exercise(
     directory.mkdir(parents=True, exist_ok=True)
     name = transfer["kv_connector"]
     layout = workers_class(name).kv_cache_layout
-    checked = shut_down(build_scheduler(transfer, directory / "build-check.jsonl", layout=layout))
+    scheduler = build_scheduler(transfer, directory / "build-check.jsonl", layout=layout)
+    checked = shut_down(scheduler)
+    released(workers_class(name), scheduler)
     if checked is not None:
         raise ExerciseConfigError(
             f"{name} built, then its shutdown() raised {type(checked).__name__}: "

@@ -119,7 +119,6 @@ class LMCacheInProcessWorkers(RealWorkers):
     def __init__(self, scheduler: Any, workers: int) -> None:
         from vllm.forward_context import ForwardContext  # noqa: PLC0415
 
-        self.scheduler_side = _impl(scheduler.connector)
         self.engines: list[tuple[Any, Any]] = []  # (engine, its stats logger)
         distributed(scheduler.vllm_config)
         super().__init__(scheduler, workers)
@@ -149,10 +148,18 @@ class LMCacheInProcessWorkers(RealWorkers):
     def forward_context(self) -> Any:
         return self.context
 
+    @staticmethod
+    def release_scheduler(scheduler: Any) -> None:
+        """The scheduler role's lookup sockets, which vLLM's ``shutdown()`` leaves open
+        (``LMCacheConnectorV1`` has no ``shutdown``), closed; not the process's shared ZMQ
+        context, which LMCache's own ``close`` would terminate under the other sockets."""
+        client = _impl(scheduler.connector)._manager.lookup_client
+        for sent in getattr(getattr(client, "transport", None), "sockets", ()):
+            sent.close(linger=0)
+
     def close(self) -> None:
-        """Close what LMCache started for the run, each from this thread: the workers'
-        offload and lookup servers, the scheduler's lookup sockets (not the process's
-        shared ZMQ context, which LMCache's client would terminate); destroy the engines."""
+        """Close what LMCache's workers started for the run, each from this thread: their
+        offload and lookup servers; destroy their engines."""
         for worker in self.ranks:
             manager = _impl(worker)._manager
             if manager.offload_server is not None:
@@ -161,13 +168,13 @@ class LMCacheInProcessWorkers(RealWorkers):
             if server is not None:
                 server.close()  # its thread leaves its loop within its receive timeout
                 server.transport.ctx.term()  # its own context
-        client = self.scheduler_side._manager.lookup_client
-        for sent in getattr(getattr(client, "transport", None), "sockets", ()):
-            sent.close(linger=0)
         for engine, stats in self.engines:
             if stats is not None:
                 stats.shutdown()
             engine.close()
+            storage = engine.storage_manager  # its close stops its event loop's thread
+            if storage is not None and not storage.thread.is_alive():
+                storage.loop.close()  # but leaves the loop (and its sockets) open
         self.engines.clear()
 
 
