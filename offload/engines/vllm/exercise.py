@@ -35,6 +35,9 @@ The worker side (``worker`` in the report):
   synchronously; its worker (files on disk, per-layer calls) is not run.
 * LMCache's ``LMCacheMPConnector``: its real worker, paced against the ``lmcache server``
   the config names (see [`exercise_lmcache`][kvlife.offload.engines.vllm.exercise_lmcache]).
+* LMCache's in-process ``LMCacheConnectorV1``: its real worker with LMCache's engine,
+  lookup server and local CPU backend in this process (see
+  [`exercise_lmcache_inprocess`][kvlife.offload.engines.vllm.exercise_lmcache_inprocess]).
 
 Request ids carry the family and the seed (``reuse3-p1``), so that no two runs share one.
 
