@@ -184,8 +184,8 @@ class LMCacheInProcessWorkers(RealWorkers):
 def _stop_offload_server(server: Any) -> None:
     """LMCache's offload server thread blocks in ``recv`` with no timeout; closing its
     socket from here aborts the process. Stop it the way it can stop: clear its flag, send
-    it one (empty) request from here, let its thread answer and leave its loop, then
-    close its socket."""
+    it one empty request from here (LMCache logs it as an error it could not decode), let
+    its thread leave its loop, then close its socket."""
     import zmq  # noqa: PLC0415
 
     server.running = False
