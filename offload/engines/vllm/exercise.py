@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -344,14 +345,24 @@ def build_scheduler(
         ) from exc
 
 
-def shut_down(scheduler: Any, workers: Any = None) -> BaseException | None:
+def shut_down(
+    scheduler: Any, workers: Any = None, made: type[Any] | None = None
+) -> BaseException | None:
     """Shut down what a run built, the way vLLM does at an engine's end: the played
     workers (their connectors' ``shutdown()``), then the scheduler (which calls the
-    connector's ``shutdown()``, through the audit wrapper, which then closes its log).
-    Returns what one of them raised (the last, ``STOPPING`` ones raised at once), so
-    that a connector that fails to let go is told, not hidden."""
+    connector's ``shutdown()``, through the audit wrapper, which then closes its log), then
+    what the scheduler side still holds past that (sockets, say), let go by the worker
+    class ``made`` that knows it (its ``release_scheduler``). Returns what one of them
+    raised (the last, ``STOPPING`` ones raised at once), so that a connector that fails to
+    let go is told, not hidden."""
+    release = getattr(made, "release_scheduler", None)
+    steps = (
+        getattr(workers, "close", None),
+        getattr(scheduler, "shutdown", None),
+        None if release is None else functools.partial(release, scheduler),
+    )
     raised: BaseException | None = None
-    for close in (getattr(workers, "close", None), getattr(scheduler, "shutdown", None)):
+    for close in steps:
         if close is None:
             continue
         try:
@@ -361,14 +372,6 @@ def shut_down(scheduler: Any, workers: Any = None) -> BaseException | None:
                 raise
             raised = exc
     return raised
-
-
-def released(made: type[Any], scheduler: Any) -> None:
-    """What the connector's scheduler side holds past vLLM's ``shutdown()`` (sockets, say),
-    let go by the worker class that knows it (``release_scheduler``), after the run."""
-    release = getattr(made, "release_scheduler", None)
-    if release is not None:
-        release(scheduler)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -803,8 +806,7 @@ def run_one(
         result.raised = f"{type(exc).__name__}: {_first_line(exc)}"
         result.raised_at = _where(exc)
     finally:
-        stopped = shut_down(scheduler, workers)
-        released(made, scheduler)
+        stopped = shut_down(scheduler, workers, made)
     if stopped is not None and result.raised is None:  # the run found it at shutdown
         result.raised = f"{type(stopped).__name__} at shutdown(): {_first_line(stopped)}"
         result.raised_at = _where(stopped)
@@ -920,10 +922,11 @@ def exercise(
         raise ExerciseConfigError(f"unknown families {unknown}: choose from {sorted(FAMILIES)}")
     directory.mkdir(parents=True, exist_ok=True)
     name = transfer["kv_connector"]
-    layout = workers_class(name).kv_cache_layout
-    scheduler = build_scheduler(transfer, directory / "build-check.jsonl", layout=layout)
-    checked = shut_down(scheduler)
-    released(workers_class(name), scheduler)
+    made = workers_class(name)
+    scheduler = build_scheduler(
+        transfer, directory / "build-check.jsonl", layout=made.kv_cache_layout
+    )
+    checked = shut_down(scheduler, made=made)
     if checked is not None:
         raise ExerciseConfigError(
             f"{name} built, then its shutdown() raised {type(checked).__name__}: "

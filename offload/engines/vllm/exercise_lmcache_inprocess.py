@@ -167,10 +167,8 @@ class LMCacheInProcessWorkers(RealWorkers):
             manager = _impl(worker)._manager
             if manager.offload_server is not None:
                 _stop_offload_server(manager.offload_server)
-            server = manager.lookup_server
-            if server is not None:
-                server.close()  # its thread leaves its loop within its receive timeout
-                server.transport.ctx.term()  # its own context
+            if manager.lookup_server is not None:
+                _stop_lookup_server(manager.lookup_server)
         for engine, stats in self.engines:
             if stats is not None:
                 stats.shutdown()
@@ -181,27 +179,45 @@ class LMCacheInProcessWorkers(RealWorkers):
         self.engines.clear()
 
 
-def _stop_offload_server(server: Any) -> None:
-    """LMCache's offload server thread blocks in ``recv`` with no timeout; closing its
-    socket from here aborts the process. Stop it the way it can stop: clear its flag, send
-    it one empty request from here (LMCache logs it as an error it could not decode), let
-    its thread leave its loop, then close its socket."""
+def _stopped(server: Any, socket: Any, request: list[bytes]) -> bool:
+    """Stop one of LMCache's server threads now: clear its flag and send its socket one
+    ``request`` from here, so that its blocked ``recv`` returns and its loop ends (the
+    lookup server would leave only at its 1 s receive timeout; the offload server, whose
+    ``recv`` has none, never). Whether its thread is gone."""
     import zmq  # noqa: PLC0415
 
     server.running = False
     if server.thread.is_alive():
-        path = server.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         context = zmq.Context()
         waker = context.socket(zmq.REQ)
         waker.setsockopt(zmq.LINGER, 0)
         waker.setsockopt(zmq.SNDTIMEO, 2000)
-        waker.connect(path)
+        waker.connect(socket.getsockopt_string(zmq.LAST_ENDPOINT))
         with contextlib.suppress(zmq.ZMQError):
-            waker.send(b"")
+            waker.send_multipart(request)
         server.thread.join(timeout=5.0)
         waker.close()
         context.term()
-    if not server.thread.is_alive():
+    return not server.thread.is_alive()
+
+
+def _stop_lookup_server(server: Any) -> None:
+    """A lookup of nothing (LMCache answers it 0), then LMCache's own close, which joins
+    the thread and closes the socket; then the server's own ZMQ context."""
+    import msgspec  # noqa: PLC0415
+
+    frames: tuple[Any, ...] = ([], [], "kvlife-close", "")  # hashes, offsets, id, configs
+    nothing = [msgspec.msgpack.encode(frame) for frame in frames]
+    _stopped(server, server.transport.socket, nothing)
+    server.close()
+    server.transport.ctx.term()
+
+
+def _stop_offload_server(server: Any) -> None:
+    """Closing its socket under its blocked ``recv`` aborts the process: an empty request
+    first (LMCache logs it as an error it could not decode), the socket closed once its
+    thread is gone. Its context is the process's shared one: left open."""
+    if _stopped(server, server.socket, [b""]):
         server.socket.close(linger=0)
 
 
