@@ -1032,7 +1032,13 @@ def test_in_an_engine_core_process_a_termination_signal_settles_the_log_first(
         assert seen == [signal.SIGTERM]  # vLLM's own handler still ran, after kvlife's
         assert not (tmp_path / "kvlife.jsonl.open").exists()
         assert check_audit(AuditReader(audit)).ok  # every record so far, settled
+        settled = len(read_audit(audit).records)
+        # vLLM aborts or drains the running requests after the signal: their records end
+        # with a closing record too, so a kill that comes now leaves the log closed
         engine.run_until_idle()
+        [ending] = check_audit(AuditReader(audit)).endings
+        assert (ending.status, ending.how) == ("closed", "signal"), ending
+        assert len(read_audit(audit).records) > settled  # written after the signal
         engine.connector.shutdown()
         assert signal.getsignal(signal.SIGTERM) is vllms_handler  # kvlife's handler gone
         assert check_audit(AuditReader(audit), expect_released=True).lifecycles == 1
@@ -1044,8 +1050,31 @@ def test_outside_an_engine_core_process_no_signal_handler_changes(tmp_path: Any)
     import signal  # noqa: PLC0415
 
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
-    Engine(audit_log=str(tmp_path / "kvlife.jsonl")).connector.shutdown()
+    engine = Engine(audit_log=str(tmp_path / "kvlife.jsonl"))
+    assert engine.connector._scheduler.log.stop_hint(0) is None  # no kill to race
+    engine.connector.shutdown()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+def test_an_engine_core_that_vllm_kills_at_once_at_a_stop_is_told_at_start(
+    tmp_path: Any,
+) -> None:
+    """vLLM's default shutdown timeout (0 s) kills the engine core right after its
+    signal: the start-up hint says the log may read cut short, and how to avoid it; a
+    timeout of a few seconds, or no audit log, says nothing."""
+    import signal  # noqa: PLC0415
+
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # vLLM's engine core
+    try:
+        engine = Engine(audit_log=str(tmp_path / "kvlife.jsonl"))
+        hint = engine.connector._scheduler.log.stop_hint(0)
+        assert hint is not None and "cut short" in hint and "--shutdown-timeout" in hint
+        assert engine.connector._scheduler.log.stop_hint(10) is None
+        assert engine.connector._scheduler.log.stop_hint(None) is None  # an older vLLM
+        engine.connector.shutdown()
+        assert Engine().connector._scheduler.log.stop_hint(0) is None  # no audit log
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_a_store_held_back_past_audit_overdue_s_is_written_and_counted(tmp_path: Any) -> None:

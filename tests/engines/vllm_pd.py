@@ -49,6 +49,9 @@ def server_command(model: Path, port: int, transfer: dict[str, Any]) -> list[str
         *("--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK)),
         *("--enforce-eager", "--num-gpu-blocks-override", "64", "--seed", "0"),
         *("--gpu-memory-utilization", "0.1"),
+        # a stop lets kvlife's signal handler settle the log before vLLM kills the engine
+        # core (with vLLM's default, 0, a loaded machine may read the log as cut short)
+        *("--shutdown-timeout", "10"),
         *("--kv-transfer-config", json.dumps(transfer)),
     ]
 

@@ -917,6 +917,9 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
                 config.mode,
                 f", audit log {path}" if path else ", no audit log",
             )
+            hint = self.watch.log.stop_hint(getattr(vllm_config, "shutdown_timeout", None))
+            if hint:
+                logger.info(hint)
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -142,6 +142,9 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
                 pages,
                 audit or "off",
             )
+            hint = self._scheduler.log.stop_hint(getattr(vllm_config, "shutdown_timeout", None))
+            if hint:
+                logger.info(hint)
         else:
             self._worker = WorkerSide(
                 pages=pages,

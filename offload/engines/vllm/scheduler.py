@@ -48,6 +48,8 @@ from kvlife.offload.planner import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -61,11 +63,12 @@ MEDIUM = "CPU"
 """The ``medium`` of the host tier's KV events (vLLM's own CPU offload says the same)."""
 
 
-def settle_on_signals(sink: JsonLinesSink) -> dict[int, tuple[Any, Any]]:
-    """In vLLM's engine-core process, settle ``sink`` (records out, ``.open`` marker gone)
-    as soon as SIGINT or SIGTERM arrives, then run vLLM's own handler. vLLM's server
-    signals its engine core and kills it moments later (``mode=abort timeout=0s``), before
-    any shutdown call reaches the connector.
+def settle_on_signals(settle: Callable[[], object]) -> dict[int, tuple[Any, Any]]:
+    """In vLLM's engine-core process, call ``settle`` (which settles a sink: records out, a
+    closing record, ``.open`` marker gone; it must never wait) as soon as SIGINT or
+    SIGTERM arrives, then run vLLM's own handler. vLLM's server signals its engine core
+    and kills it moments later (``mode=abort timeout=0s``), before any shutdown call
+    reaches the connector.
 
     Only where vLLM handles SIGTERM itself (its engine-core process) and from the main
     thread; elsewhere (an engine core in the caller's own process) nothing changes.
@@ -81,7 +84,7 @@ def settle_on_signals(sink: JsonLinesSink) -> dict[int, tuple[Any, Any]]:
         previous = signal.getsignal(signum)
 
         def settle_first(number: int, frame: Any, previous: Any = previous) -> None:
-            sink.settle()  # never waits, never logs: safe in a signal handler
+            settle()  # never waits, never logs: safe in a signal handler
             if callable(previous):
                 previous(number, frame)
             elif previous == signal.SIG_DFL:
@@ -121,13 +124,39 @@ class CoreLog:
                 open_marker=True,
                 witness=witness,
             )
+        #: A termination signal came: vLLM is stopping this engine core (see ``written``).
+        self.stopping = False
         # signal -> (kvlife's handler, vLLM's before it)
-        self.handlers = settle_on_signals(self.sink) if self.sink is not None else {}
+        self.handlers = settle_on_signals(self.settle) if self.sink is not None else {}
         self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
         #: Between the end of ``schedule()`` (``build_connector_meta``) and the end of
         #: ``update_from_output()`` (``get_kv_connector_stats``): the calls made then are
         #: written out with the step's; calls between steps are written out at once.
         self.in_step = False
+
+    def stop_hint(self, shutdown_timeout: object) -> str | None:
+        """The start-up line that tells the operator how a stop will end this log, when
+        vLLM will kill the engine core at once at a stop (``shutdown_timeout`` 0, vLLM's
+        default) and only kvlife's signal handler settles the log before that kill, which
+        a busy machine can let the kill win; ``None`` otherwise (no log, no handler: an
+        engine core in the caller's own process, or a timeout that lets the handler run
+        first)."""
+        if not self.handlers or shutdown_timeout != 0:
+            return None
+        return (
+            "kvlife: vLLM's shutdown timeout is 0 s: at a stop vLLM kills this engine core "
+            "at once, and its audit log reads as cut short (nothing in flight) whenever the "
+            "kill comes before kvlife's signal handler has run; a few seconds "
+            "(--shutdown-timeout 10) let the handler close the log first"
+        )
+
+    def settle(self) -> None:
+        """A termination signal (called in its handler): settle the log now (see
+        ``JsonLinesSink.settle``; nothing is done when the signal interrupted a write of
+        this log), and from now on end every write-out with a closing record too."""
+        self.stopping = True
+        if self.sink is not None:
+            self.sink.settle()
 
     def written(self) -> None:
         """Write the records out now (no fsync), so that an engine core killed after this
@@ -140,10 +169,14 @@ class CoreLog:
         One write a half-step, not one a call: each costs a system call and a lock (about
         5 us alone, 14 us inside a step here). vLLM kills its engine core at every stop of
         a server, before any shutdown call reaches the connector; SIGTERM and SIGINT
-        settle the log first."""
+        settle the log first. After such a signal each write-out also ends with a closing
+        record: vLLM aborts or drains the running requests after the signal, and its
+        kill, whenever it comes between two write-outs, leaves the log closed."""
         sink = self.sink
         if sink is not None and sink.waiting:
             sink.write_out()
+            if self.stopping:
+                sink.settle()  # (the flush thread's write in progress: not this time)
 
     def step_ended(self, half: str) -> None:
         """The end of ``schedule()`` (``half`` ``"schedule"``) or of
