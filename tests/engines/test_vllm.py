@@ -1046,6 +1046,34 @@ def test_in_an_engine_core_process_a_termination_signal_settles_the_log_first(
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_signal_that_lands_during_a_write_is_settled_at_the_next_write_out(
+    tmp_path: Any,
+) -> None:
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # vLLM's engine core
+    try:
+        audit = tmp_path / "kvlife.jsonl"
+        engine = Engine(audit_log=str(audit), audit_flush_s=3600)
+        engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=2))
+        engine.step()
+        lock = engine.connector._scheduler.sink._file.lock
+        with lock:  # the signal interrupts a write of the log: the handler writes nothing
+            os.kill(os.getpid(), signal.SIGTERM)
+        [ending] = check_audit(AuditReader(audit)).endings
+        assert ending.status == "open" and (tmp_path / "kvlife.jsonl.open").exists()
+        engine.connector._scheduler.log.written()  # the next write-out, nothing new to write
+        [ending] = check_audit(AuditReader(audit)).endings
+        assert (ending.status, ending.how) == ("closed", "signal"), ending
+        closings = audit.read_text().count('"kvlife_closed"')
+        engine.connector._scheduler.log.written()  # settled already: nothing written again
+        assert audit.read_text().count('"kvlife_closed"') == closings
+        engine.connector.shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_outside_an_engine_core_process_no_signal_handler_changes(tmp_path: Any) -> None:
     import signal  # noqa: PLC0415
 

@@ -126,6 +126,8 @@ class CoreLog:
             )
         #: A termination signal came: vLLM is stopping this engine core (see ``written``).
         self.stopping = False
+        #: The log ends with a closing record since the signal (``written`` keeps it so).
+        self.settled = False
         # signal -> (kvlife's handler, vLLM's before it)
         self.handlers = settle_on_signals(self.settle) if self.sink is not None else {}
         self.registry = LifecycleRegistry(sinks=[self.sink] if self.sink else [])
@@ -153,10 +155,11 @@ class CoreLog:
     def settle(self) -> None:
         """A termination signal (called in its handler): settle the log now (see
         ``JsonLinesSink.settle``; nothing is done when the signal interrupted a write of
-        this log), and from now on end every write-out with a closing record too."""
+        this log: the next write-out settles it), and from now on end every write-out with
+        a closing record too."""
         self.stopping = True
         if self.sink is not None:
-            self.sink.settle()
+            self.settled = self.sink.settle()
 
     def written(self) -> None:
         """Write the records out now (no fsync), so that an engine core killed after this
@@ -173,10 +176,13 @@ class CoreLog:
         record: vLLM aborts or drains the running requests after the signal, and its
         kill, whenever it comes between two write-outs, leaves the log closed."""
         sink = self.sink
-        if sink is not None and sink.waiting:
+        if sink is None:
+            return
+        if sink.waiting:
             sink.write_out()
-            if self.stopping:
-                sink.settle()  # (the flush thread's write in progress: not this time)
+            self.settled = False
+        if self.stopping and not self.settled:  # (False: the flush thread was writing)
+            self.settled = sink.settle()
 
     def step_ended(self, half: str) -> None:
         """The end of ``schedule()`` (``half`` ``"schedule"``) or of
