@@ -22,7 +22,8 @@ def free_port() -> int:
 
 def wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path, deadline: float) -> None:
     """Wait until the server at ``url`` answers ``/health`` (before ``deadline``, a
-    ``time.monotonic()``); its log's tail in the failure when the process ended."""
+    ``time.monotonic()``); its log's tail in the failure when the process ended or did
+    not answer in time."""
     while True:
         assert process.poll() is None, log.read_text()[-3000:]
         with (
@@ -31,7 +32,10 @@ def wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path, deadline
         ):
             if response.status == 200:
                 return
-        assert time.monotonic() < deadline, f"{log.name}: the server did not start in time"
+        assert time.monotonic() < deadline, (
+            f"{log.name}: the server did not answer /health in time; its log ends:\n"
+            + log.read_text(errors="replace")[-3000:]
+        )
         time.sleep(0.5)
 
 
