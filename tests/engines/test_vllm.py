@@ -1079,9 +1079,16 @@ def test_outside_an_engine_core_process_no_signal_handler_changes(tmp_path: Any)
 
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     engine = Engine(audit_log=str(tmp_path / "kvlife.jsonl"))
-    assert engine.connector._scheduler.log.stop_hint(0) is None  # no kill to race
+    assert engine.connector._scheduler.log.stop_hint(_stopping_in(0)) is None  # no kill
     engine.connector.shutdown()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+def _stopping_in(seconds: int) -> Any:
+    """A vLLM config whose ``shutdown_timeout`` is ``seconds``."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    return SimpleNamespace(shutdown_timeout=seconds)
 
 
 def test_an_engine_core_that_vllm_kills_at_once_at_a_stop_is_told_at_start(
@@ -1095,12 +1102,13 @@ def test_an_engine_core_that_vllm_kills_at_once_at_a_stop_is_told_at_start(
     before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # vLLM's engine core
     try:
         engine = Engine(audit_log=str(tmp_path / "kvlife.jsonl"))
-        hint = engine.connector._scheduler.log.stop_hint(0)
+        log = engine.connector._scheduler.log
+        hint = log.stop_hint(_stopping_in(0))
         assert hint is not None and "cut short" in hint and "--shutdown-timeout" in hint
-        assert engine.connector._scheduler.log.stop_hint(10) is None
-        assert engine.connector._scheduler.log.stop_hint(None) is None  # an older vLLM
+        assert log.stop_hint(_stopping_in(10)) is None
+        assert log.stop_hint(object()) is None  # a vLLM without the setting
         engine.connector.shutdown()
-        assert Engine().connector._scheduler.log.stop_hint(0) is None  # no audit log
+        assert Engine().connector._scheduler.log.stop_hint(_stopping_in(0)) is None  # no log
     finally:
         signal.signal(signal.SIGTERM, before)
 

@@ -38,7 +38,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this pr
 from kvlife.fsm import AuditReader, check_audit, read_audit
 from kvlife.fsm.audit.checker import pid_alive
 from tests.engines.vllm_model import BLOCK, make_llm, make_model, prompts
-from tests.engines.vllm_server import free_port, stop, wait_healthy
+from tests.engines.vllm_server import SHUTDOWN_TIMEOUT, free_port, stop, wait_healthy
 
 MAX_TOKENS = 16
 KVLIFE = {
@@ -347,15 +347,12 @@ def _server(
     *,
     kvlife: bool = True,
     data_parallel: int = 1,
-    shutdown_timeout: int = 10,
+    shutdown_timeout: int = SHUTDOWN_TIMEOUT,
 ) -> Iterator[str]:
     """vLLM's OpenAI server on 127.0.0.1 with kvlife, ids not randomized, a KV cache of
     64 blocks (so that requests are preempted); ``data_parallel`` engine cores, each on a
     core of its own; stopped with SIGINT to its process group, as an operator stops it.
-    ``shutdown_timeout``: vLLM's ``--shutdown-timeout``; with vLLM's default, 0, vLLM
-    kills each engine core right after its signal, a race with kvlife's signal handler
-    that a loaded machine loses now and then (the log then reads as cut short), so the
-    tests that read a log's ending give it 10 s, as docs/audit.md advises.
+    ``shutdown_timeout``: vLLM's ``--shutdown-timeout`` (see ``SHUTDOWN_TIMEOUT``).
     Yields its base URL."""
     with _server_process(
         model,
@@ -377,7 +374,7 @@ def _server_process(
     kvlife: bool = True,
     data_parallel: int = 1,
     wrapped: bool = False,
-    shutdown_timeout: int = 10,
+    shutdown_timeout: int = SHUTDOWN_TIMEOUT,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``_server``, yielding its process too (a test may stop it its own way first);
     ``wrapped``: kvlife's connector inside the audit wrapper, whose log is ``audit``."""
@@ -724,7 +721,7 @@ def test_a_stopped_server_closes_its_log_and_a_killed_one_is_told_cut_short(
     wrapped = writer == "wrapper"
     # a stop with vLLM's default shutdown timeout could lose the race it says at start;
     # a kill loses everything after it, whatever the timeout
-    timeout = 10 if how == "SIGTERM" else 0
+    timeout = SHUTDOWN_TIMEOUT if how == "SIGTERM" else 0
     with _server_process(model, audit, log, wrapped=wrapped, shutdown_timeout=timeout) as (
         url,
         process,

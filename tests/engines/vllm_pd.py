@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.engines.vllm_model import BLOCK
-from tests.engines.vllm_server import free_port, stop, wait_healthy
+from tests.engines.vllm_server import SHUTDOWN_TIMEOUT, free_port, stop, wait_healthy
 
 
 def post(url: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
@@ -49,9 +49,7 @@ def server_command(model: Path, port: int, transfer: dict[str, Any]) -> list[str
         *("--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK)),
         *("--enforce-eager", "--num-gpu-blocks-override", "64", "--seed", "0"),
         *("--gpu-memory-utilization", "0.1"),
-        # a stop lets kvlife's signal handler settle the log before vLLM kills the engine
-        # core (with vLLM's default, 0, a loaded machine may read the log as cut short)
-        *("--shutdown-timeout", "10"),
+        *("--shutdown-timeout", str(SHUTDOWN_TIMEOUT)),
         *("--kv-transfer-config", json.dumps(transfer)),
     ]
 

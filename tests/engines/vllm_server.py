@@ -12,6 +12,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+SHUTDOWN_TIMEOUT = 10
+"""vLLM's ``--shutdown-timeout`` for the servers whose audit log a test reads at the end:
+with vLLM's default, 0, vLLM kills each engine core right after its signal, a race with
+kvlife's signal handler that a loaded machine loses now and then (the log then reads as
+cut short), so these servers give it 10 s, as docs/vllm.md advises."""
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""

@@ -917,9 +917,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
                 config.mode,
                 f", audit log {path}" if path else ", no audit log",
             )
-            hint = self.watch.log.stop_hint(getattr(vllm_config, "shutdown_timeout", None))
-            if hint:
-                logger.info(hint)
+            self.watch.log.stop_hint(vllm_config)
 
     # ------------------------------------------------------------------ scheduler side
 

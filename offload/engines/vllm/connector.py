@@ -142,9 +142,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
                 pages,
                 audit or "off",
             )
-            hint = self._scheduler.log.stop_hint(getattr(vllm_config, "shutdown_timeout", None))
-            if hint:
-                logger.info(hint)
+            self._scheduler.log.stop_hint(vllm_config)
         else:
             self._worker = WorkerSide(
                 pages=pages,

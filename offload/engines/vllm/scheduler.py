@@ -136,21 +136,23 @@ class CoreLog:
         #: written out with the step's; calls between steps are written out at once.
         self.in_step = False
 
-    def stop_hint(self, shutdown_timeout: object) -> str | None:
-        """The start-up line that tells the operator how a stop will end this log, when
-        vLLM will kill the engine core at once at a stop (``shutdown_timeout`` 0, vLLM's
-        default) and only kvlife's signal handler settles the log before that kill, which
-        a busy machine can let the kill win; ``None`` otherwise (no log, no handler: an
-        engine core in the caller's own process, or a timeout that lets the handler run
-        first)."""
-        if not self.handlers or shutdown_timeout != 0:
+    def stop_hint(self, vllm_config: Any) -> str | None:
+        """Log (and return) the start-up line that tells the operator how a stop will end
+        this log, when vLLM will kill the engine core at once at a stop (its
+        ``shutdown_timeout`` 0, vLLM's default) and only kvlife's signal handler settles
+        the log before that kill, which a busy machine can let the kill win; ``None``
+        otherwise (no log, no handler: an engine core in the caller's own process; a
+        timeout that lets the handler run first; a vLLM without the setting)."""
+        if not self.handlers or getattr(vllm_config, "shutdown_timeout", None) != 0:
             return None
-        return (
+        hint = (
             "kvlife: vLLM's shutdown timeout is 0 s: at a stop vLLM kills this engine core "
             "at once, and its audit log reads as cut short (nothing in flight) whenever the "
             "kill comes before kvlife's signal handler has run; a few seconds "
             "(--shutdown-timeout 10) let the handler close the log first"
         )
+        logger.info(hint)
+        return hint
 
     def settle(self) -> None:
         """A termination signal (called in its handler): settle the log now (see
@@ -178,10 +180,10 @@ class CoreLog:
         sink = self.sink
         if sink is None:
             return
-        if sink.waiting:
+        wrote = sink.waiting
+        if wrote:
             sink.write_out()
-            self.settled = False
-        if self.stopping and not self.settled:  # (False: the flush thread was writing)
+        if self.stopping and (wrote or not self.settled):  # (not settled: a write was on)
             self.settled = sink.settle()
 
     def step_ended(self, half: str) -> None:
