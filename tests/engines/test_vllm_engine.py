@@ -341,27 +341,16 @@ def test_vllms_metrics_logger_takes_kvlifes_stats() -> None:
 
 @contextlib.contextmanager
 def _server(
-    model: Path,
-    audit: Path,
-    log: Path,
-    *,
-    kvlife: bool = True,
-    data_parallel: int = 1,
-    shutdown_timeout: int = SHUTDOWN_TIMEOUT,
+    model: Path, audit: Path, log: Path, *, kvlife: bool = True, data_parallel: int = 1
 ) -> Iterator[str]:
     """vLLM's OpenAI server on 127.0.0.1 with kvlife, ids not randomized, a KV cache of
     64 blocks (so that requests are preempted); ``data_parallel`` engine cores, each on a
     core of its own; stopped with SIGINT to its process group, as an operator stops it.
-    ``shutdown_timeout``: vLLM's ``--shutdown-timeout`` (see ``SHUTDOWN_TIMEOUT``).
-    Yields its base URL."""
-    with _server_process(
-        model,
-        audit,
-        log,
-        kvlife=kvlife,
-        data_parallel=data_parallel,
-        shutdown_timeout=shutdown_timeout,
-    ) as (url, _):
+    vLLM's ``--shutdown-timeout`` is ``SHUTDOWN_TIMEOUT``. Yields its base URL."""
+    with _server_process(model, audit, log, kvlife=kvlife, data_parallel=data_parallel) as (
+        url,
+        _,
+    ):
         yield url
 
 
@@ -377,7 +366,8 @@ def _server_process(
     shutdown_timeout: int = SHUTDOWN_TIMEOUT,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``_server``, yielding its process too (a test may stop it its own way first);
-    ``wrapped``: kvlife's connector inside the audit wrapper, whose log is ``audit``."""
+    ``wrapped``: kvlife's connector inside the audit wrapper, whose log is ``audit``;
+    ``shutdown_timeout``: vLLM's ``--shutdown-timeout``."""
     port = free_port()
     # no timed flush during the run: what is in the file is what each call wrote out
     extra = {"host_pages": 256, "audit_log": str(audit), "audit_flush_s": 3600}
