@@ -55,10 +55,11 @@ from kvlife.offload.bench_copies import (
 )
 from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
+from kvlife.offload.dma import batch_available as batch_copy_available
+from kvlife.offload.dma import runtime_version
 from kvlife.offload.host_callback import StreamGate
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import KVLayout
-from kvlife.offload.peer_copies import batch_copy_available, runtime_version
 
 CPU_TOKENS: Final = (1024, 4096)
 """Token counts measured by default on CPU."""

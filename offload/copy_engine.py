@@ -41,10 +41,11 @@ from typing import Any, Literal
 
 import torch
 
+from kvlife.offload.block_copy import BlockRuns, block_span
 from kvlife.offload.host_callback import HostCallbacks
 from kvlife.offload.host_pool import HostPagePool, HostPages, page_runs
 from kvlife.offload.index_ring import IndexRing
-from kvlife.offload.layout import KVLayout
+from kvlife.offload.layout import KVLayout, LayoutError
 
 
 class CopyError(RuntimeError):
@@ -147,6 +148,17 @@ class CopyEngine:
             copy and restored after it); ``None`` (the default) leaves the process's
             setting alone. On a small machine with other load, 1 avoids threads that wait
             on each other for small copies.
+        direct: a ``"blocks"`` layout whose blocks of every component are one run of
+            bytes each (a block-outermost cache: see
+            [`block_span()`][kvlife.offload.block_copy.block_span]) is copied run by run
+            with no kernel and no staging (``path`` ``"direct"``). ``None`` (the default):
+            whenever the cache allows it; ``True``: required (``LayoutError`` otherwise);
+            ``False``: never (the gather path).
+
+    Raises:
+        ValueError: a bad argument (nothing built).
+        LayoutError: the tensors do not match ``layout``, or ``direct=True`` on a cache
+            whose blocks are not runs (the message says why).
 
     Attributes:
         before_cpu_copy: ``None``, or a function called (with no argument) right before
@@ -166,6 +178,7 @@ class CopyEngine:
         defer: bool = False,
         completion: Literal["poll", "callback"] = "poll",
         threads: int | None = None,
+        direct: bool | None = None,
     ) -> None:
         if host.layout != layout:
             raise ValueError("the host pool was made for another layout")
@@ -194,19 +207,21 @@ class CopyEngine:
         self.threads = threads
         self._callbacks = HostCallbacks() if completion == "callback" else None
         self._next_stream = 0
+        self._direct = self._direct_runs(direct)
         shape_cm = (layout.components, chunk_pages * layout.page_size, layout.elems)
         shape_pm = (chunk_pages, layout.components, layout.page_size, layout.elems)
         # CUDA: two staging buffers per stream, so that a store and a load on two
         # streams never wait on each other's buffers
         buffers = 2 * streams if self.cuda else 1
         # On the CPU, staging is needed only for slots that are not whole aligned pages:
-        # made on first use.
+        # made on first use; direct copies need none.
+        staged = self.cuda and self._direct is None
         self._staging_cm = [
-            torch.empty(shape_cm if self.cuda else (0,), dtype=layout.dtype, device=self.device)
+            torch.empty(shape_cm if staged else (0,), dtype=layout.dtype, device=self.device)
             for _ in range(buffers)
         ]
         self._staging_pm = [
-            torch.empty(shape_pm if self.cuda else (0,), dtype=layout.dtype, device=self.device)
+            torch.empty(shape_pm if staged else (0,), dtype=layout.dtype, device=self.device)
             for _ in range(buffers)
         ]
         self._shapes = (shape_cm, shape_pm)
@@ -221,7 +236,11 @@ class CopyEngine:
             else [c[:pooled].view(-1, page, layout.elems) for c in self.components]
         )
         self._page_offsets = torch.arange(page)
-        if self.cuda:
+        if self.cuda and self._direct is not None:
+            self._copy_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
+            self._gather_streams = []
+            self._warm_direct(self._direct)
+        elif self.cuda:
             self._gather_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
             self._copy_streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
             # staging buffer b is free again once the copy that read it is done, and
@@ -239,6 +258,81 @@ class CopyEngine:
             capacity = warm + 2 * host.capacity * (page + 1)
             self._indices = IndexRing(capacity, self.device, pin=True)
             self._warm()
+
+    def _direct_runs(self, direct: bool | None) -> BlockRuns | None:
+        """The run-by-run copier of a block-outermost cache, or ``None`` (see ``direct``)."""
+        if direct is False:
+            return None
+        span = block_span(self.components) if self.layout.kind == "blocks" else None
+        if span is None:
+            if direct:
+                raise LayoutError(
+                    "direct=True, but a block of every component is not one run of bytes in "
+                    f"this {self.layout.kind} cache (a per-layer layout: each layer's blocks "
+                    "in a region of its own)"
+                )
+            return None
+        return BlockRuns(span, self.host.tensor)
+
+    @property
+    def path(self) -> Literal["direct", "gather"]:
+        """How copies run: ``"direct"`` (whole blocks run by run, no kernel: on CUDA one
+        ``cudaMemcpyBatchAsync`` per store or load) or ``"gather"`` (a gather or scatter on
+        the device through staging buffers on CUDA; ``index_select`` and ``copy_`` per
+        component on the CPU)."""
+        return "gather" if self._direct is None else "direct"
+
+    def describe(self) -> str:
+        """The copy path in words, for a start-up log."""
+        direct = self._direct
+        if direct is None:
+            if self.cuda:
+                return "a gather kernel into staging, then one copy per run of host pages"
+            return "a gather per component (index_select), a copy_ per page and component back"
+        span = direct.span
+        how = (
+            "one cudaMemcpyBatchAsync per store or load (copy engines, no kernel)"
+            if direct.batch
+            else "one cudaMemcpyAsync per run (no kernel)"
+            if self.cuda
+            else "one copy_ per run"
+        )
+        merged = "consecutive blocks merge into one run" if span.packed else "one run per block"
+        return f"direct: a block of every layer is one run of {span.size} bytes, {merged}; {how}"
+
+    def _warm_direct(self, direct: BlockRuns) -> None:
+        """Make the first batch call of the process here (the driver's set-up), both ways:
+        device block 0 into a pinned scratch page and back, ordered after the current
+        stream's work; the current stream waits for it."""
+        compute = torch.cuda.current_stream(self.device)
+        scratch = torch.empty((1, *self.host.tensor.shape[1:]), dtype=self.layout.dtype,
+                              pin_memory=True)  # fmt: skip
+        warm = BlockRuns(direct.span, scratch)
+        first = torch.zeros(1, dtype=torch.long)
+        kept = []
+        for copy_stream in self._copy_streams:
+            copy_stream.wait_stream(compute)
+            kept.append(warm.copy_cuda(first, (0,), copy_stream, to_host=True))
+            kept.append(warm.copy_cuda(first, (0,), copy_stream, to_host=False))
+            torch.cuda.Event().record(copy_stream)
+            compute.wait_stream(copy_stream)
+        self._warm_keep = scratch  # read by the copies above until they are done
+        self._warm_listed = kept
+
+    def _launch_direct(self, index: torch.Tensor, pages: HostPages, stream: int) -> CopyJob:
+        """A CUDA store of whole blocks by the copy engines (see ``direct``)."""
+        direct = self._direct
+        assert direct is not None
+        copy_stream = self._copy_streams[stream]
+        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # compute wrote the KV
+        listed = direct.copy_cuda(index, pages.indices, copy_stream, to_host=True)
+        done = torch.cuda.Event()
+        done.record(copy_stream)
+        job = CopyJob(pages, len(index), stream, done, keep=(listed,))
+        if self._callbacks is not None:
+            self._callbacks.after(copy_stream, job)
+        job.recorded = True
+        return job
 
     def _warm(self) -> None:
         """Launch, once, the kernels and copies the CUDA store and load paths use, on
@@ -326,6 +420,17 @@ class CopyEngine:
         n = len(index)
         stream = self._next_stream
         self._next_stream = (stream + 1) % self.streams
+        if self._direct is not None and self.cuda:
+            if index.device.type != "cpu":
+                raise ValueError(
+                    "a direct block copy takes its blocks on the host (a list or a CPU tensor)"
+                )
+            try:
+                return self._launch_direct(index, pages, stream)
+            except Exception as exc:  # refused by the runtime: nothing was queued
+                failed = CopyJob(pages, n, stream, None)
+                failed.error = exc
+                return failed
         if self.cuda:
             try:
                 return self._launch_cuda(index, pages, stream)
@@ -428,6 +533,9 @@ class CopyEngine:
         return starts // page
 
     def _copy_cpu_pages(self, index: torch.Tensor, pages: HostPages) -> None:
+        if self._direct is not None:
+            self._direct.copy_cpu(index, pages.indices, to_host=True)
+            return
         page = self.layout.page_size
         whole = len(index) // page
         if self.layout.kind == "blocks":  # a block is a page: always whole and aligned
@@ -480,9 +588,10 @@ class CopyEngine:
 
     def _settle_failed(self, stream: int) -> None:
         """After a launch failed part way: wait for what it queued, give its indices back."""
-        self._gather_streams[stream].synchronize()
         self._copy_streams[stream].synchronize()
-        self._indices.abandon()
+        if self._direct is None:  # direct copies queue nothing once refused, use no ring
+            self._gather_streams[stream].synchronize()
+            self._indices.abandon()
 
     def _next_buffer(self, stream: int) -> int:
         turn = self._turn[stream]
@@ -573,7 +682,11 @@ class CopyEngine:
         if self.cuda:
             job.recorded = False
         try:
-            if self.cuda:
+            if self._direct is not None and self.cuda:
+                self._load_direct(pages, device_pages, stream, job)
+            elif self._direct is not None:
+                self._direct.copy_cpu(device_pages, pages.indices, to_host=False)
+            elif self.cuda:
                 self._load_cuda(pages, device_pages, stream, job)
             else:
                 offset = 0
@@ -589,6 +702,22 @@ class CopyEngine:
             job.event = None
             job.recorded = True
         return job
+
+    def _load_direct(
+        self, pages: HostPages, blocks: torch.Tensor, stream: int, job: CopyJob
+    ) -> None:
+        """Host pages into whole device blocks by the copy engines, after the work queued
+        on the current stream (it may still read or write those blocks)."""
+        direct = self._direct
+        assert direct is not None
+        copy_stream = self._copy_streams[stream]
+        copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        listed = direct.copy_cuda(blocks, pages.indices, copy_stream, to_host=False)
+        done = torch.cuda.Event()
+        done.record(copy_stream)
+        job.event = done
+        job._keep = (listed,)
+        job.recorded = True
 
     def _load_cuda(
         self, pages: HostPages, device_pages: torch.Tensor, stream: int, job: CopyJob

@@ -17,22 +17,21 @@ kvlife's own copy path.
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from kvlife.offload.host_callback import cuda_runtime
+from kvlife.offload.dma import (
+    DMAError,
+    batch_available,
+    memcpy_async,
+    memcpy_batch,
+)
 
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
-_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
-_LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
-_LOCATION_HOST = 2  # cudaMemLocationTypeHost
-
-
-class PeerCopyError(RuntimeError):
-    """The CUDA runtime refused a copy (its error code in the message), or lacks the call."""
+PeerCopyError = DMAError
+"""The CUDA runtime refused a copy (its error code in the message), or lacks the call."""
+batch_copy_available = batch_available
 
 
 class CopyList(NamedTuple):
@@ -93,16 +92,6 @@ def block_copy_list(
     return CopyList(dev, hst, sizes) if to_host else CopyList(hst, dev, sizes)
 
 
-@functools.cache
-def runtime_version() -> int:
-    """The CUDA runtime's version, as ``cudaRuntimeGetVersion`` gives it (12080 = 12.8)."""
-    version = ctypes.c_int()
-    status = cuda_runtime().cudaRuntimeGetVersion(ctypes.byref(version))
-    if status != 0:
-        raise PeerCopyError(f"cudaRuntimeGetVersion failed with CUDA error {status}")
-    return version.value
-
-
 def copy_per_block(copies: CopyList, stream: torch.cuda.Stream | None) -> None:
     """One ``cudaMemcpyAsync`` per entry on ``stream`` (CUDA), or one ``memmove`` per
     entry (``stream`` ``None``: CPU tensors)."""
@@ -113,49 +102,8 @@ def copy_per_block(copies: CopyList, stream: torch.cuda.Stream | None) -> None:
         for dst, src, size in zip(destinations, sources, sizes, strict=True):
             ctypes.memmove(dst, src, size)
         return
-    memcpy = _memcpy_async()
-    handle = ctypes.c_void_p(stream.cuda_stream)
     for dst, src, size in zip(destinations, sources, sizes, strict=True):
-        status = memcpy(dst, src, size, _MEMCPY_DEFAULT, handle)
-        if status != 0:
-            raise PeerCopyError(f"cudaMemcpyAsync failed with CUDA error {status}")
-
-
-@functools.cache
-def _memcpy_async() -> Any:
-    memcpy = cuda_runtime().cudaMemcpyAsync
-    memcpy.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
-    memcpy.restype = ctypes.c_int
-    return memcpy
-
-
-class _Location(ctypes.Structure):
-    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
-
-
-class _Attributes(ctypes.Structure):
-    _fields_ = (
-        ("src_access_order", ctypes.c_int),
-        ("src_location", _Location),
-        ("dst_location", _Location),
-        ("flags", ctypes.c_uint),
-    )
-
-
-def batch_copy_available() -> bool:
-    """Whether the runtime has ``cudaMemcpyBatchAsync`` (CUDA 12.8 and later)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return runtime_version() >= 12080 and hasattr(cuda_runtime(), "cudaMemcpyBatchAsync")
-    except (PeerCopyError, OSError):
-        return False
+        memcpy_async(dst, src, size, stream)
 
 
 def copy_batch(copies: CopyList, stream: torch.cuda.Stream, *, to_host: bool) -> None:
@@ -164,28 +112,11 @@ def copy_batch(copies: CopyList, stream: torch.cuda.Stream, *, to_host: bool) ->
     Raises:
         PeerCopyError: the runtime lacks the call or refused the batch.
     """
-    if not batch_copy_available():
-        raise PeerCopyError("cudaMemcpyBatchAsync needs CUDA 12.8 or later")
-    device = torch.cuda.current_device()
-    here = _Location(_LOCATION_DEVICE, device)
-    there = _Location(_LOCATION_HOST, 0)
-    attrs = _Attributes(_ORDER_STREAM, here if to_host else there, there if to_host else here, 0)
-    index = ctypes.c_size_t(0)
-    args: list[Any] = [
-        ctypes.c_void_p(copies.destinations.data_ptr()),
-        ctypes.c_void_p(copies.sources.data_ptr()),
-        ctypes.c_void_p(copies.sizes.data_ptr()),
-        ctypes.c_size_t(len(copies)),
-        ctypes.byref(attrs),
-        ctypes.byref(index),
-        ctypes.c_size_t(1),
-    ]
-    failed = ctypes.c_size_t(0)
-    if runtime_version() < 13000:  # CUDA 12.8 and 12.9 report the failed copy's index
-        args.append(ctypes.byref(failed))
-    args.append(ctypes.c_void_p(stream.cuda_stream))
-    status = cuda_runtime().cudaMemcpyBatchAsync(*args)
-    if status != 0:
-        raise PeerCopyError(
-            f"cudaMemcpyBatchAsync of {len(copies)} copies failed with CUDA error {status}"
-        )
+    memcpy_batch(
+        copies.destinations.data_ptr(),
+        copies.sources.data_ptr(),
+        copies.sizes.data_ptr(),
+        len(copies),
+        stream,
+        to_host=to_host,
+    )

@@ -6,7 +6,9 @@ module loading, so that nothing an earlier test launched has loaded a kernel alr
 * ``gate``: the engine's copy stream is held by a host-function gate; stores and loads
   are launched behind it;
 * ``compute``: a long kernel runs on the compute stream; stores and loads are launched
-  after it.
+  after it;
+* ``gate-direct``, ``compute-direct``: the same with a block-outermost cache (vLLM's
+  ``BLNHC``), whose whole blocks the engine copies by the copy engines (no kernel).
 
 Prints one JSON object: each call's seconds, whether any copy was done before the device
 was let go, whether the bytes came out equal, and the caching allocator's allocation
@@ -33,6 +35,66 @@ def _allocations() -> int:
     return int(torch.cuda.memory_stats().get("allocation.all.allocated", 0))
 
 
+def _hold(scenario: str, engine: CopyEngine) -> StreamGate | None:
+    """Hold the device as ``scenario`` says: a gate on the copy stream, or a long kernel."""
+    if scenario.startswith("gate"):
+        return StreamGate(engine.copy_streams[0], timeout_s=30)
+    torch.cuda._sleep(4_000_000_000)  # about 2 s at 2 GHz on the compute stream
+    return None
+
+
+def probe_direct(scenario: str) -> dict[str, object]:
+    """As ``probe``, on a ``BLNHC`` cache of 4 layers (whole blocks, copied directly)."""
+    blocks, layers = 512, 4
+    buffer = torch.randn(blocks, layers, PAGE, 2, 64, device="cuda").to(torch.bfloat16)
+    views = [buffer[:, layer].transpose(1, 2) for layer in range(layers)]  # [B, H, N, C]
+    layout = KVLayout.blocks(layers, blocks, (2, PAGE, 64), torch.bfloat16)
+    host = HostPagePool(layout, 256, pin_memory=True)
+    engine = CopyEngine(layout, views, host)
+    assert engine.path == "direct", engine.describe()
+    before_bytes = buffer.clone()
+    torch.cuda.synchronize()
+    sizes = [1, 3, 17, 40]
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    sources = [order[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
+    targets = [order[200 + sum(sizes[:i]) : 200 + sum(sizes[: i + 1])] for i in range(len(sizes))]
+    calls: list[float] = []
+    jobs = []
+    before = _allocations()
+    gate = _hold(scenario, engine)
+    held = []
+    for src in sources:
+        pages = host.alloc(len(src))
+        assert pages is not None
+        t0 = time.perf_counter()
+        jobs.append(engine.launch(src, pages))
+        calls.append(time.perf_counter() - t0)
+        held.append(pages)
+    for pages, dst in zip(held, targets, strict=True):
+        t0 = time.perf_counter()
+        jobs.append(engine.load(pages, dst))
+        calls.append(time.perf_counter() - t0)
+    allocated = _allocations() - before
+    done_early = [job.query() for job in jobs]
+    if gate is not None:
+        gate.open()
+    torch.cuda.synchronize()
+    equal = all(
+        torch.equal(buffer[dst], before_bytes[src])
+        for src, dst in zip(sources, targets, strict=True)
+    )
+    return {
+        "scenario": scenario,
+        "calls_s": calls,
+        "done_before_release": done_early,
+        "errors": [repr(job.error) for job in jobs if job.error is not None],
+        "bytes_equal": bool(equal),
+        "allocations_during_calls": allocated,
+        "index_overflows": 0,
+        "gate_timed_out": bool(gate.timed_out) if gate is not None else False,
+    }
+
+
 def probe(scenario: str, rounds: int = 4) -> dict[str, object]:
     """Build an engine, hold the device (``gate`` or ``compute``), time ``rounds`` stores
     of 1, 3, 17 and 40 pages and as many loads, then let the device go and check bytes."""
@@ -50,11 +112,7 @@ def probe(scenario: str, rounds: int = 4) -> dict[str, object]:
     calls: list[float] = []
     jobs = []
     before = _allocations()
-    gate = None
-    if scenario == "gate":
-        gate = StreamGate(engine.copy_streams[0], timeout_s=30)
-    else:
-        torch.cuda._sleep(4_000_000_000)  # about 2 s at 2 GHz on the compute stream
+    gate = _hold(scenario, engine)
     stored = []
     for pages_of, src in zip(sizes, sources, strict=True):
         pages = host.alloc(pages_of)
@@ -98,4 +156,5 @@ def probe(scenario: str, rounds: int = 4) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe(sys.argv[1])))
+    name = sys.argv[1]
+    print(json.dumps(probe_direct(name) if name.endswith("-direct") else probe(name)))

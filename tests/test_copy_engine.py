@@ -271,9 +271,11 @@ def _strided_blocks(blocks: int = 12) -> tuple[KVLayout, list[torch.Tensor], tor
 
 
 def test_a_block_layout_stores_and_loads_strided_blocks_byte_for_byte() -> None:
+    """The gather path (the direct one, which these block-outermost blocks take by default,
+    keeps the device's byte order in a host page: tests/test_block_copy.py)."""
     layout, views, _ = _strided_blocks()
     host = HostPagePool(layout, 6, pin_memory=False)
-    engine = CopyEngine(layout, views, host)
+    engine = CopyEngine(layout, views, host, direct=False)
     before = [v.clone() for v in views]
     pages = host.alloc(3)
     assert pages is not None
@@ -351,7 +353,7 @@ def test_cuda_a_block_layout_stores_and_loads_byte_for_byte() -> None:
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("scenario", ["gate", "compute"])
+@pytest.mark.parametrize("scenario", ["gate", "compute", "gate-direct", "compute-direct"])
 def test_cuda_no_call_waits_on_the_device_in_a_fresh_process(scenario: str) -> None:
     """Under CUDA's default lazy module loading, in a process where nothing ran before:
     stores and loads launched behind a closed gate on the copy stream, or behind a long
