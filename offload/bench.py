@@ -8,7 +8,11 @@ measured in one process, the ways interleaved round by round, medians reported:
   kvlife, one copy per block and layer (vLLM's fallback), one batch copy of the same list
   (CUDA 12.8+) and one contiguous copy of the same bytes (the limit), with each way's
   bytes compared; the first offload after the engine was built against the steady state;
-* CUDA: a store and a load at once; a bf16 matmul loop's slowdown while each way copies;
+* the same sizes of a block-outermost cache (vLLM's ``BLNHC``), whose whole blocks kvlife
+  copies with no kernel, beside the same runs copied bare, one descriptor per block and
+  layer (one by one, or one batch) and the limit (``kvlife.offload.bench_blocks``);
+* CUDA: a store and a load at once (the reference cache, and ``BLNHC``); a bf16 matmul loop's slowdown while each way copies (kvlife on
+  both caches, the batch way on both);
   polled events against a host function per copy (bandwidth, and the time from a copy's
   end to its delivery);
 * vLLM's CUDA cache layouts (FlashAttention NHD, FlashInfer HND, MLA) through kvlife's
@@ -40,6 +44,7 @@ import torch
 
 from kvlife.fsm._version import __version__
 from kvlife.fsm.cli_args import BenchParser
+from kvlife.offload.bench_blocks import OuterDuplex, measure_outermost
 from kvlife.offload.bench_copies import (
     CompletionRow,
     ComputeRow,
@@ -345,6 +350,53 @@ def _judge_ways(rows: list[WayRow], verdicts: Verdicts, cuda: bool) -> None:
             verdicts.add(f"{row.way} {row.direction} {row.tokens} bytes", "DIFFER", False, "equal")
 
 
+def _judge_outermost(rows: list[WayRow], verdicts: Verdicts, cuda: bool) -> None:
+    """Targets of kvlife's direct path on a block-outermost cache: on CUDA >= 95 % of a
+    contiguous copy at every size, <= 100 us of host time per 1k-token offload, the first
+    store <= 1.10x the steady one; on the CPU >= 90 % at 1k and 4k tokens."""
+    for row in rows:
+        if row.way != "kvlife":
+            continue
+        ratio = _ratio_of(rows, row)
+        name = f"kvlife BLNHC {row.direction} {row.tokens} tokens"
+        if row.error or ratio is None:
+            verdicts.add(name, f"did not run: {row.error}", False, "")
+            continue
+        verdicts.add(name, f"{ratio:.1%} of contiguous", ratio >= (0.95 if cuda else 0.90),
+                     ">= 95%" if cuda else ">= 90%")  # fmt: skip
+        if cuda and row.tokens == 1024:
+            verdicts.add(
+                f"host time, BLNHC {row.direction} of 1k tokens",
+                f"{row.host_ms * 1e3:.0f} us",
+                row.host_ms <= 0.1,
+                "<= 100 us",
+            )
+        if row.first_ms is not None and row.steady_ms:
+            first = row.first_ms / row.steady_ms
+            verdicts.add(
+                f"first BLNHC store after build, {row.tokens} tokens",
+                f"{first:.2f}x steady",
+                first <= 1.10 if cuda else None,
+                "<= 1.10x" if cuda else "CUDA only",
+            )
+    for row in rows:
+        if row.equal is False:
+            verdicts.add(f"BLNHC {row.way} {row.direction} {row.tokens}", "DIFFER", False, "equal")
+
+
+def measure_duplex(duplex: OuterDuplex, *, reps: int) -> float:
+    """GB/s of kvlife's direct store and load at once (median of ``reps``)."""
+    samples = []
+    for rep in range(reps + 1):
+        torch.cuda.synchronize(duplex.device)
+        t0 = time.perf_counter()
+        duplex.kvlife()
+        torch.cuda.synchronize(duplex.device)
+        if rep:
+            samples.append(time.perf_counter() - t0)
+    return duplex.nbytes / statistics.median(samples) / 1e9
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the offload benchmark; exit 1 when bytes differ, or with ``--check`` when a
     target is missed."""
@@ -440,6 +492,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     _judge_ways(ways, verdicts, cuda)
     report.write()
 
+    print("\n== a block-outermost cache (vLLM's BLNHC): whole blocks with no kernel")
+    outer: list[WayRow] = []
+    for n in tokens:
+        print(f"measuring BLNHC, {n} tokens ...", file=sys.stderr, flush=True)
+        outer += measure_outermost(n, device, reps=args.reps, layers=layers)
+        report.part("outermost", outer)
+    _print_ways(outer, "size")
+    _judge_outermost(outer, verdicts, cuda)
+    report.write()
+
     if cuda:
         big = max(tokens)
         print(f"\n== a store and a load at once, {big} tokens each way")
@@ -453,10 +515,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             mine_row.gbs >= 80 if not mine_row.error else False,
             ">= 80 GB/s",
         )
+        outer_duplex = OuterDuplex(big, device, layers)
+        both = measure_duplex(outer_duplex, reps=args.reps)
+        print(f"  BLNHC, kvlife (direct): {both:.1f} GB/s together")
+        report.part("concurrent_outermost", [{"way": "kvlife BLNHC", "gbs": both}])
+        verdicts.add(
+            "store + load at once, BLNHC (kvlife)", f"{both:.1f} GB/s", both >= 85, ">= 85 GB/s"
+        )
         print("\n== a bf16 matmul loop on the compute stream while each way copies")
-        compute = measure_compute_slowdown(device, tokens=min(4096, big), layers=layers)
+        small = OuterDuplex(min(4096, big), device, layers)
+        compute = measure_compute_slowdown(
+            device,
+            tokens=min(4096, big),
+            layers=layers,
+            more=[("kvlife BLNHC", small.kvlife), ("batch BLNHC", small.batch)],
+        )
         report.part("compute", compute)
         _print_simple(compute)
+        for crow in compute:
+            goal = {"kvlife": 1.10, "kvlife BLNHC": 1.03}.get(crow.way)
+            if goal is not None:
+                verdicts.add(
+                    f"matmul slowdown while {crow.way} copies",
+                    crow.error or f"{crow.slowdown:.2f}x",
+                    crow.error is None and crow.slowdown <= goal,
+                    f"<= {goal:.2f}x",
+                )
     else:
         print("\n(a store and a load at once, the compute slowdown, push completion: CUDA only)")
         verdicts.add("store + load at once", "CUDA only", None, ">= 80 GB/s")
@@ -515,7 +599,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n== what held")
     print(verdicts.table())
     report.write()
-    differ = any(r.equal is False for r in ways) or any(r.equal is False for r in layouts)
+    differ = any(r.equal is False for r in [*ways, *outer]) or any(
+        r.equal is False for r in layouts
+    )
     if verdicts.missed and not args.check:
         print("a target was missed; it fails the run only with --check (a busy machine moves it)")
     return 1 if differ or (args.check and verdicts.missed) else 0

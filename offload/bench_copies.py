@@ -464,11 +464,18 @@ class ComputeRow:
 
 
 def measure_compute_slowdown(
-    device: torch.device, *, tokens: int = 4096, layers: int = 32, size: int = 8192, rounds: int = 8
+    device: torch.device,
+    *,
+    tokens: int = 4096,
+    layers: int = 32,
+    size: int = 8192,
+    rounds: int = 8,
+    more: Sequence[tuple[str, Callable[[], None]]] = (),
 ) -> list[ComputeRow]:
     """A loop of ``size``² bf16 matmuls on the compute stream alone, then with a store and
-    a load of ``tokens`` tokens issued before each group of matmuls, by kvlife (its
-    gather and scatter are kernels: they take SMs) and by the batch way (DMA only)."""
+    a load of ``tokens`` tokens issued before each group of matmuls, by kvlife on the
+    per-layer reference cache (its gather and scatter are kernels: they take SMs), by the
+    batch way (DMA only), and by each of ``more`` (name, a store and a load issued)."""
     duplex = _Duplex(tokens, device, layers)
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
@@ -493,6 +500,7 @@ def measure_compute_slowdown(
     ways: list[tuple[str, Callable[[], None]]] = [("kvlife", duplex.kvlife)]
     if batch_copy_available():
         ways.append(("batch", duplex.batch))
+    ways += more
     for name, run in ways:
         try:
             with_copies = statistics.median(loop(run) for _ in range(3))

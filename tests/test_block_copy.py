@@ -96,8 +96,11 @@ def test_consecutive_blocks_into_consecutive_pages_are_one_copy() -> None:
     direct = engine._direct
     assert direct is not None
     blocks = torch.tensor([2, 3, 4, 8, 9, 0])
-    assert direct.copy_cpu(blocks, (0, 1, 2, 3, 4, 7), to_host=True) == 3  # 2-4, 8-9, 0
-    assert direct.copy_cpu(blocks, (0, 1, 5, 6, 7, 3), to_host=True) == 4  # 2-3, 4, 8-9, 0
+    assert direct.runs(blocks, (0, 1, 2, 3, 4, 7))[2].tolist() == [3, 2, 1]  # 2-4, 8-9, 0
+    assert direct.runs(blocks, (0, 1, 5, 6, 7, 3))[2].tolist() == [2, 1, 2, 1]
+    # on the CPU a store takes one call per run of host pages, a load one per run
+    assert direct.copy_cpu(blocks, (0, 1, 2, 3, 4, 7), to_host=True) == 2
+    assert direct.copy_cpu(blocks, (0, 1, 2, 3, 4, 7), to_host=False) == 3
     listed = direct.descriptors(blocks, (0, 1, 2, 3, 4, 7), to_host=True)
     assert listed[2].tolist() == [3 * BLOCK_BYTES, 2 * BLOCK_BYTES, BLOCK_BYTES]
     assert listed[1, 0] == views[0][2].data_ptr()  # the source: device block 2
@@ -147,7 +150,7 @@ def test_padding_between_blocks_gives_one_run_per_block() -> None:
     assert worker.poll() == ([2, 1], [])
     assert torch.equal(buffer[5:8, :L], buffer[1:4, :L])
     assert worker.copier._direct is not None
-    assert worker.copier._direct.copy_cpu(torch.tensor([1, 2]), (0, 1), to_host=True) == 2
+    assert worker.copier._direct.runs(torch.tensor([1, 2]), (0, 1))[2].tolist() == [1, 1]
 
 
 def test_caches_that_are_not_one_run_per_block_get_no_span() -> None:

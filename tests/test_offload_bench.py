@@ -19,7 +19,9 @@ from kvlife.offload.bench import (
     measure_poll,
     peak_bytes,
 )
+from kvlife.offload.bench_blocks import measure_outermost
 from kvlife.offload.bench_copies import measure_layouts, measure_ways
+from kvlife.offload.block_copy import BlockRuns
 from kvlife.offload.peer_copies import CopyList
 
 CPU = torch.device("cpu")
@@ -61,6 +63,35 @@ def test_vllm_layouts_go_through_the_worker_byte_for_byte_both_ways() -> None:
         assert row.equal is (None if row.way == "contiguous" else True), row
 
 
+def test_a_block_outermost_cache_is_copied_by_every_way_byte_for_byte_on_cpu() -> None:
+    rows = measure_outermost(64, CPU, reps=1, layers=2)
+    assert {(r.direction, r.way) for r in rows} == {
+        (d, w) for d in ("store", "load") for w in ("kvlife", "runs", "per-block", "contiguous")
+    }
+    for row in rows:
+        assert row.error is None and row.gbs > 0 and row.bytes == 64 * 2 * 8 * 256 * 2, row
+        assert row.layout == "BLNHC (2 layers)"
+        assert row.equal is (None if row.way == "contiguous" else True), row
+    launches = {(r.direction, r.way): r.launches for r in rows}
+    assert launches["store", "kvlife"] == 1  # its one run of host pages: one call
+    assert launches["store", "per-block"] == 4 * 2  # a block and a layer each
+
+
+def test_a_direct_copy_that_drops_a_block_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = BlockRuns.copy_cpu
+
+    def drops_the_last_block(
+        self: BlockRuns, blocks: torch.Tensor, pages: tuple[int, ...], *, to_host: bool
+    ) -> int:
+        return real(self, blocks[:-1], pages[:-1], to_host=to_host)
+
+    monkeypatch.setattr(BlockRuns, "copy_cpu", drops_the_last_block)
+    rows = measure_outermost(64, CPU, reps=1, layers=2)
+    assert {(r.direction, r.way) for r in rows if r.equal is False} == {
+        (d, w) for d in ("store", "load") for w in ("kvlife", "runs")
+    }
+
+
 def test_poll_measurement_sees_nothing_done() -> None:
     assert measure_poll(CPU, inflight=500, polls=5) >= 0
 
@@ -78,9 +109,14 @@ def test_main_prints_every_part_and_what_held(
     assert "FlashInfer HND" in out and "== what held" in out and "DIFFER" not in out
     assert "measuring 1024 tokens x 2 rounds ..." in captured.err
     data = json.loads(out_file.read_text())
-    assert set(data["parts"]) == {"ways", "layouts", "poll"}
+    assert set(data["parts"]) == {"ways", "outermost", "layouts", "poll"}
+    assert "a block-outermost cache (vLLM's BLNHC)" in out
     assert data["environment"]["device"] == "CPU" and data["environment"]["commit"] == commit()
-    assert {v["what"] for v in data["verdicts"]} >= {"kvlife store 1024 tokens", "MLA load"}
+    assert {v["what"] for v in data["verdicts"]} >= {
+        "kvlife store 1024 tokens",
+        "MLA load",
+        "kvlife BLNHC load 1024 tokens",
+    }
 
 
 def test_bytes_that_differ_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,7 +172,17 @@ def test_cuda_the_benchmark_finishes_with_every_part(tmp_path: Path) -> None:
     ]
     assert main(argv) == 0
     data = json.loads(out_file.read_text())
-    assert set(data["parts"]) == {"ways", "concurrent", "compute", "layouts", "poll", "completion"}
+    assert set(data["parts"]) == {
+        "ways",
+        "outermost",
+        "concurrent",
+        "concurrent_outermost",
+        "compute",
+        "layouts",
+        "poll",
+        "completion",
+    }
+    assert {row["way"] for row in data["parts"]["compute"]} >= {"kvlife BLNHC", "batch BLNHC"}
     assert data["environment"]["driver"] and data["environment"]["link"]
     modes = {row["mode"]: row for row in data["parts"]["completion"]}
     assert modes["poll"]["delivered"] == modes["callback"]["delivered"] == 200

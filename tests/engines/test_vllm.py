@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
-from tests.engines.vllm_harness import make_request, make_scheduler, step, vllm_caches
+from tests.engines.vllm_harness import KVLIFE, make_request, make_scheduler, step, vllm_caches
 
 
 @pytest.mark.xfail(raises=KeyError, strict=True, reason="vLLM keys offload state by request id")
@@ -525,6 +525,7 @@ def test_a_request_the_connector_never_saw_is_refused_not_raised() -> None:
 
 # ------------------------------------------------------------ layouts (worker side)
 
+from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -602,10 +603,20 @@ def test_every_vllm_layout_stores_and_loads_blocks_byte_for_byte(layout: KVCache
             # a host page holds the block's bytes; for layouts whose block interior is
             # contiguous, exactly the bytes vLLM's buffer holds for that block
             held = _bits(host[page, layer].reshape(-1))
+            if layout.is_block_outermost:
+                continue  # a block of every layer as vLLM holds it: checked below
             assert torch.equal(held.sort().values, _bits(view[block]).reshape(-1).sort().values)
             if layout.is_block_contiguous:
                 start = (view[block].data_ptr() - raw.data_ptr()) // view.element_size()
                 assert torch.equal(held, _bits(raw).view(-1)[start : start + held.numel()])
+    copier = worker._worker_side().ready().copier  # type: ignore[union-attr]
+    assert copier.path == ("direct" if layout.is_block_outermost else "gather")
+    if layout.is_block_outermost:  # the page is the block's bytes in vLLM's buffer
+        first = next(iter(caches.values()))
+        size = host[0].numel() * host.element_size()
+        for page, block in zip(pages, stored, strict=True):
+            start = first[block].data_ptr() - raw.data_ptr()
+            assert torch.equal(host[page].reshape(-1).view(torch.uint8), raw[start : start + size])
     targets = [9, 4, 10]  # loaded into other blocks, as vLLM allocates them for a hit
     loads = [LoadOrder(6, tuple(targets), tuple(pages), 0)]
     assert _run_jobs(worker, KVLifeConnectorMetadata(loads=loads)) == {6: 1}
@@ -652,10 +663,11 @@ def test_every_vllm_layout_copies_a_hybrid_models_groups_byte_for_byte(
     hosts = worker._worker_side().ready().hosts  # type: ignore[union-attr]
     for page, row in zip(pages, rows, strict=True):
         for group, names in enumerate(groups):
-            for layer, name in enumerate(names):
-                held = _bits(hosts[group].tensor[page, layer].reshape(-1)).sort().values
-                device = _bits(caches[name][row[group]]).reshape(-1).sort().values
-                assert torch.equal(held, device), (page, group, name)
+            # the group's part of the page holds its layers' bytes of the block (in vLLM's
+            # byte order where the layout is block-outermost: one run copied whole)
+            held = _bits(hosts[group].tensor[page].reshape(-1)).sort().values
+            device = torch.cat([_bits(caches[name][row[group]]).reshape(-1) for name in names])
+            assert torch.equal(held, device.sort().values), (page, group)
     targets: tuple[tuple[int | None, int], ...] = ((9, 4), (None, 10), (11, 0))
     loads = [LoadOrder(6, targets, pages, 0)]
     assert _run_jobs(worker, KVLifeConnectorMetadata(loads=loads)) == {6: 1}
@@ -800,9 +812,96 @@ def test_a_hybrid_models_groups_are_stored_and_loaded_byte_for_byte() -> None:
     assert 0 < loaded_windows < 12  # the window's blocks, not those behind it
 
 
-def test_the_connector_asks_vllm_for_no_layout() -> None:
-    vllm_config = make_scheduler("KVLifeConnector", "kvlife.offload.engines.vllm").vllm_config
-    assert KVLifeConnector.get_required_kvcache_layout(vllm_config) is None
+def _multi(children: list[dict[str, Any]]) -> Any:
+    """A vLLM config whose connector is vLLM's MultiConnector of ``children``."""
+    vllm_config = make_scheduler("KVLifeConnector", KVLIFE).vllm_config
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": children},
+    )
+    return vllm_config
+
+
+KVLIFE_CHILD = {
+    "kv_connector": "KVLifeConnector",
+    "kv_connector_module_path": KVLIFE,
+    "kv_role": "kv_both",
+}
+
+
+def test_the_connector_asks_for_a_block_outermost_layout_with_the_backends_interior(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvlife.offload.engines.vllm.layouts import block_layout_wish  # noqa: PLC0415
+
+    vllm_config = make_scheduler("KVLifeConnector", KVLIFE).vllm_config
+    assert block_layout_wish(vllm_config, cuda=True, capability=9) == "BLNHC"  # NHD
+    assert block_layout_wish(vllm_config, cuda=True, capability=10) == "BLHNC"  # FlashInfer
+    assert block_layout_wish(vllm_config, cuda=False) is None  # CPU_ATTN: LBHNC only
+    assert KVLifeConnector.get_required_kvcache_layout(vllm_config) is None  # this machine
+    off = make_scheduler("KVLifeConnector", KVLIFE, {"block_layout": False}).vllm_config
+    assert block_layout_wish(off, cuda=True, capability=9) is None
+    monkeypatch.setattr(type(vllm_config.model_config), "use_mla", property(lambda self: True))
+    assert block_layout_wish(vllm_config, cuda=True, capability=9) is None
+
+
+def _hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's platform says CUDA, compute capability 9.0 (the wish is made on CUDA only)."""
+    from vllm.platforms import current_platform  # noqa: PLC0415
+    from vllm.platforms.interface import DeviceCapability  # noqa: PLC0415
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    monkeypatch.setattr(
+        type(current_platform),
+        "get_device_capability",
+        classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)),
+    )
+
+
+def test_vllm_resolves_the_wish_when_the_backend_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: PLC0415
+
+    _hopper(monkeypatch)
+    vllm_config = make_scheduler("KVLifeConnector", KVLIFE).vllm_config
+    vllm_config.cache_config.kv_cache_layout = None
+    every = [[layout.name for layout in KVCacheLayout]]
+    assert resolve_kv_cache_layout(vllm_config, every).name == "BLNHC"
+    # a backend that takes only LBHNC (vLLM's CPU one): the wish is dropped, LBHNC it is
+    vllm_config.cache_config.kv_cache_layout = None
+    assert resolve_kv_cache_layout(vllm_config, [["LBHNC"]]).name == "LBHNC"
+
+
+@pytest.mark.parametrize("sibling", ["NixlConnector", "OffloadingConnector"])
+def test_inside_a_multi_connector_kvlife_withdraws_its_wish_and_the_engine_starts(
+    sibling: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NixlConnector and OffloadingConnector wish LBHNC; vLLM's MultiConnector refuses
+    children that wish different layouts. kvlife's wish is withdrawn there (first or
+    second child, or behind the audit wrapper), and vLLM resolves its siblings' layout."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: PLC0415
+        MultiConnector,
+    )
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: PLC0415
+
+    _hopper(monkeypatch)
+    wrapped = {
+        "kv_connector": "KVLifeAuditConnector",
+        "kv_connector_module_path": KVLIFE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connector": KVLIFE_CHILD},
+    }
+    other = {"kv_connector": sibling, "kv_role": "kv_both"}
+    for children in ([KVLIFE_CHILD, other], [other, KVLIFE_CHILD], [wrapped, other]):
+        vllm_config = _multi(children)
+        assert MultiConnector.get_required_kvcache_layout(vllm_config) == "LBHNC"
+        vllm_config.cache_config.kv_cache_layout = None
+        every = [[layout.name for layout in KVCacheLayout]]
+        assert resolve_kv_cache_layout(vllm_config, every).name == "LBHNC"
+    alone = _multi([KVLIFE_CHILD])  # nothing to agree with, still withdrawn: no guess
+    assert MultiConnector.get_required_kvcache_layout(alone) is None
+    top = make_scheduler("KVLifeConnector", KVLIFE).vllm_config  # kvlife on its own asks
+    assert KVLifeConnector.get_required_kvcache_layout(top) == "BLNHC"
 
 
 # ------------------------------------------------------------ configuration and stats

@@ -54,6 +54,10 @@ class ConnectorConfig:
         stats_interval_s: most often, in seconds, the connector hands its counters to
             vLLM's stats hook (default 0.5; 0: at every step). Counts of the steps in
             between are not lost: they are in the next interval's growth.
+        block_layout: ask vLLM for a block-outermost KV cache layout, whose blocks kvlife
+            copies whole by the copy engines (default ``true``; see
+            [`block_layout_wish()`][kvlife.offload.engines.vllm.layouts.block_layout_wish]
+            for where it is not asked); ``false`` leaves the layout to vLLM.
     """
 
     host_pages: int | None = None
@@ -66,6 +70,7 @@ class ConnectorConfig:
     audit_backups: int = 5
     audit_overdue_s: float = DEFAULT_OVERDUE_S
     stats_interval_s: float = 0.5
+    block_layout: bool = True
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -126,6 +131,9 @@ class ConnectorConfig:
                 f"kvlife: audit_fsync must be one of {', '.join(_FSYNC)}, "
                 f"got {extra['audit_fsync']!r}"
             )
+        block_layout = extra.get("block_layout", True)
+        if not isinstance(block_layout, bool):
+            raise ValueError(f"kvlife: block_layout must be true or false, got {block_layout!r}")
         audit = extra.get("audit_log")
         if audit is not None and (not isinstance(audit, str) or not audit):
             raise ValueError(f"kvlife: audit_log must be a file path, got {audit!r}")

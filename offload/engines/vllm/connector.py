@@ -26,6 +26,7 @@ from kvlife.offload.engines.vllm.config import (
     audit_path,
     block_bytes,
 )
+from kvlife.offload.engines.vllm.layouts import block_layout_wish
 from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata
 from kvlife.offload.engines.vllm.scheduler import SchedulerSide
 from kvlife.offload.engines.vllm.stats import KVLifeConnectorStats, KVLifePromMetrics
@@ -196,7 +197,10 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # any layout the attention backend picks: the block views adapt
+        """A block-outermost layout, where vLLM's attention backend may take one (see
+        [`block_layout_wish()`][kvlife.offload.engines.vllm.layouts.block_layout_wish]);
+        kvlife copies any layout vLLM resolves."""
+        return block_layout_wish(vllm_config)
 
     @classmethod
     def build_prom_metrics(

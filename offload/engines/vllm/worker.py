@@ -196,13 +196,14 @@ class WorkerSide:
             described = ", ".join(str(worker.layout.layers) for worker in workers)
             logger.info(
                 "kvlife: %d KV cache groups of %d blocks (%s layout; components per group: "
-                "%s), host cache %d blocks (%d bytes)",
+                "%s), host cache %d blocks (%d bytes); copies: %s",
                 len(workers),
                 self.num_blocks,
                 self.layout_name or "unnamed",
                 described,
                 self.pages,
                 self.pages * per_page,
+                "; ".join(worker.copier.describe() for worker in workers),
             )
             return
         views = vllm_block_views(kv_caches, self.num_blocks, self.layout_name)
@@ -211,7 +212,7 @@ class WorkerSide:
         first = views[0]
         logger.info(
             "kvlife: %d KV cache components of %d blocks (%s layout, block %s %s), "
-            "host cache %d blocks (%d bytes)",
+            "host cache %d blocks (%d bytes); copies: %s",
             len(views),
             self.num_blocks,
             self.layout_name or "unnamed",
@@ -219,6 +220,7 @@ class WorkerSide:
             first.dtype,
             self.pages,
             self.pages * worker.layout.bytes_per_page,
+            worker.copier.describe(),
         )
 
     def ready(self) -> OffloadWorker | GroupedWorker:
