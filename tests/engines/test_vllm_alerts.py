@@ -37,10 +37,12 @@ from kvlife.fsm.audit.alerts import rule_set, rules_yaml
 from tests.engines import alert_stack
 from tests.engines.vllm_model import BLOCK, make_model, prompts
 from tests.engines.vllm_server import free_port, stop, wait_healthy
+from tests.tools import needs
 
-pytestmark = pytest.mark.skipif(
-    alert_stack.PROMETHEUS is None or alert_stack.ALERTMANAGER is None,
-    reason="needs Debian's prometheus and prometheus-alertmanager (make prometheus)",
+pytestmark = needs(
+    alert_stack.PROMETHEUS is not None and alert_stack.ALERTMANAGER is not None,
+    "Debian's prometheus or prometheus-alertmanager",
+    "make prometheus",
 )
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,6 +37,7 @@ from kvlife.fsm.audit.alerts import rule_set, rules_yaml
 from tests.engines import alert_stack
 from tests.engines.vllm_model import make_model, prompts
 from tests.engines.vllm_pd import disaggregated, post, servers, transfer_config
+from tests.tools import REQUIRED
 
 MAX_TOKENS = 8
 PROMPTS = prompts(6, 80, seed=7)  # six prompts of 80 tokens: two whole blocks of 32 each
@@ -194,6 +195,12 @@ OVERDUE_S = 2.0
 
 
 PAGES = alert_stack.PROMETHEUS is not None and alert_stack.ALERTMANAGER is not None
+if not PAGES and REQUIRED:
+    pytest.fail(
+        "Debian's prometheus or prometheus-alertmanager is missing, and `make test` was to "
+        "install it (make prometheus): the P/D watch test would not page",
+        pytrace=False,
+    )
 TIMESCALE = 0.02  # the watch rules' windows on a fast clock (as in test_vllm_alerts)
 SCRAPE_S = 1
 WATCH_S = 0.2  # how often the watch reads the logs
