@@ -88,6 +88,9 @@ def test_the_check_runs_from_wheels_and_writes_everything_to_its_folder(tmp_path
     assert ran.stdout.rstrip().endswith(summary_text.rstrip().splitlines()[-1])
 
 
+EVERY_PART = ("ways", "outermost", "concurrent_outermost", "poll", "completion")
+
+
 def _write_bench(folder: Path, *, parts: list[str], held: bool | None) -> None:
     data = {
         "environment": {"device": "NVIDIA H200"},
@@ -116,7 +119,7 @@ def test_the_summary_holds_when_every_test_passed_and_every_target_held(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _write_tests(tmp_path, failure=False)
-    _write_bench(tmp_path, parts=["ways", "poll", "completion"], held=True)
+    _write_bench(tmp_path, parts=[*EVERY_PART], held=True)
     assert summary(str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "test_completion::test_cuda_host_callbacks  held" in out and "0 not held" in out
@@ -125,9 +128,10 @@ def test_the_summary_holds_when_every_test_passed_and_every_target_held(
 @pytest.mark.parametrize(
     ("failure", "parts", "held"),
     [
-        (True, ["ways", "poll", "completion"], True),  # a CUDA test failed
-        (False, ["ways", "poll", "completion"], False),  # a target missed
+        (True, [*EVERY_PART], True),  # a CUDA test failed
+        (False, [*EVERY_PART], False),  # a target missed
         (False, ["ways"], True),  # the benchmark died part way
+        (False, ["ways", "poll", "completion"], True),  # before the block-outermost part
     ],
 )
 def test_the_summary_tells_what_did_not_hold(

@@ -43,7 +43,11 @@ def bench_rows(path: Path) -> list[tuple[str, str, bool | None]]:
     ]
     parts = data.get("parts", {})
     cpu = data.get("environment", {}).get("device") == "CPU"  # no CUDA-only parts there
-    finished = bool(rows) and "poll" in parts and (cpu or "completion" in parts)
+    finished = (
+        bool(rows)
+        and {"poll", "outermost"} <= set(parts)
+        and (cpu or {"completion", "concurrent_outermost"} <= set(parts))
+    )
     if not finished:
         rows.append(("offload benchmark", "did not finish every part", False))
     return rows
