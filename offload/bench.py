@@ -11,8 +11,8 @@ measured in one process, the ways interleaved round by round, medians reported:
 * the same sizes of a block-outermost cache (vLLM's ``BLNHC``), whose whole blocks kvlife
   copies with no kernel, beside the same runs copied bare, one descriptor per block and
   layer (one by one, or one batch) and the limit (``kvlife.offload.bench_blocks``);
-* CUDA: a store and a load at once (the reference cache, and ``BLNHC``); a bf16 matmul loop's slowdown while each way copies (kvlife on
-  both caches, the batch way on both);
+* CUDA: a store and a load at once (the reference cache, and ``BLNHC``); a bf16 matmul
+  loop's slowdown while each way copies (kvlife on both caches, the batch way on both);
   polled events against a host function per copy (bandwidth, and the time from a copy's
   end to its delivery);
 * vLLM's CUDA cache layouts (FlashAttention NHD, FlashInfer HND, MLA) through kvlife's

@@ -17,6 +17,7 @@ views form such runs (from their strides and addresses, whatever the layout is c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Sequence
@@ -151,10 +152,8 @@ class BlockRuns:
         # bytes through torch's copy kernels, measured here)
         self._words = (span.raw, self.host)
         if span.size % 8 == 0 and span.stride % 8 == 0:
-            try:
+            with contextlib.suppress(RuntimeError):  # an address not 8-byte aligned: bytes
                 self._words = (span.raw.view(torch.int64), self.host.view(torch.int64))
-            except RuntimeError:  # an address not 8-byte aligned: bytes it is
-                pass
 
     def runs(
         self, blocks: torch.Tensor, pages: Sequence[int]
