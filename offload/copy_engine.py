@@ -47,6 +47,8 @@ from kvlife.offload.host_pool import HostPagePool, HostPages, page_runs
 from kvlife.offload.index_ring import IndexRing
 from kvlife.offload.layout import KVLayout, LayoutError
 
+_PENDING = RuntimeError("not launched")  # a slot in launch_many's results, filled before return
+
 
 class CopyError(RuntimeError):
     """A copy could not be launched or failed while running."""
@@ -449,6 +451,74 @@ class CopyEngine:
         except Exception as exc:  # a failed copy is data: the fail path
             job.error = exc
         return job
+
+    def launch_many(
+        self, items: Sequence[tuple[torch.Tensor | Sequence[int], HostPages]], *, load: bool = False
+    ) -> list[CopyJob | BaseException]:
+        """Launch several stores (or, with ``load``, loads of ``(slots, pages)`` back into
+        their slots) at once: one job or the refusal per item, in order. On the direct CUDA
+        path every accepted item goes into one ``cudaMemcpyBatchAsync`` with one completion
+        event shared by their jobs (one submission per engine step, however many orders it
+        holds); elsewhere each item is launched as ``launch`` or ``load`` would.
+
+        A refused item (bad slots or pages) is returned as its exception and copies
+        nothing; a batch the runtime refuses fails every item in it (each job's ``error``
+        set), as a failed ``launch`` does.
+        """
+        direct = self._direct
+        if direct is None or not self.cuda:
+            out: list[CopyJob | BaseException] = []
+            for slots, pages in items:
+                try:
+                    out.append(self.load(pages, slots) if load else self.launch(slots, pages))
+                except (ValueError, LayoutError) as exc:
+                    out.append(exc)
+            return out
+        accepted: list[tuple[int, torch.Tensor, HostPages]] = []
+        results: list[CopyJob | BaseException] = []
+        for slots, pages in items:
+            try:
+                index = self._check_direct(slots, pages)
+            except ValueError as exc:
+                results.append(exc)
+                continue
+            accepted.append((len(results), index, pages))
+            results.append(_PENDING)
+        if not accepted:
+            return results
+        stream = self._next_stream
+        self._next_stream = (stream + 1) % self.streams
+        copy_stream = self._copy_streams[stream]
+        blocks = torch.cat([index for _, index, _ in accepted])
+        page_list = [p for _, _, pages in accepted for p in pages.indices]
+        try:
+            copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            listed = direct.copy_cuda(blocks, page_list, copy_stream, to_host=not load)
+            done = torch.cuda.Event()
+            done.record(copy_stream)
+        except Exception as exc:  # refused by the runtime: nothing was queued
+            for slot, index, pages in accepted:
+                failed = CopyJob(pages, len(index), stream, None)
+                failed.error = exc
+                results[slot] = failed
+            return results
+        for slot, index, pages in accepted:
+            job = CopyJob(pages, len(index), stream, done, keep=(listed,))
+            if self._callbacks is not None and not load:
+                self._callbacks.after(copy_stream, job)
+            job.recorded = True
+            results[slot] = job
+        return results
+
+    def _check_direct(self, slots: torch.Tensor | Sequence[int], pages: HostPages) -> torch.Tensor:
+        """A direct copy's blocks, checked on the host (see ``check`` and ``load``)."""
+        if pages.pool is not self.host:
+            raise ValueError("the pages belong to another pool")
+        if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
+            raise ValueError(
+                "a direct block copy takes its blocks on the host (a list or a CPU tensor)"
+            )
+        return self.check(slots, len(pages))
 
     def check(self, slots: torch.Tensor | Sequence[int], pages: int) -> torch.Tensor:
         """``slots`` as the index tensor ``launch`` copies from, checked to fill

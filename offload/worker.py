@@ -97,6 +97,9 @@ class OffloadWorker:
         ``checked``: each order's ``slots`` is the tensor the copy engine's ``check``
         returned for it (not checked again)."""
         copier, host, queue = self.copier, self.host, self.queue
+        if copier.cuda and copier.path == "direct":  # one batch of every order's runs
+            self._store_together(list(orders))
+            return
         for order in orders:
             op = order.op
             try:
@@ -108,6 +111,26 @@ class OffloadWorker:
             self._stores[op] = job
             queue.push(job, partial(self._stored, op))
 
+    def _store_together(self, orders: list[StoreOrder]) -> None:
+        """Every order's blocks in one submission (the direct CUDA path): each order still
+        its own job, reported when the shared copy is over."""
+        host, queue = self.host, self.queue
+        items = []
+        for order in orders:
+            try:
+                items.append((order, host.pages(order.pages)))
+            except Exception:  # reported as failed; the planner frees the pages
+                logger.exception("kvlife: store %d could not be launched", order.op)
+                self._failed.add(order.op)
+        launched = self.copier.launch_many([(_blocks(o), pages) for o, pages in items])
+        for (order, _), job in zip(items, launched, strict=True):
+            if isinstance(job, BaseException):
+                logger.error("kvlife: store %d could not be launched: %s", order.op, job)
+                self._failed.add(order.op)
+                continue
+            self._stores[order.op] = job
+            queue.push(job, partial(self._stored, order.op))
+
     def _stored(self, op: int, job: CopyJob) -> None:
         del self._stores[op]
         self._over.append((op, job.error is None))
@@ -116,21 +139,40 @@ class OffloadWorker:
         """Copy each order's host pages into its device blocks, ordered before whatever
         the current stream runs next. A load that fails is reported failed by the next
         ``poll`` and its blocks by ``take_load_errors`` (the engine recomputes them)."""
-        copier, host = self.copier, self.host
-        for order in orders:
-            try:
-                job = copier.load(host.pages(order.pages), _blocks(order))
-                error = job.error  # a copy that failed while running
-            except Exception as exc:  # refused before copying
-                error = exc
+        orders = list(orders)
+        for order, made in zip(orders, self._launch_loads(orders), strict=True):
+            error = made if isinstance(made, BaseException) else made.error
             if error is not None:
                 logger.error("kvlife: load %d failed: %s", order.op, error)
                 self._failed.add(order.op)
                 self._load_errors.update(block_ids(order.slots))
                 continue
+            job = cast("CopyJob", made)
             if job.event is not None:  # the forward pass reads the blocks after the copy
                 torch.cuda.current_stream(job.event.device).wait_event(job.event)
             self._loads[order.op] = job
+
+    def _launch_loads(self, orders: list[LoadOrder]) -> list[CopyJob | BaseException]:
+        """Each order's load launched, or why it was refused. On the direct CUDA path every
+        order's blocks go in one submission (a job each, sharing its event)."""
+        copier, host = self.copier, self.host
+        made: list[CopyJob | BaseException | None] = []
+        if not (copier.cuda and copier.path == "direct"):
+            for order in orders:
+                try:
+                    made.append(copier.load(host.pages(order.pages), _blocks(order)))
+                except Exception as exc:  # refused before copying
+                    made.append(exc)
+            return cast("list[CopyJob | BaseException]", made)
+        items = []
+        for order in orders:
+            try:
+                items.append((_blocks(order), host.pages(order.pages)))
+                made.append(None)
+            except Exception as exc:
+                made.append(exc)
+        launched = iter(copier.launch_many(items, load=True))
+        return [next(launched) if job is None else job for job in made]
 
     def wait(self, ops: Iterable[int]) -> None:
         """Block until the copies ``ops`` are over (their device blocks are about to be

@@ -199,6 +199,47 @@ def test_a_refused_direct_order_changes_nothing() -> None:
     assert all(torch.equal(view, before[key]) for key, view in caches.items())
 
 
+def test_launch_many_gives_a_job_or_the_refusal_per_item() -> None:
+    caches, _ = _caches(ORDERS["BLNHC"])
+    views = block_views(caches, B)
+    layout = KVLayout.blocks(L, B, tuple(views[0].shape[1:]), torch.int16)
+    host = HostPagePool(layout, 4)
+    engine = CopyEngine(layout, views, host)
+    first, second = host.pages((0, 1)), host.pages((2,))
+    made = engine.launch_many([([3, 4], first), ([B], second), ([5], second)])
+    assert [type(m).__name__ for m in made] == ["CopyJob", "ValueError", "CopyJob"]
+    loaded = engine.launch_many([([7, 8], first), ([9], second)], load=True)
+    assert all(not isinstance(m, BaseException) and m.error is None for m in loaded)
+    assert torch.equal(views[1][7], views[1][3]) and torch.equal(views[2][9], views[2][5])
+
+
+@pytest.mark.cuda
+def test_cuda_a_steps_orders_are_one_submission_with_one_event() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _, raw = _caches(ORDERS["BLNHC"], seed=4)
+    logical = raw.cuda().view(torch.int16).view(B, L, N, H, C).permute(1, 0, 3, 2, 4)
+    device = {f"layer.{layer}": logical[layer] for layer in range(L)}
+    worker = OffloadWorker(block_views(device, B), 6)
+    before = {key: view.clone() for key, view in device.items()}
+    worker.store([StoreOrder(1, (1, 2), (0, 1), 0), StoreOrder(2, (B,), (2,), 0),
+                  StoreOrder(3, (5,), (3,), 0)])  # fmt: skip
+    jobs = worker._stores
+    assert sorted(jobs) == [1, 3] and jobs[1].event is jobs[3].event
+    worker.load([LoadOrder(4, (7, 8, 9), (0, 1, 3), 0), LoadOrder(5, (0,), (9,), 0)])
+    torch.cuda.synchronize()
+    reported: list[int] = []
+    failed: list[int] = []
+    while worker.inflight or not failed:
+        done, bad = worker.poll()
+        reported += done
+        failed += bad
+    assert sorted(reported) == [1, 3, 4] and sorted(failed) == [2, 5]
+    for key, view in device.items():
+        for source, target in zip((1, 2, 5), (7, 8, 9), strict=True):
+            assert torch.equal(view[target], before[key][source])
+
+
 @pytest.mark.cuda
 def test_cuda_direct_copies_move_blocks_by_the_copy_engines_byte_for_byte() -> None:
     if not torch.cuda.is_available():
