@@ -473,7 +473,13 @@ def _exercise(args: argparse.Namespace, engine: str, needs: str, module: str) ->
             f"kvlife {engine} {args.which}: needs {needs} in this environment "
             f"(pip install 'kvlife[{engine}]'): {exc}"
         ) from exc
-    status: int = tool.main(args.args)
+    try:
+        status: int = tool.main(args.args)
+    except ModuleNotFoundError as exc:  # the engine is there, a module it imports is not
+        raise UsageError(
+            f"kvlife {engine} {args.which}: {needs} does not import in this environment: "
+            f"module {exc.name!r} is missing ({exc})"
+        ) from exc
     return status
 
 

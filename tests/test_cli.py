@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -376,6 +377,33 @@ def test_an_exercise_without_its_engine_says_so_in_one_line(
     assert main([engine, "exercise", "{}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"needs {name} in this environment" in err, err
+
+
+@pytest.mark.parametrize(("engine", "name"), [("vllm", "vLLM"), ("sglang", "SGLang")])
+def test_an_engine_that_does_not_import_is_named_in_one_line_with_the_missing_module(
+    engine: str, name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's package imports, but a module its exercise needs does not (SGLang's
+    environment here lacks torchvision): one line naming the module, exit 2."""
+
+    def tool_main(argv: list[str]) -> int:
+        raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+
+    real = importlib.import_module
+    fake = types.SimpleNamespace(main=tool_main)
+    monkeypatch.setattr(
+        importlib,
+        "import_module",
+        lambda module: (
+            fake
+            if module.startswith(("vllm", "sglang", "kvlife.offload.engines"))
+            else real(module)
+        ),
+    )
+    assert main([engine, "exercise", "{}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{name} does not import in this environment: module 'torchvision' is missing" in err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
