@@ -457,6 +457,34 @@ def test_the_import_graph_is_the_one_the_architecture_page_draws() -> None:
     assert edges["diagrams"] <= {"fsm", "offload", "diagrams"}
 
 
+VLLM = "kvlife.offload.engines.vllm"
+OWN = {"connector", "scheduler", "worker", "metadata", "layouts"}
+"""kvlife's own vLLM connector."""
+WATCHERS = {"audit", "lenses", "exercise", "exercise_lmcache", "exercise_lmcache_inprocess",
+            "handover", "testing"}  # fmt: skip
+"""What watches connectors kvlife did not write: the wrapper, its lenses, the exercise."""
+SHARED = {"config", "core_log", "stats"}
+"""What both need: the checked extra config, each engine core's log, the stats plumbing."""
+
+
+def test_the_watchers_and_kvlifes_own_connector_import_only_what_both_share() -> None:
+    """No watcher imports kvlife's own connector (a change to it cannot break the audit
+    of anyone else's), and kvlife's connector imports no watcher; the package's
+    ``__init__`` names both for users' configurations."""
+    root = Path(kvlife.fsm.__file__).resolve().parent.parent / "offload" / "engines" / "vllm"
+    graph = _imports(root)
+    modules = {Path(path).parts[1].removesuffix(".py") for path in graph}
+    assert modules == OWN | WATCHERS | SHARED | {"__init__"}  # a new module is placed
+    for path, imported in graph.items():
+        mine = Path(path).parts[1].removesuffix(".py")
+        used = {m.removeprefix(f"{VLLM}.").split(".")[0] for m in imported if m.startswith(VLLM)}
+        used.discard(VLLM)
+        if mine in WATCHERS:
+            assert not used & OWN, (path, used & OWN)
+        if mine in OWN:
+            assert not used & WATCHERS, (path, used & WATCHERS)
+
+
 @pytest.mark.parametrize("old", OLD_PATHS)
 def test_the_audit_modules_have_one_path(old: str) -> None:
     with pytest.raises(ModuleNotFoundError):

@@ -15,7 +15,9 @@ The package is vLLM's two processes over kvlife's offload core in two halves:
 ``connector`` (``KVLifeConnector``: delegation only), ``scheduler`` (the engine core's
 side, over the torch-free [`OffloadPlanner`][kvlife.offload.planner.OffloadPlanner]),
 ``worker`` (each worker's side, over [`OffloadWorker`][kvlife.offload.worker.OffloadWorker]),
-``metadata`` (what crosses between them each step), ``config`` and ``stats``.
+``metadata`` (what crosses between them each step), ``layouts`` (the KV cache layout it
+asks for), and what the audit wrapper shares with it: ``config``, ``core_log`` and
+``stats``.
 
 Scheduler side (the engine core): every vLLM ``Request`` *object* gets its own kvlife
 lifecycle when vLLM first shows it (``on_new_request``); the request id is only used to
@@ -42,10 +44,12 @@ caches in whatever layout the attention backend chose (vLLM 0.32+ hands each lay
 six ``KVCacheLayout`` permutations; a ``[2, blocks, ...]`` K/V-split tensor is taken
 too) and finds the block dimension from the shapes, strides and vLLM's resolved layout
 (see [`block_views`][kvlife.offload.layout.block_views]). A host page holds one
-block of every layer, each in the device's own byte order; a store is one gather per
-layer over the block dimension (kvlife's ``CopyEngine``: side streams and events on
-CUDA, synchronous on CPU), a load writes the pages back into the blocks vLLM allocated,
-byte for byte.
+block of every layer. On a block-outermost layout (which the connector asks vLLM for on
+CUDA: ``layouts``) the page is the block's one run of bytes, and a step's stores or loads
+are one list of runs copied by the copy engines, no kernel; on a per-layer layout a store
+is one gather per layer over the block dimension (kvlife's ``CopyEngine``: side streams
+and events on CUDA, synchronous on CPU), and a load writes the pages back into the blocks
+vLLM allocated, byte for byte.
 
 Loads: a store's blocks join a host prefix cache keyed by vLLM's block hashes when every
 worker reported it done (a failed store's pages are freed).

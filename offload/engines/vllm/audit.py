@@ -78,9 +78,9 @@ from vllm.v1.request import RequestStatus
 from kvlife.fsm import Lifecycle, LifecycleError, OverdueWatch, Ticket, Trigger
 from kvlife.fsm.audit.records import DetailValue
 from kvlife.offload.engines.vllm.config import STOPPING, ConnectorConfig, audit_path
+from kvlife.offload.engines.vllm.core_log import CoreLog, overdue_line
 from kvlife.offload.engines.vllm.handover import handed_over, taken_over
 from kvlife.offload.engines.vllm.lenses import Lens, lens_for
-from kvlife.offload.engines.vllm.scheduler import CoreLog, overdue_line
 from kvlife.offload.engines.vllm.stats import (
     OVERDUE_COUNTERS,
     OVERDUE_GAUGES,
