@@ -455,8 +455,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return 2
     if args.command in ("vllm", "sglang"):
         needs, module = {
-            "vllm": ("vLLM", "kvlife.offload.engines.vllm.exercise"),
-            "sglang": ("SGLang", "kvlife.offload.engines.hicache.exercise"),
+            "vllm": ("vLLM", "kvlife.offload.watch.vllm.exercise"),
+            "sglang": ("SGLang", "kvlife.offload.watch.sglang.exercise"),
         }[args.command]
         return _exercise(args, args.command, needs, module)
     return _bench(args)

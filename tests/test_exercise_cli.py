@@ -1,4 +1,4 @@
-"""``kvlife.offload.engines.exercise_cli``: the options and progress line both exercises
+"""``kvlife.offload.watch.exercise_cli``: the options and progress line both exercises
 share (``kvlife vllm exercise``, ``kvlife sglang exercise``)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlife.offload.engines.exercise_cli import (
+from kvlife.offload.watch.exercise_cli import (
     add_run_options,
     listed,
     print_reports,

@@ -27,7 +27,7 @@ Settings (environment variables; none starts with ``SGL``, which SGLang warns ab
   manager call also writes its records to the file when it returns, so a scheduler that is
   killed loses none of the records of the calls that returned.
 
-The HiCache lens (``kvlife.offload.engines.hicache``) has its own switch, independent of
+The HiCache lens (``kvlife.offload.watch.sglang``) has its own switch, independent of
 the one above::
 
     KVLIFE_SGLANG_HICACHE=observe python -m sglang.launch_server ... --enable-hierarchical-cache
@@ -175,7 +175,7 @@ def lens_after_init_hicache(
     cannot read runs without it, and the server's log says why (``NoLensError``)."""
     from sglang.srt.runtime_context import get_parallel  # noqa: PLC0415
 
-    from kvlife.offload.engines.hicache import HiCacheLens, NoLensError, attach  # noqa: PLC0415
+    from kvlife.offload.watch.sglang import HiCacheLens, NoLensError, attach  # noqa: PLC0415
 
     if settings.hicache is None:
         return

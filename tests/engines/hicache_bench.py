@@ -24,7 +24,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from tests.engines import hicache_harness as H
 
-from kvlife.offload.engines.hicache import HiCacheLens, attach
+from kvlife.offload.watch.sglang import HiCacheLens, attach
 
 TOKENS = list(range(100, 124))
 

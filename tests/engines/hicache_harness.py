@@ -1,5 +1,5 @@
 """SGLang 0.5.23's hierarchical cache built on the CPU (kvlife's
-``kvlife.offload.engines.hicache.cpu``: SGLang's own pools, cache, tree cores and
+``kvlife.offload.watch.sglang.cpu``: SGLang's own pools, cache, tree cores and
 controller, with a CPU allocation and a torch copy where SGLang has only CUDA ones), for
 the HiCache lens's tests and benchmark: the seeded workload they run, and a lost ack.
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tests.engines.sglang_harness  # noqa: F401  (first: the torchvision stand-in)
-from kvlife.offload.engines.hicache.cpu import CORES, PAGE, POLICIES, build
-from kvlife.offload.engines.hicache.cpu import CpuCache as HiCache
+from kvlife.offload.watch.sglang.cpu import CORES, PAGE, POLICIES, build
+from kvlife.offload.watch.sglang.cpu import CpuCache as HiCache
 
 __all__ = ["CORES", "PAGE", "POLICIES", "HiCache", "Workload", "build", "held_acks", "run_workload"]
 

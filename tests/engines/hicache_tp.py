@@ -26,7 +26,7 @@ with warnings.catch_warnings():
 
     from tests.engines import hicache_harness as H
 
-from kvlife.offload.engines.hicache import HiCacheLens, attach
+from kvlife.offload.watch.sglang import HiCacheLens, attach
 
 FIRST = list(range(100, 108))
 SECOND = list(range(200, 208))

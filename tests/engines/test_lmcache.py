@@ -473,7 +473,7 @@ def test_kvlife_vllm_exercise_runs_lmcache_and_finds_its_two_known_bugs(
     free is never reported, vLLM holds it for ever) and ``abort`` finds the stray report of
     an aborted request (vLLM's scheduler asserts), the two bugs the tests above show by
     hand."""
-    from kvlife.offload.engines.vllm.exercise import exercise  # noqa: PLC0415
+    from kvlife.offload.watch.vllm.exercise import exercise  # noqa: PLC0415
 
     families = ["basic", "preempt", "hold", "prefix", "tp2", "reuse", "abort"]
     reports, _ = exercise(lmcache_config(server), families, range(3), 80, tmp_path)

@@ -1,5 +1,5 @@
 """LMCache 0.5.6's in-process connector, ``LMCacheConnectorV1``, in ``kvlife vllm exercise``
-(``kvlife.offload.engines.vllm.exercise_lmcache_inprocess``) and alone in vLLM 0.33.0's
+(``kvlife.offload.watch.vllm.exercise_lmcache_inprocess``) and alone in vLLM 0.33.0's
 bare ``Scheduler`` (CPU, ``make test-lmcache``).
 
 What runs is LMCache's: its scheduler role inside vLLM's scheduler, its worker role with its
@@ -22,13 +22,13 @@ pytest.importorskip("lmcache", reason="runs in the LMCache environment: make tes
 
 from lmcache.v1.cache_engine import LMCacheEngine
 
-from kvlife.offload.engines.vllm.exercise import (
+from kvlife.offload.watch.vllm.exercise import (
     FamilyReport,
     RunResult,
     exercise,
     workers_class,
 )
-from kvlife.offload.engines.vllm.exercise_lmcache_inprocess import LMCacheInProcessWorkers
+from kvlife.offload.watch.vllm.exercise_lmcache_inprocess import LMCacheInProcessWorkers
 from tests.engines.vllm_harness import make_request, make_scheduler, model_output
 
 CONFIG: dict[str, Any] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}

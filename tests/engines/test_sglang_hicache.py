@@ -33,7 +33,7 @@ from kvlife.fsm.audit.checker import check_audit
 from kvlife.fsm.audit.explain import explain
 from kvlife.fsm.audit.ranks import compare_ranks
 from kvlife.fsm.audit.reader import read_audit
-from kvlife.offload.engines.hicache import HiCacheLens, NoLensError, attach, generation_for, unified
+from kvlife.offload.watch.sglang import HiCacheLens, NoLensError, attach, generation_for, unified
 
 WITNESS = "SGLang 0.5.23 UnifiedRadixCache (test)"
 TOKENS = list(range(100, 116))

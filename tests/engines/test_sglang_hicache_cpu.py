@@ -1,4 +1,4 @@
-"""``kvlife.offload.engines.hicache.cpu``: SGLang 0.5.23's hierarchical cache built on the
+"""``kvlife.offload.watch.sglang.cpu``: SGLang 0.5.23's hierarchical cache built on the
 CPU, both tree cores. Runs in ``.venv-sglang``."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ with warnings.catch_warnings():
 
 from sglang.srt.mem_cache.pool_host import mha
 
-from kvlife.offload.engines.hicache import cpu
+from kvlife.offload.watch.sglang import cpu
 
 TOKENS = list(range(100, 116))
 

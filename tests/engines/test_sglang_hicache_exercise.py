@@ -23,8 +23,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from tests.engines import hicache_harness as H  # noqa: F401  (the torchvision stand-in)
 
-from kvlife.offload.engines.hicache.cpu import CpuCache
-from kvlife.offload.engines.hicache.exercise import (
+from kvlife.offload.watch.sglang.cpu import CpuCache
+from kvlife.offload.watch.sglang.exercise import (
     FAMILIES,
     ExerciseError,
     RunResult,

@@ -542,7 +542,7 @@ from kvlife.offload.engines.vllm import (  # noqa: E402
     KVLifeConnectorMetadata,
     KVLifeConnectorStats,
 )
-from kvlife.offload.engines.vllm.stats import AUDIT_COUNTERS  # noqa: E402
+from kvlife.offload.engines.vllm_common.stats import AUDIT_COUNTERS  # noqa: E402
 from kvlife.offload.planner import LoadOrder, StoreOrder  # noqa: E402
 
 LAYOUT_BLOCKS, LAYOUT_LAYERS = 12, 3

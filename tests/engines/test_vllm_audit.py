@@ -22,7 +22,7 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 from kvlife.fsm import check_audit, read_audit
 from kvlife.fsm.audit import AuditReport
 from kvlife.offload.engines.vllm import KVLifeAuditConnector
-from kvlife.offload.engines.vllm.audit import WrappedConnectorStats
+from kvlife.offload.watch.vllm.audit import WrappedConnectorStats
 from tests.engines.vllm_harness import (
     TOKEN,
     OffloadingWorkerMetadata,
@@ -436,7 +436,7 @@ def test_a_raise_is_written_down_on_the_request_it_names_not_on_the_whole_step(
 def test_a_raise_that_names_no_request_is_written_down_on_every_request_of_the_call(
     tmp_path: Path,
 ) -> None:
-    from kvlife.offload.engines.vllm.audit import _named_in  # noqa: PLC0415
+    from kvlife.offload.watch.vllm.audit import _named_in  # noqa: PLC0415
 
     assert _named_in(KeyError(0), ["a", "b"]) == []
     assert _named_in(KeyError("b"), ["a", "b"]) == ["b"]
@@ -1005,7 +1005,7 @@ def test_the_hand_over_identity_is_read_from_nixls_transfer_params() -> None:
     from types import SimpleNamespace  # noqa: PLC0415
 
     from kvlife.fsm.audit.handover import block_digest  # noqa: PLC0415
-    from kvlife.offload.engines.vllm.handover import handed_over, taken_over  # noqa: PLC0415
+    from kvlife.offload.watch.vllm.handover import handed_over, taken_over  # noqa: PLC0415
 
     returned = {
         "do_remote_prefill": True,
@@ -1036,3 +1036,30 @@ def test_the_hand_over_identity_is_read_from_nixls_transfer_params() -> None:
     assert without_id["handoff_rid"] == "own-id"  # an older NIXL: the request's own id
     odd = handed_over({**returned, "remote_block_ids": "?"}, "x")
     assert "handoff_blocks" not in odd and odd["handoff_engine"] == "p-engine"
+
+
+def test_the_wrapper_loads_without_kvlifes_own_connector_and_under_its_old_names() -> None:
+    """Importing the wrapper loads nothing of kvlife's own connector; the names users'
+    configurations and test suites type (the wrapper's classes under
+    ``kvlife.offload.engines.vllm``, the exercise's pytest entry) are the new modules'."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    probe = (
+        "import sys, kvlife.offload.watch.vllm.audit, kvlife.offload.watch.vllm.exercise\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvlife.offload.engines')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "kvlife.offload.engines.vllm_common" in loaded
+    assert "'kvlife.offload.engines.vllm'" not in loaded and "connector" not in loaded, loaded
+    import kvlife.offload.engines.vllm as package  # noqa: PLC0415
+    import kvlife.offload.engines.vllm.testing as old_testing  # noqa: PLC0415
+    from kvlife.offload.watch.vllm import audit, testing  # noqa: PLC0415
+
+    assert package.KVLifeAuditConnector is audit.KVLifeAuditConnector is KVLifeAuditConnector
+    assert package.KVLifeAuditConnectorHMA is audit.KVLifeAuditConnectorHMA
+    assert old_testing.check_connector is testing.check_connector
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        package.Nope  # noqa: B018

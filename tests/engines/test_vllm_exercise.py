@@ -1,5 +1,5 @@
-"""``kvlife vllm exercise`` (``kvlife.offload.engines.vllm.exercise``) and its pytest entry
-point (``kvlife.offload.engines.vllm.testing``), in vLLM's environments (``make
+"""``kvlife vllm exercise`` (``kvlife.offload.watch.vllm.exercise``) and its pytest entry
+point (``kvlife.offload.watch.vllm.testing``), in vLLM's environments (``make
 test-vllm``, ``make test-vllm-cpu``): kvlife's own connector and a correct connector
 written for the tests pass every family; each connector with a planted lifecycle bug
 (``tests/engines/vllm_planted.py``) fails the family that should catch it, and passes the
@@ -20,14 +20,14 @@ import pytest
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
 from kvlife.diagrams.cli import main
-from kvlife.offload.engines.vllm.exercise import (
+from kvlife.offload.watch.vllm.exercise import (
     FAMILIES,
     ExerciseConfigError,
     exercise,
     parse_config,
     run_one,
 )
-from kvlife.offload.engines.vllm.testing import (
+from kvlife.offload.watch.vllm.testing import (
     ConnectorFailure,
     check_connector,
     exercise_cases,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlife.offload.engines.vllm.exercise import FAMILIES, FamilyReport, exercise
+from kvlife.offload.watch.vllm.exercise import FAMILIES, FamilyReport, exercise
 
 REPORT = Path("docs/exercise-report.md")
 
@@ -72,7 +72,7 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
 
 
 #: LMCache's in-process connector, configured by the LMCACHE_* settings the exercise sets
-#: where the environment has none (kvlife.offload.engines.vllm.exercise_lmcache_inprocess)
+#: where the environment has none (kvlife.offload.watch.vllm.exercise_lmcache_inprocess)
 LMCACHE_IN_PROCESS: dict[str, Any] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 
 

@@ -48,7 +48,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvlife.offload.engines.vllm import KVLifeConnector
-from kvlife.offload.engines.vllm.exercise import model_dir, per_layer_kv_cache_config
+from kvlife.offload.watch.vllm.exercise import model_dir, per_layer_kv_cache_config
 
 BLOCK = 16
 #: The token every scheduled request samples.
@@ -250,7 +250,7 @@ class Engine:
         self.connector = self.scheduler.connector
         vllm_config = self.scheduler.vllm_config
         if audit is not None:  # the worker side as the wrapper builds it: kvlife's own
-            from kvlife.offload.engines.vllm.audit import wrapped_config  # noqa: PLC0415
+            from kvlife.offload.watch.vllm.audit import wrapped_config  # noqa: PLC0415
 
             vllm_config = wrapped_config(vllm_config)[1]
         self.worker = KVLifeConnector(

@@ -71,29 +71,48 @@ server runs, and an engine core that is killed between calls -- as vLLM's server
 it at every stop, before any shutdown call reaches the connector -- loses none; the next
 start logs that the previous writer did not close the log. An ``LLM`` that ends closes it.
 Under data parallelism every engine core writes a log of its own
-([`audit_path()`][kvlife.offload.engines.vllm.config.audit_path]).
+([`audit_path()`][kvlife.offload.engines.vllm_common.config.audit_path]).
 """
 
 from __future__ import annotations
 
-from kvlife.offload.engines.vllm.audit import KVLifeAuditConnector, KVLifeAuditConnectorHMA
-from kvlife.offload.engines.vllm.config import (
+from typing import TYPE_CHECKING, Any
+
+from kvlife.offload.engines.vllm.connector import KVLifeConnector
+from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLifeWorkerMetadata
+from kvlife.offload.engines.vllm.worker import resolved_layout, vllm_block_views
+from kvlife.offload.engines.vllm_common.config import (
     DEFAULT_HOST_PAGES,
     TESTED_VLLM,
     ConnectorConfig,
     audit_path,
     block_bytes,
 )
-from kvlife.offload.engines.vllm.connector import KVLifeConnector
-from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLifeWorkerMetadata
-from kvlife.offload.engines.vllm.stats import (
+from kvlife.offload.engines.vllm_common.stats import (
     COUNTERS,
     GAUGES,
     STAT_KEYS,
     KVLifeConnectorStats,
     KVLifePromMetrics,
 )
-from kvlife.offload.engines.vllm.worker import resolved_layout, vllm_block_views
+
+if TYPE_CHECKING:
+    from kvlife.offload.watch.vllm.audit import KVLifeAuditConnector, KVLifeAuditConnectorHMA
+
+_WATCHERS = {"KVLifeAuditConnector", "KVLifeAuditConnectorHMA"}
+
+
+def __getattr__(name: str) -> Any:
+    """The audit wrapper's classes under the path users' configurations name
+    (``kv_connector_module_path: kvlife.offload.engines.vllm``); they live with the other
+    watchers in [`kvlife.offload.watch.vllm`][kvlife.offload.watch.vllm], imported only
+    when asked for."""
+    if name in _WATCHERS:
+        from kvlife.offload.watch.vllm import audit  # noqa: PLC0415
+
+        return getattr(audit, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "COUNTERS",

@@ -20,17 +20,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvlife.fsm import LifecycleRegistry
 from kvlife.fsm import __version__ as KVLIFE_VERSION
-from kvlife.offload.engines.vllm.config import (
+from kvlife.offload.engines.vllm.layouts import block_layout_wish
+from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata
+from kvlife.offload.engines.vllm.scheduler import SchedulerSide
+from kvlife.offload.engines.vllm.worker import WorkerSide, resolved_layout
+from kvlife.offload.engines.vllm_common.config import (
     TESTED_VLLM,
     ConnectorConfig,
     audit_path,
     block_bytes,
 )
-from kvlife.offload.engines.vllm.layouts import block_layout_wish
-from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata
-from kvlife.offload.engines.vllm.scheduler import SchedulerSide
-from kvlife.offload.engines.vllm.stats import KVLifeConnectorStats, KVLifePromMetrics
-from kvlife.offload.engines.vllm.worker import WorkerSide, resolved_layout
+from kvlife.offload.engines.vllm_common.stats import KVLifeConnectorStats, KVLifePromMetrics
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import LayoutError
 from kvlife.offload.planner import OffloadPlanner, PageAccount
@@ -211,7 +211,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVLifePromMetrics:
         """kvlife's counters and gauges in vLLM's ``/metrics`` (see
-        [`KVLifePromMetrics`][kvlife.offload.engines.vllm.stats.KVLifePromMetrics])."""
+        [`KVLifePromMetrics`][kvlife.offload.engines.vllm_common.stats.KVLifePromMetrics])."""
         return KVLifePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod

@@ -27,7 +27,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvlife.offload.engines.vllm.config import ConnectorConfig
+from kvlife.offload.engines.vllm_common.config import ConnectorConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -25,10 +25,10 @@ from kvlife.fsm import (
     Trigger,
     UnknownRequestError,
 )
-from kvlife.offload.engines.vllm.config import ConnectorConfig
-from kvlife.offload.engines.vllm.core_log import CoreLog, overdue_line
 from kvlife.offload.engines.vllm.metadata import KVLifeConnectorMetadata, KVLifeWorkerMetadata
-from kvlife.offload.engines.vllm.stats import (
+from kvlife.offload.engines.vllm_common.config import ConnectorConfig
+from kvlife.offload.engines.vllm_common.core_log import CoreLog, overdue_line
+from kvlife.offload.engines.vllm_common.stats import (
     KVLifeConnectorStats,
     account_stats,
     audit_growth,

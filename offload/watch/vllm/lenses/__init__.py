@@ -60,7 +60,7 @@ class Lens(Protocol):
 
 def lens_for(connector: Any) -> Lens | None:
     """The lens of ``connector`` (the wrapped connector's scheduler side), or ``None``."""
-    from kvlife.offload.engines.vllm.lenses import (  # noqa: PLC0415
+    from kvlife.offload.watch.vllm.lenses import (  # noqa: PLC0415
         lmcache_inprocess,
         offloading,
         simple_cpu,

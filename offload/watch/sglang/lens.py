@@ -2,7 +2,7 @@
 copies as lifecycles, each copy a ticket the lens mints, acks matched to tickets, host
 frees matched to the copies that still use those pages, lock receipts.
 
-A generation module (``kvlife.offload.engines.hicache.unified``, ...) knows where a
+A generation module (``kvlife.offload.watch.sglang.unified``, ...) knows where a
 cache release keeps its pending copies and acks; it calls the methods here with plain
 node ids, host page slots and ack lists, so the verdicts are the same whatever the cache
 looks like inside.
@@ -118,7 +118,7 @@ class HiCacheLens:
         path: the audit log (JSON lines; ``None``: in memory only, for a test).
         witness: what is watched, in the log's header (``kvlife audit check`` counts the
             tickets still open at its end as ``unreported``).
-        mode: ``observe`` or ``refuse`` (see [`MODES`][kvlife.offload.engines.hicache.lens.MODES]).
+        mode: ``observe`` or ``refuse`` (see [`MODES`][kvlife.offload.watch.sglang.lens.MODES]).
         overdue_s: a copy open longer than this is written down as ``overdue``.
         flush_interval_s: seconds between fsyncs of the log.
         sinks: more sinks (a test's ``MemorySink``).

@@ -42,7 +42,7 @@ class ConnectorConfig:
         stride_blocks: blocks per store job (default 1).
         audit_log: path of the scheduler side's JSON-lines audit log (default none). Under
             data parallelism every engine core writes its own:
-            [`audit_path()`][kvlife.offload.engines.vllm.config.audit_path].
+            [`audit_path()`][kvlife.offload.engines.vllm_common.config.audit_path].
         audit_flush_s: most seconds a record waits before it is written (default 1).
         audit_fsync: ``"never"``, ``"batch"`` (default) or ``"record"``.
         audit_max_bytes: rotate the log past this size (default: never).

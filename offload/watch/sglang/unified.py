@@ -41,7 +41,7 @@ from collections.abc import Callable, Hashable
 from time import monotonic
 from typing import Any
 
-from kvlife.offload.engines.hicache.lens import AckQueue, HiCacheLens
+from kvlife.offload.watch.sglang.lens import AckQueue, HiCacheLens
 
 #: The cache class this module reads (module, name).
 WRAPS = ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache")

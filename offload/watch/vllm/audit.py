@@ -77,11 +77,9 @@ from vllm.v1.request import RequestStatus
 
 from kvlife.fsm import Lifecycle, LifecycleError, OverdueWatch, Ticket, Trigger
 from kvlife.fsm.audit.records import DetailValue
-from kvlife.offload.engines.vllm.config import STOPPING, ConnectorConfig, audit_path
-from kvlife.offload.engines.vllm.core_log import CoreLog, overdue_line
-from kvlife.offload.engines.vllm.handover import handed_over, taken_over
-from kvlife.offload.engines.vllm.lenses import Lens, lens_for
-from kvlife.offload.engines.vllm.stats import (
+from kvlife.offload.engines.vllm_common.config import STOPPING, ConnectorConfig, audit_path
+from kvlife.offload.engines.vllm_common.core_log import CoreLog, overdue_line
+from kvlife.offload.engines.vllm_common.stats import (
     OVERDUE_COUNTERS,
     OVERDUE_GAUGES,
     KVLifePromMetrics,
@@ -90,6 +88,8 @@ from kvlife.offload.engines.vllm.stats import (
     overdue_gauges,
     verdict_growth,
 )
+from kvlife.offload.watch.vllm.handover import handed_over, taken_over
+from kvlife.offload.watch.vllm.lenses import Lens, lens_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,7 +138,7 @@ class AuditConfig:
             ``kv_connector_extra_config``, ...; ``kv_role`` defaults to the wrapper's).
         mode: ``"observe"`` (default) or ``"refuse"``.
         audit: the audit log's settings (``audit_log`` and the other ``audit_*`` keys of
-            [`ConnectorConfig`][kvlife.offload.engines.vllm.config.ConnectorConfig]).
+            [`ConnectorConfig`][kvlife.offload.engines.vllm_common.config.ConnectorConfig]).
     """
 
     connector: dict[str, Any]
@@ -184,7 +184,7 @@ def wrapped_config(vllm_config: VllmConfig) -> tuple[type[KVConnectorBase_V1], V
 
     Raises:
         ValueError: the wrapper's extra config is wrong (see
-            [`AuditConfig.parse`][kvlife.offload.engines.vllm.audit.AuditConfig.parse]).
+            [`AuditConfig.parse`][kvlife.offload.watch.vllm.audit.AuditConfig.parse]).
     """
     outer = vllm_config.kv_transfer_config
     assert outer is not None  # vLLM builds a connector only from a kv_transfer_config
@@ -871,7 +871,7 @@ class KVLifeAuditConnector(KVConnectorBase_V1):
     lifecycles, its audit log and its verdicts (see the module's text).
 
     For a wrapped connector that is not a ``SupportsHMA``; use
-    [`KVLifeAuditConnectorHMA`][kvlife.offload.engines.vllm.audit.KVLifeAuditConnectorHMA]
+    [`KVLifeAuditConnectorHMA`][kvlife.offload.watch.vllm.audit.KVLifeAuditConnectorHMA]
     for one that is.
 
     Raises (at start-up):
@@ -1144,7 +1144,7 @@ abc.update_abstractmethods(KVLifeAuditConnector)  # the relays implement vLLM's 
 
 
 class KVLifeAuditConnectorHMA(KVLifeAuditConnector, SupportsHMA):
-    """[`KVLifeAuditConnector`][kvlife.offload.engines.vllm.audit.KVLifeAuditConnector] for a
+    """[`KVLifeAuditConnector`][kvlife.offload.watch.vllm.audit.KVLifeAuditConnector] for a
     wrapped connector that is a ``SupportsHMA``: vLLM keeps its hybrid KV cache manager,
     as it does for that connector alone."""
 

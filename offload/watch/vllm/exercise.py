@@ -34,10 +34,10 @@ The worker side (``worker`` in the report):
 * ``none``: vLLM's ``ExampleConnector`` reports nothing by request id and loads
   synchronously; its worker (files on disk, per-layer calls) is not run.
 * LMCache's ``LMCacheMPConnector``: its real worker, paced against the ``lmcache server``
-  the config names (see [`exercise_lmcache`][kvlife.offload.engines.vllm.exercise_lmcache]).
+  the config names (see [`exercise_lmcache`][kvlife.offload.watch.vllm.exercise_lmcache]).
 * LMCache's in-process ``LMCacheConnectorV1``: its real worker with LMCache's engine,
   lookup server and local CPU backend in this process (see
-  [`exercise_lmcache_inprocess`][kvlife.offload.engines.vllm.exercise_lmcache_inprocess]).
+  [`exercise_lmcache_inprocess`][kvlife.offload.watch.vllm.exercise_lmcache_inprocess]).
 
 Request ids carry the family and the seed (``reuse3-p1``), so that no two runs share one.
 
@@ -62,14 +62,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvlife.offload.engines.exercise_cli import (
+from kvlife.offload.engines.vllm_common.config import STOPPING
+from kvlife.offload.watch.exercise_cli import (
     add_run_options,
     listed,
     print_reports,
     progress_line,
     run_counts_error,
 )
-from kvlife.offload.engines.vllm.config import STOPPING
 
 BLOCK = 16
 LAYERS = ("layer.0", "layer.1")
@@ -463,7 +463,7 @@ class RealWorkers:
             KVConnectorRole,
         )
 
-        from kvlife.offload.engines.vllm.audit import wrapped_config  # noqa: PLC0415
+        from kvlife.offload.watch.vllm.audit import wrapped_config  # noqa: PLC0415
 
         vllm_config = wrapped_config(scheduler.vllm_config)[1]
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
@@ -651,13 +651,13 @@ PLAYED: dict[str, type[Any]] = {
 def workers_class(connector: str) -> type[Any]:
     """How the worker side of the connector named ``connector`` (its ``kv_connector``)
     runs: played for the connectors in ``PLAYED``, LMCache's with its pacing
-    (``kvlife.offload.engines.vllm.exercise_lmcache``), else its own worker role."""
+    (``kvlife.offload.watch.vllm.exercise_lmcache``), else its own worker role."""
     if connector == "LMCacheMPConnector":
-        from kvlife.offload.engines.vllm.exercise_lmcache import LMCacheWorkers  # noqa: PLC0415
+        from kvlife.offload.watch.vllm.exercise_lmcache import LMCacheWorkers  # noqa: PLC0415
 
         return LMCacheWorkers
     if connector == "LMCacheConnectorV1":
-        from kvlife.offload.engines.vllm import exercise_lmcache_inprocess as inprocess  # noqa: PLC0415
+        from kvlife.offload.watch.vllm import exercise_lmcache_inprocess as inprocess  # noqa: PLC0415
 
         inprocess.settings()  # before LMCache reads its config, once per process
         return inprocess.LMCacheInProcessWorkers
@@ -840,7 +840,7 @@ class FamilyReport:
     what: str
     runs: int = 0
     failed: int = 0
-    #: what the runs did, summed (see [`RunResult`][kvlife.offload.engines.vllm.exercise.RunResult])
+    #: what the runs did, summed (see [`RunResult`][kvlife.offload.watch.vllm.exercise.RunResult])
     lifecycles: int = 0
     copies: int = 0
     aborts: int = 0

@@ -2,7 +2,7 @@
 SGLang's developers before a release and for operators before an upgrade.
 
 It builds SGLang's real ``UnifiedRadixCache`` with its ``HybridCacheController`` on the CPU
-([`cpu`][kvlife.offload.engines.hicache.cpu]: SGLang's pools, tree cores and controller;
+([`cpu`][kvlife.offload.watch.sglang.cpu]: SGLang's pools, tree cores and controller;
 a CPU allocation and a torch copy stand in for the host pinning and the transfer kernel),
 puts kvlife's HiCache lens on it, and drives seeded workloads through *families* of
 schedules that break caches: prefixes shared and split while their write is in flight,
@@ -45,14 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlife.offload.engines.exercise_cli import (
+from kvlife.offload.watch.exercise_cli import (
     add_run_options,
     listed,
     print_reports,
     progress_line,
     run_counts_error,
 )
-from kvlife.offload.engines.hicache.cpu import CORES, PAGE, CpuCache, build
+from kvlife.offload.watch.sglang.cpu import CORES, PAGE, CpuCache, build
 
 #: polls after the workload for every copy to be acked
 DRAIN_POLLS = 64
@@ -169,7 +169,7 @@ STORAGE_WAIT_S = 5.0
 @dataclass(kw_only=True)
 class Did:
     """What runs did, for the report (a run's, or a family's summed by
-    [`count()`][kvlife.offload.engines.hicache.exercise.Did.count])."""
+    [`count()`][kvlife.offload.watch.sglang.exercise.Did.count])."""
 
     requests: int = 0
     aborts: int = 0
@@ -420,7 +420,7 @@ def run_one(
     kvlife's own tests) is given the cache, lens on, before the workload."""
     from kvlife.fsm.audit.checker import check_audit  # noqa: PLC0415
     from kvlife.fsm.audit.reader import read_audit  # noqa: PLC0415
-    from kvlife.offload.engines.hicache import HiCacheLens, attach  # noqa: PLC0415
+    from kvlife.offload.watch.sglang import HiCacheLens, attach  # noqa: PLC0415
 
     log = directory / f"{family.name}-{core}-{seed}.jsonl"
     result = RunResult(family.name, core, seed, str(log))

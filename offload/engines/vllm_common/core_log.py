@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlife.fsm import JsonLinesSink, LifecycleRegistry, OverdueWatch
-from kvlife.offload.engines.vllm.config import ConnectorConfig
+from kvlife.offload.engines.vllm_common.config import ConnectorConfig
 
 logger = logging.getLogger("vllm.kvlife")
 
@@ -33,7 +33,7 @@ def settle_on_signals(settle: Callable[[], object]) -> dict[int, tuple[Any, Any]
     Only where vLLM handles SIGTERM itself (its engine-core process) and from the main
     thread; elsewhere (an engine core in the caller's own process) nothing changes.
     Returns, per signal, (kvlife's handler, the one before it) for
-    [`restore_signals()`][kvlife.offload.engines.vllm.core_log.restore_signals].
+    [`restore_signals()`][kvlife.offload.engines.vllm_common.core_log.restore_signals].
     """
     handlers: dict[int, tuple[Any, Any]] = {}
     if threading.current_thread() is not threading.main_thread():

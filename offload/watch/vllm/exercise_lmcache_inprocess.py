@@ -7,7 +7,7 @@ LMCache reads its settings from ``LMCACHE_*`` variables (or ``LMCACHE_CONFIG_FIL
 per process, and from ``lmcache.*`` keys of the connector's ``kv_connector_extra_config``.
 The exercise runs it with its local CPU backend (``LMCACHE_LOCAL_CPU=True``), chunks of one
 vLLM block (``LMCACHE_CHUNK_SIZE=16``) and a small ``LMCACHE_MAX_LOCAL_CPU_SIZE``
-([`SETTINGS`][kvlife.offload.engines.vllm.exercise_lmcache_inprocess.SETTINGS], used where
+([`SETTINGS`][kvlife.offload.watch.vllm.exercise_lmcache_inprocess.SETTINGS], used where
 the variable is not set).
 
 What LMCache's worker needs that a vLLM worker process would have given it, all of it here:
@@ -45,7 +45,7 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvlife.offload.engines.vllm.exercise import RealWorkers
+from kvlife.offload.watch.vllm.exercise import RealWorkers
 
 SETTINGS = {
     "LMCACHE_LOCAL_CPU": "True",
@@ -57,7 +57,7 @@ CPU backend, chunks of one vLLM block of the exercise, 0.1 GB of chunks."""
 
 
 def settings() -> None:
-    """Set [`SETTINGS`][kvlife.offload.engines.vllm.exercise_lmcache_inprocess.SETTINGS]
+    """Set [`SETTINGS`][kvlife.offload.watch.vllm.exercise_lmcache_inprocess.SETTINGS]
     where the environment has none (before LMCache reads its config, which it does once per
     process)."""
     for name, value in SETTINGS.items():

@@ -4,10 +4,10 @@ host eviction a lifecycle in kvlife's audit log, with verdicts on the cache's ac
 frees and locks.
 
 Knowledge of one cache generation lives in one module, picked by the class of the cache it
-is given ([`GENERATIONS`][kvlife.offload.engines.hicache.GENERATIONS]); the bookkeeping is
-[`HiCacheLens`][kvlife.offload.engines.hicache.lens.HiCacheLens]. A cache whose class no
+is given ([`GENERATIONS`][kvlife.offload.watch.sglang.GENERATIONS]); the bookkeeping is
+[`HiCacheLens`][kvlife.offload.watch.sglang.lens.HiCacheLens]. A cache whose class no
 module knows, or a release that renamed what the module reads, gets no lens
-([`NoLensError`][kvlife.offload.engines.hicache.NoLensError], naming what is missing),
+([`NoLensError`][kvlife.offload.watch.sglang.NoLensError], naming what is missing),
 never a wrong one. Switched on in a server by kvlife's SGLang plugin
 (``KVLIFE_SGLANG_HICACHE=observe``); see ``docs/sglang-hicache.md``.
 """
@@ -18,12 +18,12 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from kvlife.offload.engines.hicache.lens import MODES, HiCacheLens, NodeCopy
+from kvlife.offload.watch.sglang.lens import MODES, HiCacheLens, NodeCopy
 
 #: (module, class) of a cache -> the module that knows that generation.
 GENERATIONS: dict[tuple[str, str], str] = {
     ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache"): (
-        "kvlife.offload.engines.hicache.unified"
+        "kvlife.offload.watch.sglang.unified"
     ),
 }
 
@@ -63,7 +63,7 @@ def attach(cache: Any, lens: HiCacheLens) -> HiCacheLens:
     """Put ``lens`` on ``cache`` (after its ``init_hicache``) and return it.
 
     Raises:
-        NoLensError: see [`generation_for`][kvlife.offload.engines.hicache.generation_for];
+        NoLensError: see [`generation_for`][kvlife.offload.watch.sglang.generation_for];
             nothing was wrapped.
         ValueError: the cache already has a lens, or HiCache is not initialised.
     """

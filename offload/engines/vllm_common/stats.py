@@ -43,7 +43,7 @@ GAUGES = (
 [`PageAccount`][kvlife.offload.planner.PageAccount]: capacity, free, cached (evictable),
 pinned by loads, written by stores in flight; the last four sum to the first) and the
 lifecycles live in each state, and the overdue gauges
-([`OVERDUE_GAUGES`][kvlife.offload.engines.vllm.stats.OVERDUE_GAUGES])."""
+([`OVERDUE_GAUGES`][kvlife.offload.engines.vllm_common.stats.OVERDUE_GAUGES])."""
 
 STAT_KEYS = COUNTERS + GAUGES
 """Every key the connector reports (and the verdict and audit counters below)."""
@@ -208,9 +208,9 @@ class KVLifePromMetrics(KVConnectorPromMetrics):
 class KVLifeConnectorStats(KVConnectorStats):
     """kvlife's counters for one interval and its host page account at its end, as vLLM's
     metrics logger takes them (``KV Transfer metrics: stores=..., host_pages_free=...``).
-    Counters ([`COUNTERS`][kvlife.offload.engines.vllm.stats.COUNTERS]) add up when intervals are
-    aggregated; the account ([`GAUGES`][kvlife.offload.engines.vllm.stats.GAUGES]) is the
-    latest one's."""
+    Counters ([`COUNTERS`][kvlife.offload.engines.vllm_common.stats.COUNTERS]) add up when
+    intervals are aggregated; the account
+    ([`GAUGES`][kvlife.offload.engines.vllm_common.stats.GAUGES]) is the latest one's."""
 
     def reset(self) -> None:
         self.data = dict.fromkeys(COUNTERS, 0)
