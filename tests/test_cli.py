@@ -395,9 +395,7 @@ def test_an_engine_that_does_not_import_is_named_in_one_line_with_the_missing_mo
         importlib,
         "import_module",
         lambda module: (
-            fake
-            if module.startswith(("vllm", "sglang", "kvlife.offload.engines"))
-            else real(module)
+            fake if module.startswith(("vllm", "sglang", "kvlife.offload.watch")) else real(module)
         ),
     )
     assert main([engine, "exercise", "{}"]) == 2

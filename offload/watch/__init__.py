@@ -1,6 +1,6 @@
 """What kvlife watches: offload kvlife did not write, seen whole.
 
-kvlife's own offload for the engines is in [`kvlife.offload.engines`][kvlife.offload.engines];
+kvlife's own offload for the engines is in ``kvlife.offload.engines``;
 this package holds the other product, one sub-package per engine:
 
 * [`kvlife.offload.watch.vllm`][kvlife.offload.watch.vllm]: the audit wrapper around any
