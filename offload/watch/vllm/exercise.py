@@ -43,13 +43,18 @@ Request ids carry the family and the seed (``reuse3-p1``), so that no two runs s
 
 The model is facebook/opt-125m's config (no weights; only its shape matters to the
 scheduler), blocks of 16 tokens, one KV cache group.
+
+This module is the run: the families, vLLM's scheduler built around the connector, the
+workload and one run's checks, every family over every seed, and the command. How the
+worker side runs is in
+[`exercise_workers`][kvlife.offload.watch.vllm.exercise_workers], what is reported in
+[`exercise_report`][kvlife.offload.watch.vllm.exercise_report].
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -57,10 +62,10 @@ import random
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from kvlife.offload.engines.vllm_common.config import STOPPING
 from kvlife.offload.watch.exercise_cli import (
@@ -70,10 +75,18 @@ from kvlife.offload.watch.exercise_cli import (
     progress_line,
     run_counts_error,
 )
+from kvlife.offload.watch.vllm.exercise_report import FamilyReport, RunResult, why_command
+from kvlife.offload.watch.vllm.exercise_workers import (
+    BLOCK,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    PLAYED,
+    RealWorkers,
+    Workers,
+    workers_class,
+)
 
-BLOCK = 16
-LAYERS = ("layer.0", "layer.1")
-HEADS, HEAD_DIM = 2, 8
 #: steps after the workload for vLLM to drain (every report in, every request gone)
 DRAIN_STEPS = 400
 MODULE = "kvlife.offload.engines.vllm"
@@ -137,59 +150,6 @@ FAMILIES: dict[str, Family] = {
 class ExerciseConfigError(ValueError):
     """The connector's config does not build (a bad JSON, an unknown connector, a setting
     the connector refuses). Nothing ran."""
-
-
-@dataclass
-class RunResult:
-    """One seeded run of one family."""
-
-    family: str
-    seed: int
-    steps: int
-    #: the audit log of the run
-    log: str
-    #: vLLM's or the connector's exception, ``Type: message``, and where it was raised
-    raised: str | None = None
-    raised_at: str | None = None
-    #: requests vLLM still held after the drain
-    undrained: list[str] = field(default_factory=list)
-    #: device blocks not back in vLLM's free pool at the end
-    leaked_blocks: int = 0
-    #: the audit log's verdicts: kind -> the rids they name, in order
-    verdicts: dict[str, list[str]] = field(default_factory=dict)
-    #: a verdict's log when it is not ``log`` (kvlife's own connector keeps a log too)
-    verdict_logs: dict[str, str] = field(default_factory=dict)
-    #: what the run did: requests (lifecycles), copies the wrapper saw (stores, loads,
-    #: delayed frees), aborts, preemptions, ids registered again while their earlier
-    #: lifecycle was not released
-    lifecycles: int = 0
-    copies: int = 0
-    aborts: int = 0
-    preemptions: int = 0
-    reuses: int = 0
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.raised or self.undrained or self.leaked_blocks or self.verdicts)
-
-    def describe(self) -> str:
-        """One line per failure of the run."""
-        lines = []
-        if self.raised:
-            lines.append(f"raised {self.raised} at {self.raised_at}")
-        if self.undrained:
-            lines.append(f"never drained: vLLM still holds {self.undrained}")
-        if self.leaked_blocks:
-            lines.append(f"{self.leaked_blocks} device block(s) never came back")
-        for kind, rids in self.verdicts.items():
-            where = self.verdict_logs.get(kind, self.log)
-            lines.append(f"verdict {kind} on {rids[0]!r}: {why_command(where, rids[0])}")
-        return "; ".join(lines) or "clean"
-
-
-def why_command(log: str, rid: str) -> str:
-    """The command that tells ``rid``'s story from ``log``."""
-    return f"kvlife audit why {log} --rid {rid}"
 
 
 # -- vLLM's scheduler with the connector under the wrapper ---------------------------------
@@ -379,291 +339,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-# -- the workers ------------------------------------------------------------------------
-
-
-class Workers(Protocol):
-    """The connector's worker side, as the exercise runs it."""
-
-    #: ``real``, ``played`` or ``none`` (see the module's text)
-    kind: str
-
-    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        """Run step ``n`` of scheduler output ``out`` on every worker; each worker's
-        ``KVConnectorOutput`` (or ``None``) due at this step, after ``delay()`` steps."""
-        ...
-
-    def busy(self) -> bool:
-        """Whether a worker still owes vLLM a report."""
-        ...
-
-
-class _Held:
-    """Each worker's outputs, held until due; those due together merged in order."""
-
-    def __init__(self, workers: int) -> None:
-        self.queues: list[list[tuple[int, Any]]] = [[] for _ in range(workers)]
-
-    def put(self, rank: int, due: int, output: Any) -> None:
-        self.queues[rank].append((due, output))
-
-    def due(self, n: int) -> list[Any]:
-        released = []
-        for rank, queue in enumerate(self.queues):
-            now = [o for when, o in queue if when <= n]
-            self.queues[rank] = [(when, o) for when, o in queue if when > n]
-            released.append(_merged(now))
-        return released
-
-    def busy(self) -> bool:
-        return any(self.queues)
-
-
-def _merged(outputs: list[Any]) -> Any:
-    """One worker's outputs of several steps as one ``KVConnectorOutput`` (``None``: none)."""
-    if not outputs:
-        return None
-    first = dataclasses.replace(outputs[0])
-    for later in outputs[1:]:
-        first.finished_sending = (first.finished_sending or set()) | (
-            later.finished_sending or set()
-        )
-        first.finished_recving = (first.finished_recving or set()) | (
-            later.finished_recving or set()
-        )
-        first.invalid_block_ids = set(first.invalid_block_ids or ()) | set(
-            later.invalid_block_ids or ()
-        )
-        if hasattr(first, "failed_recving"):
-            first.failed_recving = set(first.failed_recving or ()) | set(later.failed_recving or ())
-        meta, other = first.kv_connector_worker_meta, later.kv_connector_worker_meta
-        if meta is None:
-            first.kv_connector_worker_meta = other
-        elif other is not None:
-            first.kv_connector_worker_meta = meta.aggregate(other)
-    first.finished_sending = first.finished_sending or None
-    first.finished_recving = first.finished_recving or None
-    return first
-
-
-class RealWorkers:
-    """The connector's own worker role, one instance per worker, on CPU KV caches."""
-
-    kind = "real"
-    #: the KV cache layout vLLM must resolve before the connector is built (``None``:
-    #: vLLM's default)
-    kv_cache_layout: str | None = None
-
-    def __init__(self, scheduler: Any, workers: int) -> None:
-        import torch  # noqa: PLC0415
-        from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
-            KVConnectorFactory,
-        )
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
-            KVConnectorRole,
-        )
-
-        from kvlife.offload.watch.vllm.audit import wrapped_config  # noqa: PLC0415
-
-        vllm_config = wrapped_config(scheduler.vllm_config)[1]
-        cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
-        blocks = scheduler.kv_cache_config.num_blocks
-        self.ranks = []
-        for rank in range(workers):
-            worker = self.build(
-                lambda config: cls(config, KVConnectorRole.WORKER, scheduler.kv_cache_config),
-                vllm_config,
-                rank,
-            )
-            shape = (2, blocks, BLOCK, HEADS, HEAD_DIM)
-            worker.register_kv_caches(
-                {name: torch.zeros(shape, dtype=torch.float16) for name in LAYERS}
-            )
-            self.ranks.append(worker)
-        self.held = _Held(workers)
-
-    def build(self, make: Callable[[Any], Any], vllm_config: Any, rank: int) -> Any:
-        """Worker ``rank``'s connector, ``make(vllm_config)``: every worker of one config
-        here; a connector that needs each worker to know its rank says so here."""
-        return make(vllm_config)
-
-    def forward_context(self) -> Any:
-        """What ``start_load_kv`` is given: no forward pass runs (``None``)."""
-        return None
-
-    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
-
-        meta = out.kv_connector_metadata
-        context = self.forward_context()
-        for rank, worker in enumerate(self.ranks):
-            worker.handle_preemptions(meta)
-            worker.bind_connector_metadata(meta)
-            worker.start_load_kv(context)
-            worker.wait_for_save()
-            self.saved(worker)
-            results = worker.get_transfer_results(out.finished_req_ids)
-            output = KVConnectorOutput(
-                finished_sending=set(results.finished_sending or ()) or None,
-                finished_recving=set(results.finished_recving or ()) or None,
-                invalid_block_ids=set(worker.get_block_ids_with_load_errors() or ()),
-                kv_connector_worker_meta=worker.build_connector_worker_meta(),
-            )
-            failed = getattr(results, "failed_recving", None)
-            if failed:
-                output.failed_recving = set(failed)
-            worker.clear_connector_metadata()
-            self.held.put(rank, n + delay(), output)
-        return self.held.due(n)
-
-    def saved(self, worker: Any) -> None:
-        """After ``wait_for_save``: where a connector's copies run on, wait for them."""
-
-    def close(self) -> None:
-        """Shut every worker down (its threads, its connections), as vLLM does at exit."""
-        for worker in self.ranks:
-            with contextlib.suppress(Exception):
-                worker.shutdown()
-
-    def busy(self) -> bool:
-        return self.held.busy()
-
-
-class NoWorkers:
-    """A connector whose worker reports nothing by request id and loads synchronously."""
-
-    kind = "none"
-    kv_cache_layout: str | None = None
-
-    def __init__(self, scheduler: Any, workers: int) -> None:
-        self.workers = workers
-
-    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        return [None] * self.workers
-
-    def busy(self) -> bool:
-        return False
-
-
-class _JobPlay:
-    """Workers played from the jobs a connector's metadata orders: each worker reports
-    each job after ``delay()`` steps (a job vLLM waits for in its own step); a load job
-    is also reported by its request ids once that worker finished it."""
-
-    kind = "played"
-    kv_cache_layout: str | None = None
-
-    def __init__(self, scheduler: Any, workers: int) -> None:
-        self.workers = workers
-        self.pending: list[tuple[int, int, int, list[str]]] = []  # due, rank, job, rids
-
-    def orders(self, meta: Any) -> Iterable[tuple[int, list[str], bool]]:
-        """The jobs ``meta`` orders: (job, the request ids a load reports, now)."""
-        raise NotImplementedError
-
-    def worker_meta(self, completed: dict[int, int]) -> Any:
-        raise NotImplementedError
-
-    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
-
-        for job, rids, now in self.orders(out.kv_connector_metadata):
-            for rank in range(self.workers):
-                self.pending.append((n if now else n + delay(), rank, job, rids))
-        due = [p for p in self.pending if p[0] <= n]
-        self.pending = [p for p in self.pending if p[0] > n]
-        outputs: list[Any] = []
-        for rank in range(self.workers):
-            mine = [p for p in due if p[1] == rank]
-            if not mine:
-                outputs.append(None)
-                continue
-            completed: dict[int, int] = {}
-            recving: set[str] = set()
-            for _, _, job, rids in mine:
-                completed[job] = completed.get(job, 0) + 1
-                recving.update(rids)
-            outputs.append(
-                KVConnectorOutput(
-                    finished_recving=recving or None,
-                    kv_connector_worker_meta=self.worker_meta(completed),
-                )
-            )
-        return outputs
-
-    def busy(self) -> bool:
-        return bool(self.pending)
-
-
-class OffloadingPlay(_JobPlay):
-    """vLLM's ``OffloadingConnector``: store and load jobs in its metadata, completed
-    through ``completed_jobs``; flushed jobs and synchronous loads in their own step."""
-
-    def orders(self, meta: Any) -> Iterable[tuple[int, list[str], bool]]:
-        now = set(meta.jobs_to_flush or ())
-        for job, transfer in meta.load_jobs.items():
-            sync = bool(getattr(transfer, "sync", False))
-            yield job, [] if sync else [transfer.req_id], sync or job in now
-        for job in meta.store_jobs:
-            yield job, [], job in now
-
-    def worker_meta(self, completed: dict[int, int]) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: PLC0415
-            OffloadingWorkerMetadata,
-        )
-
-        return OffloadingWorkerMetadata(completed_jobs=completed)
-
-
-class SimpleCPUPlay(_JobPlay):
-    """vLLM's ``SimpleCPUOffloadConnector``: one store event and one load event a step at
-    most, completed through ``completed_store_events`` (stores) and by request id (loads);
-    when vLLM preempted (``need_flush``) every worker finishes everything in that step."""
-
-    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        if out.kv_connector_metadata.need_flush:
-            self.pending = [(n, rank, job, rids) for _, rank, job, rids in self.pending]
-        return super().step(out, n, delay)
-
-    def orders(self, meta: Any) -> Iterable[tuple[int, list[str], bool]]:
-        if meta.store_event >= 0:
-            yield meta.store_event, [], bool(meta.need_flush)
-        if meta.load_event >= 0:
-            rids = list(meta.load_event_to_reqs[meta.load_event])
-            yield -1 - meta.load_event, rids, bool(meta.need_flush)
-
-    def worker_meta(self, completed: dict[int, int]) -> Any:
-        from vllm.v1.simple_kv_offload.metadata import (  # noqa: PLC0415
-            SimpleCPUOffloadWorkerMetadata,
-        )
-
-        stores = {job: count for job, count in completed.items() if job >= 0}
-        return SimpleCPUOffloadWorkerMetadata(completed_store_events=stores) if stores else None
-
-
-PLAYED: dict[str, type[Any]] = {
-    "OffloadingConnector": OffloadingPlay,
-    "SimpleCPUOffloadConnector": SimpleCPUPlay,
-    "ExampleConnector": NoWorkers,
-}
-
-
-def workers_class(connector: str) -> type[Any]:
-    """How the worker side of the connector named ``connector`` (its ``kv_connector``)
-    runs: played for the connectors in ``PLAYED``, LMCache's with its pacing
-    (``kvlife.offload.watch.vllm.exercise_lmcache``), else its own worker role."""
-    if connector == "LMCacheMPConnector":
-        from kvlife.offload.watch.vllm.exercise_lmcache import LMCacheWorkers  # noqa: PLC0415
-
-        return LMCacheWorkers
-    if connector == "LMCacheConnectorV1":
-        from kvlife.offload.watch.vllm import exercise_lmcache_inprocess as inprocess  # noqa: PLC0415
-
-        inprocess.settings()  # before LMCache reads its config, once per process
-        return inprocess.LMCacheInProcessWorkers
-    return PLAYED.get(connector, RealWorkers)
-
-
 # -- one run -----------------------------------------------------------------------------
 
 
@@ -831,78 +506,6 @@ def run_one(
 # -- many runs, the report ----------------------------------------------------------------
 
 
-@dataclass
-class FamilyReport:
-    """A family's runs, summed up: each kind of failure with how often and one seed that
-    reproduces it."""
-
-    family: str
-    what: str
-    runs: int = 0
-    failed: int = 0
-    #: what the runs did, summed (see [`RunResult`][kvlife.offload.watch.vllm.exercise.RunResult])
-    lifecycles: int = 0
-    copies: int = 0
-    aborts: int = 0
-    preemptions: int = 0
-    reuses: int = 0
-    #: ``Type at where`` -> (runs, the first seed, its ``Type: message``)
-    raises: dict[str, tuple[int, int, str]] = field(default_factory=dict)
-    #: (runs, the first seed, its blocks) of leaked device blocks
-    leaks: tuple[int, int, int] | None = None
-    #: (runs, the first seed, its rids) of requests never drained
-    undrained: tuple[int, int, list[str]] | None = None
-    #: kind -> (runs, the first seed, an rid it names, the why command)
-    verdicts: dict[str, tuple[int, int, str, str]] = field(default_factory=dict)
-
-    def add(self, run: RunResult) -> None:
-        self.runs += 1
-        self.lifecycles += run.lifecycles
-        self.copies += run.copies
-        self.aborts += run.aborts
-        self.preemptions += run.preemptions
-        self.reuses += run.reuses
-        if not run.failed:
-            return
-        self.failed += 1
-        if run.raised:
-            key = f"{run.raised.split(':', 1)[0]} at {run.raised_at}"
-            count, seed, text = self.raises.get(key, (0, run.seed, run.raised))
-            self.raises[key] = (count + 1, seed, text)
-        if run.leaked_blocks:
-            count, seed, blocks = self.leaks or (0, run.seed, run.leaked_blocks)
-            self.leaks = (count + 1, seed, blocks)
-        if run.undrained:
-            count, seed, rids = self.undrained or (0, run.seed, run.undrained)
-            self.undrained = (count + 1, seed, rids)
-        for kind, rids in run.verdicts.items():
-            where = run.verdict_logs.get(kind, run.log)
-            count, seed, rid, why = self.verdicts.get(
-                kind, (0, run.seed, rids[0], why_command(where, rids[0]))
-            )
-            self.verdicts[kind] = (count + 1, seed, rid, why)
-
-    def lines(self) -> list[str]:
-        lines = [
-            f"{self.family}: {self.runs} runs, {self.failed} failed ({self.what})",
-            f"  did: {self.lifecycles} requests, {self.copies} copies, {self.aborts} aborts, "
-            f"{self.preemptions} preemptions, {self.reuses} ids reused while in flight",
-        ]
-        for where, (count, seed, text) in self.raises.items():
-            lines.append(f"  raised in {count} run(s), first seed {seed}: {text} ({where})")
-        if self.leaks:
-            count, seed, blocks = self.leaks
-            lines.append(
-                f"  leaked device blocks in {count} run(s), seed {seed}: {blocks} block(s)"
-            )
-        if self.undrained:
-            count, seed, rids = self.undrained
-            lines.append(f"  never drained in {count} run(s), seed {seed}: vLLM held {rids}")
-        for kind, (count, seed, rid, why) in self.verdicts.items():
-            lines.append(f"  verdict {kind} in {count} run(s), seed {seed}, rid {rid!r}: {why}")
-        return lines
-
-
 def exercise(
     transfer: dict[str, Any],
     families: Sequence[str],
@@ -1005,11 +608,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
+    "BLOCK",
     "FAMILIES",
+    "PLAYED",
     "ExerciseConfigError",
     "Family",
     "FamilyReport",
+    "RealWorkers",
     "RunResult",
+    "Workers",
     "build_scheduler",
     "exercise",
     "main",
@@ -1018,4 +625,5 @@ __all__ = [
     "per_layer_kv_cache_config",
     "run_one",
     "why_command",
+    "workers_class",
 ]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvlife.offload.watch.vllm.exercise import RealWorkers
+from kvlife.offload.watch.vllm.exercise_workers import RealWorkers
 
 #: the longest the exercise waits for LMCache's server or its copies, seconds
 PACE_S = 60.0

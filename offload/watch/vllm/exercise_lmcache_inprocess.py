@@ -45,7 +45,7 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvlife.offload.watch.vllm.exercise import RealWorkers
+from kvlife.offload.watch.vllm.exercise_workers import RealWorkers
 
 SETTINGS = {
     "LMCACHE_LOCAL_CPU": "True",
