@@ -436,7 +436,7 @@ def test_a_raise_is_written_down_on_the_request_it_names_not_on_the_whole_step(
 def test_a_raise_that_names_no_request_is_written_down_on_every_request_of_the_call(
     tmp_path: Path,
 ) -> None:
-    from kvlife.offload.watch.vllm.audit import _named_in  # noqa: PLC0415
+    from kvlife.offload.watch.vllm.audit_watch import _named_in  # noqa: PLC0415
 
     assert _named_in(KeyError(0), ["a", "b"]) == []
     assert _named_in(KeyError("b"), ["a", "b"]) == ["b"]
