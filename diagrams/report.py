@@ -18,6 +18,9 @@ or attached to an incident.
 User text (rids) only ever reaches the page as JSON data that the script puts in with
 ``textContent``, and the JSON is escaped so that it cannot end its ``<script>`` element: a
 rid like ``</script><img onerror=...>`` shows as text.
+
+Why one module: it writes one self-contained page (its styles, script and data inline);
+the pictures it embeds are drawn by ``story``, ``log_graph`` and ``timeline``.
 """
 
 from __future__ import annotations

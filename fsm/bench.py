@@ -12,6 +12,10 @@ instance, a clock read per registration, the ``**detail`` keyword dict of every 
 takes audit detail), and the least an audit record costs (the one call that builds and
 hands it on, a clock read, building the record, a ring append), next to what each ratio
 target leaves per record.
+
+Why one module: it is one benchmark, every setup run in the same interleaved rounds
+against the same baseline (ratios are only meaningful within one run), with the printing
+of its figures and targets.
 """
 
 from __future__ import annotations

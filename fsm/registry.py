@@ -23,6 +23,13 @@ does. Read-only calls (``statistics``, ``len``, ``live``) may come from any thre
 
 Audit sinks never change what the registry does: see
 [`kvlife.fsm.audit.guard`][kvlife.fsm.audit.guard].
+
+Why one module: every call here changes one lifecycle under the same rules (found by
+identity, checked against the table, its tickets and the owner thread, applied whole or
+not at all, then audited), and ``apply`` runs the same steps for a batch; the rules are
+not split across files so that a reader checks each transition in one place. What does
+not decide a transition lives elsewhere: the table (``table``), the records and sinks
+(``kvlife.fsm.audit``), the overdue watch (``overdue``), hooks (``hooks``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ measured in one process, the ways interleaved round by round, medians reported:
 It ends with one table of what held and what did not. ``--json FILE`` writes every row,
 the environment (device, driver, link, torch, CUDA, kvlife's commit) and the verdicts
 (rewritten after each part, so a part that dies leaves the ones before it).
+
+Why one module: it is the command of one benchmark (arguments, the parts in order,
+the verdict table, the JSON report); the measurements are ``bench_copies``' and
+``bench_blocks``'.
 """
 
 from __future__ import annotations

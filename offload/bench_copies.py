@@ -16,6 +16,10 @@ Ways of copying (see [`kvlife.offload.peer_copies`][kvlife.offload.peer_copies])
   12.8 and later; CUDA only);
 * ``contiguous``: one copy of the same number of bytes from one contiguous tensor (the
   link's limit, the baseline of every ratio).
+
+Why one module: the measurements share one harness (the ways interleaved round by
+round, bytes compared on the last round, rows as plain dataclasses); the block-outermost
+part is ``bench_blocks``, the command and its verdicts ``bench``.
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ CUDA facts this relies on (``c10/cuda/CUDAEvent.h``, the stream docs):
 ``Event.query()`` returns True for an event that was never recorded, so a job counts as
 done only if its event was recorded (``recorded``); ``Stream.wait_stream`` / ``wait_event``
 return at once and only order *future* work on the stream.
+
+Why one module: one engine owns the streams, staging buffers, events and index ring that
+every path (stores and loads; whole pages, token slots, direct block runs) shares and
+warms at build; the direct path's run listing is ``block_copy``'s, the DMA binding
+``dma``'s, host pages ``host_pool``'s.
 """
 
 from __future__ import annotations

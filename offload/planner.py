@@ -48,6 +48,12 @@ place of the account (free, cached, pinned by loads, written by stores in flight
 by a live lifecycle in owner mode), so
 [`account()`][kvlife.offload.planner.OffloadPlanner.account] sums to the capacity, less
 the pages handed over in owner mode.
+
+Why one module: the scheduler half keeps one account (every host page in exactly one
+place) that stores, loads, fences, the host cache, evictions and every worker's reports
+all change; each of them is a few methods over that account, and the test of the account
+is that they stay together. Host page numbers are ``pages``', the cache's index
+``prefix_cache``'s.
 """
 
 from __future__ import annotations

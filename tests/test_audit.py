@@ -488,6 +488,25 @@ def test_the_two_products_share_only_what_both_need() -> None:
             assert not watchers, (path, watchers)
 
 
+ROOM = 650
+"""Lines a module may grow to before its docstring must say why it is one piece."""
+
+
+def test_a_large_module_says_why_it_is_one_piece() -> None:
+    """One idea a room: a module past about 600 lines is split, or its docstring says
+    why it is one piece ("Why one module: ...")."""
+    root = Path(kvlife.fsm.__file__).resolve().parent.parent
+    unexplained = []
+    for package in ("fsm", "offload", "diagrams"):
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            if text.count("\n") > ROOM:
+                doc = ast.get_docstring(ast.parse(text)) or ""
+                if "Why one module:" not in doc:
+                    unexplained.append(f"{path.relative_to(root)} ({text.count(chr(10))} lines)")
+    assert unexplained == []
+
+
 @pytest.mark.parametrize("old", OLD_PATHS)
 def test_the_audit_modules_have_one_path(old: str) -> None:
     with pytest.raises(ModuleNotFoundError):

@@ -33,6 +33,11 @@ closed segment (or one whose ending is unknown) are ``unreported`` when a wrappe
 it; at the end of a segment cut short or still open they are listed in
 ``report.open_at_end`` ([`OpenAtEnd`][kvlife.fsm.audit.checker.OpenAtEnd]): copies in flight
 when the writer stopped (or now), not the watched component's fault.
+
+Why one module: the checker is one linear replay of a log against the transition table
+(segments, records, tickets, the ending), and every verdict reads the same per-segment
+state; split, each rule would reach into the others' state. Reading a log is
+``reader``'s, telling a rid's story ``explain``'s.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ not taken: the registry keeps it in a bounded backlog and offers it again (see
   record at the end of every segment it closes (so a log that ends without one was cut
   short).
 * [`LoggingSink`][kvlife.fsm.audit.sinks.LoggingSink] -- one stdlib ``logging`` call per record.
+
+Why one module: the sinks are one interface (``write``, ``write_many``, ``flush``,
+``close``) with a few implementations that share the record encoding; what guards them
+from failing is ``guard``'s.
 """
 
 from __future__ import annotations

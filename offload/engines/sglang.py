@@ -34,6 +34,10 @@ SGLang 0.5.18 (the last release whose own manager keys its state by rid): its sc
 passes ``server_args`` to the manager, and so it does to this one; the request's row is on
 the ``Req``, the release makes 0.5.18's calls, and storage hashes start from no namespace
 seed, as 0.5.18's do.
+
+Why one module: it is one drop-in for SGLang's decode offload manager, each method
+SGLang's call translated into the offload core's (``OffloadManager``), for both releases
+it supports; the HiCache lens is a watcher (``kvlife.offload.watch.sglang``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ backup and each prefetch to end (SGLang's ``wait_complete`` prefetch policy) so 
 is the same run to run. What it does not cover:
 tensor parallelism (see ``kvlife audit ranks``), a GPU (the CUDA kernels and the pinned
 host pool), storage backends other than the file one.
+
+Why one module: it is one run of SGLang's cache (families, the workload, one run's
+checks, the report and the command), as ``kvlife.offload.watch.vllm.exercise`` is for
+vLLM; the cache built on the CPU is ``cpu``'s, the lens ``lens``'s.
 """
 
 from __future__ import annotations
