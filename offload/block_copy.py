@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvlife.offload.dma import batch_available, memcpy_async, memcpy_batch
+from kvlife.offload.dma import AccessOrder, batch_available, memcpy_async, memcpy_batch
 
 
 @dataclass(frozen=True)
@@ -213,11 +213,18 @@ class BlockRuns:
         stream: torch.cuda.Stream,
         *,
         to_host: bool,
+        order: AccessOrder | None = None,
     ) -> np.ndarray:
-        """Queue the copy on ``stream``: one ``cudaMemcpyBatchAsync`` (stores read in
-        stream order, loads from pinned host memory in any order), or one
+        """Queue the copy on ``stream``: one ``cudaMemcpyBatchAsync``, or one
         ``cudaMemcpyAsync`` per run where the runtime has no batch call. Returns the
         descriptors (keep them until the copy is over).
+
+        ``order``: how the source is read. By default stores read in stream order (compute
+        queued before them writes the KV) and loads in any order: the driver may read a
+        load's host pages before the stream's earlier work is done, which is safe only
+        because nothing on the device writes a page a load reads (the planner loads only
+        pages whose store is over, and pins them); pass ``"stream"`` for a load whose
+        pages earlier work on the stream writes.
 
         Raises:
             DMAError: the runtime refused the copy.
@@ -234,7 +241,7 @@ class BlockRuns:
                 count,
                 stream,
                 to_host=to_host,
-                order="stream" if to_host else "any",
+                order=order or ("stream" if to_host else "any"),
             )
         else:
             for dst, src, size in listed.T.tolist():

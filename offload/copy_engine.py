@@ -320,7 +320,8 @@ class CopyEngine:
         for copy_stream in self._copy_streams:
             copy_stream.wait_stream(compute)
             kept.append(warm.copy_cuda(first, (0,), copy_stream, to_host=True))
-            kept.append(warm.copy_cuda(first, (0,), copy_stream, to_host=False))
+            # the scratch page is written by the store just queued: read it in stream order
+            kept.append(warm.copy_cuda(first, (0,), copy_stream, to_host=False, order="stream"))
             torch.cuda.Event().record(copy_stream)
             compute.wait_stream(copy_stream)
         self._warm_keep = scratch  # read by the copies above until they are done

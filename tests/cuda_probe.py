@@ -44,7 +44,10 @@ def _hold(scenario: str, engine: CopyEngine) -> StreamGate | None:
 
 
 def probe_direct(scenario: str) -> dict[str, object]:
-    """As ``probe``, on a ``BLNHC`` cache of 4 layers (whole blocks, copied directly)."""
+    """As ``probe``, on a ``BLNHC`` cache of 4 layers (whole blocks, copied directly). A
+    direct load may read its host pages in any order, so the loads read pages stored and
+    finished before the device is held (as the planner loads only pages whose store is
+    over), while the stores behind the hold fill other pages."""
     blocks, layers = 512, 4
     buffer = torch.randn(blocks, layers, PAGE, 2, 64, device="cuda").to(torch.bfloat16)
     views = [buffer[:, layer].transpose(1, 2) for layer in range(layers)]  # [B, H, N, C]
@@ -52,25 +55,33 @@ def probe_direct(scenario: str) -> dict[str, object]:
     host = HostPagePool(layout, 256, pin_memory=True)
     engine = CopyEngine(layout, views, host)
     assert engine.path == "direct", engine.describe()
-    before_bytes = buffer.clone()
-    torch.cuda.synchronize()
     sizes = [1, 3, 17, 40]
     order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).tolist()
-    sources = [order[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
-    targets = [order[200 + sum(sizes[:i]) : 200 + sum(sizes[: i + 1])] for i in range(len(sizes))]
+    runs = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    sources = [order[runs[i] : runs[i + 1]] for i in range(len(sizes))]
+    stored = [order[100 + runs[i] : 100 + runs[i + 1]] for i in range(len(sizes))]
+    targets = [order[200 + runs[i] : 200 + runs[i + 1]] for i in range(len(sizes))]
+    loaded_pages = []
+    for src in sources:  # what the loads read: stored, and over, before the hold
+        pages = host.alloc(len(src))
+        assert pages is not None
+        engine.launch(src, pages)
+        loaded_pages.append(pages)
+    torch.cuda.synchronize()
+    before_bytes = buffer.clone()
     calls: list[float] = []
     jobs = []
     before = _allocations()
     gate = _hold(scenario, engine)
-    held = []
-    for src in sources:
+    stored_pages = []
+    for src in stored:
         pages = host.alloc(len(src))
         assert pages is not None
         t0 = time.perf_counter()
         jobs.append(engine.launch(src, pages))
         calls.append(time.perf_counter() - t0)
-        held.append(pages)
-    for pages, dst in zip(held, targets, strict=True):
+        stored_pages.append(pages)
+    for pages, dst in zip(loaded_pages, targets, strict=True):
         t0 = time.perf_counter()
         jobs.append(engine.load(pages, dst))
         calls.append(time.perf_counter() - t0)
@@ -79,9 +90,14 @@ def probe_direct(scenario: str) -> dict[str, object]:
     if gate is not None:
         gate.open()
     torch.cuda.synchronize()
+    size = host.bytes_per_page
+    raw = before_bytes.view(torch.uint8).view(blocks, size).cpu()
     equal = all(
         torch.equal(buffer[dst], before_bytes[src])
         for src, dst in zip(sources, targets, strict=True)
+    ) and all(
+        torch.equal(host.tensor[list(pages)].view(torch.uint8).view(-1, size), raw[src])
+        for src, pages in zip(stored, stored_pages, strict=True)
     )
     return {
         "scenario": scenario,

@@ -226,6 +226,7 @@ def test_cuda_a_steps_orders_are_one_submission_with_one_event() -> None:
                   StoreOrder(3, (5,), (3,), 0)])  # fmt: skip
     jobs = worker._stores
     assert sorted(jobs) == [1, 3] and jobs[1].event is jobs[3].event
+    torch.cuda.synchronize()  # a load reads only pages whose store is over (as the planner)
     worker.load([LoadOrder(4, (7, 8, 9), (0, 1, 3), 0), LoadOrder(5, (0,), (9,), 0)])
     torch.cuda.synchronize()
     reported: list[int] = []
@@ -253,6 +254,8 @@ def test_cuda_direct_copies_move_blocks_by_the_copy_engines_byte_for_byte() -> N
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
     worker.store([StoreOrder(1, (3, 4, 5, 9), (0, 1, 2, 5), 0)])
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
+    torch.cuda.synchronize()  # a load reads only pages whose store is over (as the planner)
     worker.load([LoadOrder(2, (6, 7, 8, 0), (0, 1, 2, 5), 0)])
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
     torch.cuda.synchronize()

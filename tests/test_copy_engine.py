@@ -343,6 +343,8 @@ def test_cuda_a_block_layout_stores_and_loads_byte_for_byte() -> None:
     pages = host.alloc(2)
     assert pages is not None
     store = engine.launch([3, 8], pages)
+    assert store.event is not None
+    store.event.synchronize()  # a load reads only pages whose store is over (direct: any order)
     load = engine.load(pages, [0, 5])
     assert load.event is not None
     torch.cuda.current_stream().wait_event(load.event)
