@@ -39,10 +39,10 @@ from kvlife.offload.bench_copies import (
 )
 from kvlife.offload.block_copy import BlockRuns
 from kvlife.offload.copy_engine import CopyEngine
-from kvlife.offload.dma import batch_available, memcpy_batch
+from kvlife.offload.dma import batch_available
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import KVLayout, block_views
-from kvlife.offload.peer_copies import CopyList, block_copy_list
+from kvlife.offload.peer_copies import CopyList, block_copy_list, copy_batch
 from kvlife.offload.planner import LoadOrder, StoreOrder
 from kvlife.offload.worker import OffloadWorker
 
@@ -223,18 +223,8 @@ class OuterDuplex:
     def batch(self) -> None:
         for stream in self.streams:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        for copies, stream, to_host in (
-            (self.out_list, self.streams[0], True),
-            (self.in_list, self.streams[1], False),
-        ):
-            memcpy_batch(
-                copies.destinations.data_ptr(),
-                copies.sources.data_ptr(),
-                copies.sizes.data_ptr(),
-                len(copies),
-                stream,
-                to_host=to_host,
-            )
+        copy_batch(self.out_list, self.streams[0], to_host=True)
+        copy_batch(self.in_list, self.streams[1], to_host=False)
 
     def done(self) -> None:
         sync(self.device)

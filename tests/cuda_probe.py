@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kvlife.offload.copy_engine import CopyEngine
+from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_callback import StreamGate
 from kvlife.offload.host_pool import HostPagePool
 from kvlife.offload.layout import KVLayout
@@ -41,6 +41,31 @@ def _hold(scenario: str, engine: CopyEngine) -> StreamGate | None:
         return StreamGate(engine.copy_streams[0], timeout_s=30)
     torch.cuda._sleep(4_000_000_000)  # about 2 s at 2 GHz on the compute stream
     return None
+
+
+def _seen(
+    scenario: str,
+    calls: list[float],
+    jobs: list[CopyJob],
+    done_early: list[bool],
+    equal: bool,
+    allocated: int,
+    overflows: int,
+    gate: StreamGate | None,
+) -> dict[str, object]:
+    """What a probe prints: each call's seconds, what was done too early, the errors, the
+    bytes, the allocations and index overflows during the calls, whether the gate timed
+    out."""
+    return {
+        "scenario": scenario,
+        "calls_s": calls,
+        "done_before_release": done_early,
+        "errors": [repr(job.error) for job in jobs if job.error is not None],
+        "bytes_equal": bool(equal),
+        "allocations_during_calls": allocated,
+        "index_overflows": overflows,
+        "gate_timed_out": bool(gate.timed_out) if gate is not None else False,
+    }
 
 
 def probe_direct(scenario: str) -> dict[str, object]:
@@ -99,16 +124,7 @@ def probe_direct(scenario: str) -> dict[str, object]:
         torch.equal(host.tensor[list(pages)].view(torch.uint8).view(-1, size), raw[src])
         for src, pages in zip(stored, stored_pages, strict=True)
     )
-    return {
-        "scenario": scenario,
-        "calls_s": calls,
-        "done_before_release": done_early,
-        "errors": [repr(job.error) for job in jobs if job.error is not None],
-        "bytes_equal": bool(equal),
-        "allocations_during_calls": allocated,
-        "index_overflows": 0,
-        "gate_timed_out": bool(gate.timed_out) if gate is not None else False,
-    }
+    return _seen(scenario, calls, jobs, done_early, equal, allocated, 0, gate)
 
 
 def probe(scenario: str, rounds: int = 4) -> dict[str, object]:
@@ -159,16 +175,8 @@ def probe(scenario: str, rounds: int = 4) -> dict[str, object]:
         loaded = [p * PAGE + t for p in dst for t in range(PAGE)][:n]
         back = torch.stack([v[torch.tensor(loaded, device="cuda")] for v in views]).cpu()
         equal &= torch.equal(back, expected)
-    return {
-        "scenario": scenario,
-        "calls_s": calls,
-        "done_before_release": done_early,
-        "errors": [repr(job.error) for job in jobs if job.error is not None],
-        "bytes_equal": bool(equal),
-        "allocations_during_calls": allocated,
-        "index_overflows": engine._indices.overflows,
-        "gate_timed_out": bool(gate.timed_out) if gate is not None else False,
-    }
+    overflows = engine._indices.overflows
+    return _seen(scenario, calls, jobs, done_early, equal, allocated, overflows, gate)
 
 
 if __name__ == "__main__":

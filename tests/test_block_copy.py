@@ -213,15 +213,23 @@ def test_launch_many_gives_a_job_or_the_refusal_per_item() -> None:
     assert torch.equal(views[1][7], views[1][3]) and torch.equal(views[2][9], views[2][5])
 
 
-@pytest.mark.cuda
-def test_cuda_a_steps_orders_are_one_submission_with_one_event() -> None:
+def _cuda_blnhc(
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], OffloadWorker, dict[str, torch.Tensor]]:
+    """A BLNHC cache on the device (views of one buffer), a worker over it with 6 host
+    pages, and a copy of every layer's blocks before anything ran."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    _, raw = _caches(ORDERS["BLNHC"], seed=4)
+    _, raw = _caches(ORDERS["BLNHC"], seed=seed)
     logical = raw.cuda().view(torch.int16).view(B, L, N, H, C).permute(1, 0, 3, 2, 4)
     device = {f"layer.{layer}": logical[layer] for layer in range(L)}
     worker = OffloadWorker(block_views(device, B), 6)
-    before = {key: view.clone() for key, view in device.items()}
+    return device, worker, {key: view.clone() for key, view in device.items()}
+
+
+@pytest.mark.cuda
+def test_cuda_a_steps_orders_are_one_submission_with_one_event() -> None:
+    device, worker, before = _cuda_blnhc(seed=4)
     worker.store([StoreOrder(1, (1, 2), (0, 1), 0), StoreOrder(2, (B,), (2,), 0),
                   StoreOrder(3, (5,), (3,), 0)])  # fmt: skip
     jobs = worker._stores
@@ -243,14 +251,8 @@ def test_cuda_a_steps_orders_are_one_submission_with_one_event() -> None:
 
 @pytest.mark.cuda
 def test_cuda_direct_copies_move_blocks_by_the_copy_engines_byte_for_byte() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    _, raw = _caches(ORDERS["BLNHC"], seed=3)
-    logical = raw.cuda().view(torch.int16).view(B, L, N, H, C).permute(1, 0, 3, 2, 4)
-    device = {f"layer.{layer}": logical[layer] for layer in range(L)}  # BLNHC on the device
-    worker = OffloadWorker(block_views(device, B), 6)
+    device, worker, before = _cuda_blnhc(seed=3)
     assert worker.copier.path == "direct" and worker.host.pinned
-    before = {key: view.clone() for key, view in device.items()}
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
     worker.store([StoreOrder(1, (3, 4, 5, 9), (0, 1, 2, 5), 0)])
