@@ -476,7 +476,7 @@ def test_kvlife_vllm_exercise_runs_lmcache_and_finds_its_two_known_bugs(
     from kvlife.offload.watch.vllm.exercise import exercise  # noqa: PLC0415
 
     families = ["basic", "preempt", "hold", "prefix", "tp2", "reuse", "abort"]
-    reports, _ = exercise(lmcache_config(server), families, range(3), 80, tmp_path)
+    reports, _ = exercise(lmcache_config(server), families, range(3), 80, tmp_path, runners=["v1"])
     did = {r.family: r for r in reports}
     for family in ("basic", "preempt", "hold", "prefix", "tp2"):
         assert did[family].failed == 0 and did[family].copies > 0, did[family].lines()

@@ -85,7 +85,7 @@ def test_every_family_runs_lmcaches_real_worker_and_only_reused_ids_fail(
     by the workers' lookup servers (each tp2 worker its own rank, its own server), chunks
     are stored to and retrieved from the CPU backend, and every family but ``reuse`` runs
     clean (no exception, every request drained, every block back, the log clean)."""
-    reports, _ = exercise(CONFIG, [*CLEAN, "reuse"], range(3), 80, tmp_path)
+    reports, _ = exercise(CONFIG, [*CLEAN, "reuse"], range(3), 80, tmp_path, runners=["v1"])
     did = _by_family(reports)
     for family in CLEAN:
         assert did[family].failed == 0, did[family].lines()
@@ -108,7 +108,7 @@ def test_a_reused_id_loses_its_state_and_lmcache_raises_named_on_that_id(tmp_pat
     before is allocated (LMCache keeps it under its id), then that id's clean-up drops it;
     at its next step LMCache raises ``ValueError`` naming it. The log names the same rid
     twice, ``inherited_state`` (its state gone while it runs) before ``connector_raised``."""
-    (reuse,), runs = exercise(CONFIG, ["reuse"], range(3), 80, tmp_path)
+    (reuse,), runs = exercise(CONFIG, ["reuse"], range(3), 80, tmp_path, runners=["v1"])
     for run in runs:
         assert run.raised is not None and run.raised.startswith("ValueError: Request ")
         assert run.raised_at is not None and run.raised_at.endswith(" in build_connector_meta")
@@ -127,8 +127,8 @@ def test_a_seed_replays_the_same_run(tmp_path: Path) -> None:
     """Same seeds, same results: LMCache's lookups are synchronous and its loads run in
     the step that carries them, so nothing depends on how fast its threads answered."""
     families = ["reuse", "prefix", "tp2"]
-    first = exercise(CONFIG, families, range(2), 60, tmp_path / "a")
-    second = exercise(CONFIG, families, range(2), 60, tmp_path / "a")
+    first = exercise(CONFIG, families, range(2), 60, tmp_path / "a", runners=["v1"])
+    second = exercise(CONFIG, families, range(2), 60, tmp_path / "a", runners=["v1"])
     assert [r.lines() for r in first[0]] == [r.lines() for r in second[0]]
     assert [_outcome(r) for r in first[1]] == [_outcome(r) for r in second[1]]
     assert [(r.lifecycles, r.aborts, r.preemptions) for r in first[1]] == [

@@ -52,14 +52,15 @@ SEEDS = range(8)
 
 @pytest.mark.parametrize(("family", "seed"), exercise_cases(seeds=range(3)))
 def test_kvlifes_own_connector_passes_every_family(family: str, seed: int, tmp_path: Path) -> None:
-    run = check_connector(KVLIFE, family, seed, steps=STEPS, directory=tmp_path)
-    assert run.lifecycles > 0 and run.copies > 0  # it stored (and loaded) for real
+    runs = check_connector(KVLIFE, family, seed, steps=STEPS, directory=tmp_path)
+    assert [run.runner for run in runs] == ["v1", "v2"]  # both shapes, without being asked
+    assert all(run.lifecycles > 0 and run.copies > 0 for run in runs)  # stored for real
 
 
 @pytest.mark.parametrize(("family", "seed"), exercise_cases(seeds=range(3)))
 def test_a_correct_connector_passes_every_family(family: str, seed: int, tmp_path: Path) -> None:
-    run = check_connector(config("Planted"), family, seed, steps=STEPS, directory=tmp_path)
-    assert run.copies > 0  # delayed frees and loads, each a ticket of the wrapper
+    runs = check_connector(config("Planted"), family, seed, steps=STEPS, directory=tmp_path)
+    assert all(run.copies > 0 for run in runs)  # delayed frees and loads, each a ticket
 
 
 def test_the_families_do_what_they_say(tmp_path: Path) -> None:
@@ -67,10 +68,16 @@ def test_the_families_do_what_they_say(tmp_path: Path) -> None:
     stores may still be in flight when vLLM lets go of a request): ids reused while in
     flight, aborts, preemptions; and a run is the same run again with the same seed."""
     reports, _ = exercise(KVLIFE, list(FAMILIES), range(3), STEPS, tmp_path)
-    did = {r.family: r for r in reports}
-    assert did["reuse"].reuses > 0
-    assert did["abort"].aborts > 0 and did["basic"].aborts == 0
-    assert did["preempt"].preemptions > 0 and did["basic"].preemptions == 0
+    assert [(r.family, r.runner) for r in reports] == [
+        (f, r) for f in FAMILIES for r in ("v1", "v2")
+    ]
+    for runner in ("v1", "v2"):
+        did = {r.family: r for r in reports if r.runner == runner}
+        assert did["reuse"].reuses > 0
+        assert did["abort"].aborts > 0 and did["basic"].aborts == 0
+        assert did["preempt"].preemptions > 0 and did["basic"].preemptions == 0
+        assert did["resume"].resumes > 0 and did["resume"].preemptions > 0
+        assert all(r.failed == 0 and not r.clean_under for r in did.values()), runner
     again = [run_one(config("Planted"), FAMILIES["abort"], 1, STEPS, tmp_path) for _ in "ab"]
     assert again[0] == again[1]
 
@@ -114,11 +121,11 @@ def test_what_each_planted_bug_looks_like(tmp_path: Path) -> None:
 
 def test_vllms_offloading_connector_fails_reuse_and_passes_fresh_ids(tmp_path: Path) -> None:
     reports, _ = exercise(OFFLOADING, ["basic", "reuse", "abort"], range(4), STEPS, tmp_path)
-    basic, reuse, abort = reports
-    assert basic.failed == abort.failed == 0 and basic.copies > 0
-    assert reuse.failed == reuse.runs
-    assert any(where.startswith("KeyError at vllm/") for where in reuse.raises)
-    assert {"inherited_state", "credited_elsewhere"} & set(reuse.verdicts)
+    for basic, reuse, abort in (reports[0::2], reports[1::2]):  # V1's reports, then V2's
+        assert basic.failed == abort.failed == 0 and basic.copies > 0
+        assert reuse.failed == reuse.runs and not reuse.clean_under  # under both runners
+        assert any(where.startswith("KeyError at vllm/") for where in reuse.raises)
+        assert {"inherited_state", "credited_elsewhere"} & set(reuse.verdicts)
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:
@@ -133,15 +140,21 @@ def test_the_command_exits_0_clean_1_failed_2_for_a_config_that_does_not_build(
 ) -> None:
     common = ["--seeds", "2", "--steps", "40", "--out", str(tmp_path)]
     status, out, err = _cli(json.dumps(config("Planted")), "--families", "basic,tp2", *common)
-    assert status == 0 and "basic: 2 runs, 0 failed" in out and "tp2: 2 runs, 0 failed" in out
-    assert err == "basic: 2 runs\ntp2: 2 runs\n"  # not a terminal: no redraws, a line each
+    assert status == 0 and "basic, runner V1: 2 runs, 0 failed" in out
+    assert "tp2, runner V2: 2 runs, 0 failed" in out
+    # not a terminal: no redraws, a line each
+    assert err == "basic (v1): 2 runs\nbasic (v2): 2 runs\ntp2 (v1): 2 runs\ntp2 (v2): 2 runs\n"
     status, out, _ = _cli(json.dumps(config("RepeatsReport")), "--families", "basic", *common)
     assert status == 1 and "verdict stray_report" in out and "kvlife audit why" in out
     (tmp_path / "c.json").write_text(json.dumps(config("RepeatsReport")))
     status, out, _ = _cli(f"@{tmp_path / 'c.json'}", "--families", "basic", "--json", *common)
     body = json.loads(out)
     assert status == 1 and body["connector"] == "RepeatsReport"
-    assert all(run["failed"] for run in body["runs"]) and len(body["runs"]) == 2
+    assert all(run["failed"] for run in body["runs"]) and len(body["runs"]) == 4
+    assert {run["runner"] for run in body["runs"]} == {"v1", "v2"}
+    status, out, _ = _cli(json.dumps(config("Planted")), "--families", "basic", "--runners",
+                          "v2", *common)  # fmt: skip
+    assert status == 0 and "basic, runner V2: 2 runs" in out and "runner V1" not in out
     for bad, said in (
         ('{"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}', "does not build"),
         ("not json", "not readable JSON"),
@@ -151,6 +164,8 @@ def test_the_command_exits_0_clean_1_failed_2_for_a_config_that_does_not_build(
         assert status == 2 and out == "" and said in err and len(err.strip().splitlines()) == 1
     status, _, err = _cli(json.dumps(config("Planted")), "--families", "nope", *common)
     assert status == 2 and "unknown families ['nope']" in err
+    status, _, err = _cli(json.dumps(config("Planted")), "--runners", "v3", *common)
+    assert status == 2 and "unknown runners ['v3']" in err
 
 
 def test_bad_config_text_raises_a_typed_error() -> None:
@@ -199,7 +214,7 @@ def test_a_connector_that_binds_a_fixed_port_is_shut_down_between_runs(tmp_path:
     holds = config("HoldsPort") | {"kv_connector_extra_config": {"port": port}}
     try:
         reports, runs = exercise(holds, ["basic", "abort"], range(2), 30, tmp_path)
-        assert [r.failed for r in reports] == [0, 0] and len(runs) == 4
+        assert [r.failed for r in reports] == [0, 0, 0, 0] and len(runs) == 8  # V1 and V2
         keeps = config("KeepsPort") | {"kv_connector_extra_config": {"port": free_port()}}
         with pytest.raises(ExerciseConfigError) as told:
             exercise(keeps, ["basic"], range(2), 30, tmp_path)

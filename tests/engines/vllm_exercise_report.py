@@ -131,14 +131,17 @@ def section(seeds: int, steps: int, connectors: list[tuple[str, dict[str, Any]]]
         cells = []
         for family in FAMILIES:
             start = time.perf_counter()
-            (report,), _ = exercise(config, [family], range(seeds), steps, out)
+            reports, _ = exercise(config, [family], range(seeds), steps, out)  # V1, V2
             spent[family] += time.perf_counter() - start
-            cells.append(_cell(report))
-            details += _details(name, report)
-            print(f"{name} {family}: {_cell(report)}", file=sys.stderr)
+            cell = " / ".join(_cell(report) for report in reports)
+            cells.append(cell)
+            for report in reports:
+                details += _details(f"{name} (runner {report.runner.upper()})", report)
+            print(f"{name} {family}: {cell}", file=sys.stderr)
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     per_100 = ", ".join(
-        f"{family} {spent[family] / (seeds * len(connectors)) * 100:.1f} s" for family in FAMILIES
+        f"{family} {spent[family] / (2 * seeds * len(connectors)) * 100:.1f} s"
+        for family in FAMILIES
     )
     command = f"kvlife vllm exercise CONFIG --seeds {seeds} --steps {steps}"
     lines = [
@@ -146,7 +149,8 @@ def section(seeds: int, steps: int, connectors: list[tuple[str, dict[str, Any]]]
         f"### vLLM {version}",
         "",
         f"{seeds} seeds (0-{seeds - 1}) of each family, {steps} steps a run, each cell "
-        f"`{command} --families FAMILY`; `make exercise-report` made it on "
+        f"`{command} --families FAMILY`, under model runner V1's scheduler output / V2's; "
+        f"`make exercise-report` made it on "
         f"{time.strftime('%Y-%m-%d')}. Time of 100 runs, by family: {per_100}.",
         "",
         "| connector | " + " | ".join(FAMILIES) + " |",

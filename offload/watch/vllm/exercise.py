@@ -143,8 +143,25 @@ FAMILIES: dict[str, Family] = {
             prefix=0.7,
         ),
         Family("tp2", "two workers, each reporting in steps of its own", workers=2),
+        Family(
+            "resume",
+            "a KV cache of 24 blocks and reports after 2-8 steps: requests preempted while "
+            "their stores or loads are in flight, resumed, preempted again (under model "
+            "runner V2 each resume comes back as new request data)",
+            blocks=24,
+            delay=(2, 8),
+        ),
     )
 }
+
+RUNNERS: dict[str, str] = {
+    "v1": "model runner V1's scheduler output (vLLM on the CPU): a preempted request "
+    "resumes in scheduled_cached_reqs.resumed_req_ids",
+    "v2": "model runner V2's (vLLM 0.33 wherever Triton is: every CUDA deployment): a "
+    "preempted request resumes as new request data, told only by preempted_req_ids",
+}
+"""The two shapes of vLLM's scheduler output a connector meets; every family runs under
+both by default (``--runners``)."""
 
 
 class ExerciseConfigError(ValueError):
@@ -418,14 +435,23 @@ def _where(exc: BaseException) -> str:
 
 
 def run_one(
-    transfer: dict[str, Any], family: Family, seed: int, steps: int, directory: Path
+    transfer: dict[str, Any],
+    family: Family,
+    seed: int,
+    steps: int,
+    directory: Path,
+    runner: str = "v1",
 ) -> RunResult:
-    """One seeded run of ``family``: ``steps`` steps of workload, then the drain; the
-    audit log is ``DIRECTORY/FAMILY-SEED.jsonl``.
+    """One seeded run of ``family`` under ``runner``'s scheduler output (see ``RUNNERS``):
+    ``steps`` steps of workload, then the drain; the audit log is
+    ``DIRECTORY/FAMILY-SEED.jsonl`` (``FAMILY-v2-SEED.jsonl`` under V2).
 
     Raises:
         ExerciseConfigError: the connector does not build.
+        ValueError: ``runner`` is not one of ``RUNNERS``.
     """
+    if runner not in RUNNERS:
+        raise ValueError(f"unknown runner {runner!r}: choose from {', '.join(RUNNERS)}")
     from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: PLC0415
         KVOutputAggregator,
     )
@@ -433,11 +459,12 @@ def run_one(
     from kvlife.fsm import AuditReader, check_audit  # noqa: PLC0415
 
     directory.mkdir(parents=True, exist_ok=True)
-    log = directory / f"{family.name}-{seed}.jsonl"
-    own = directory / f"{family.name}-{seed}.kvlife.jsonl"
+    name = f"{family.name}-{seed}" if runner == "v1" else f"{family.name}-{runner}-{seed}"
+    log = directory / f"{name}.jsonl"
+    own = directory / f"{name}.kvlife.jsonl"
     for path in (log, own):
         path.unlink(missing_ok=True)
-    result = RunResult(family.name, seed, steps, str(log))
+    result = RunResult(family.name, seed, steps, str(log), runner=runner)
     if transfer["kv_connector"] == "KVLifeConnector":  # kvlife's own keeps its own log too
         extra = {**transfer.get("kv_connector_extra_config", {}), "audit_log": str(own)}
         transfer = {**transfer, "kv_connector_extra_config": extra}
@@ -445,8 +472,12 @@ def run_one(
     scheduler = build_scheduler(
         transfer, log, blocks=family.blocks, workers=family.workers, layout=made.kv_cache_layout
     )
+    # the shape of the output vLLM's scheduler builds (it reads the flag at every step)
+    scheduler.use_v2_model_runner = runner == "v2"
     rng = random.Random(seed)
-    workload = _Workload(family, rng, f"{family.name}{seed}-")
+    tag = f"{family.name}{seed}-" if runner == "v1" else f"{family.name}{seed}{runner}-"
+    workload = _Workload(family, rng, tag)
+    preempted: set[str] = set()
     workers: Workers | None = None
     try:
         workers = made(scheduler, family.workers)
@@ -460,6 +491,12 @@ def run_one(
                 workload.arrive(scheduler)
             out = scheduler.schedule()
             result.preemptions += len(out.preempted_req_ids or ())
+            # resumes: V1 names them; V2 sends a preempted request as new request data
+            resumed = set(getattr(out.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+            resumed |= {r.req_id for r in out.scheduled_new_reqs if r.req_id in preempted}
+            result.resumes += len(resumed)
+            preempted.difference_update(resumed)
+            preempted.update(out.preempted_req_ids or ())
             outputs = workers.step(out, n, delay)
             ranks = [_model_output(out, o) for o in outputs]
             scheduler.update_from_output(out, aggregator.aggregate(ranks))
@@ -513,16 +550,23 @@ def exercise(
     steps: int,
     directory: Path,
     progress: Callable[[str, int, int], None] | None = None,
+    runners: Sequence[str] = tuple(RUNNERS),
 ) -> tuple[list[FamilyReport], list[RunResult]]:
-    """Every family over every seed; the reports, and every run. Each run's audit log
-    stays in ``directory`` (a clean run's is removed).
+    """Every family over every seed under each of ``runners`` (default: both shapes of
+    vLLM's scheduler output); the reports (one per family and runner; a failure that only
+    one runner shows is said in that report), and every run. Each run's audit log stays
+    in ``directory`` (a clean run's is removed).
 
     Raises:
-        ExerciseConfigError: the connector does not build, or a family is unknown.
+        ExerciseConfigError: the connector does not build, or a family or a runner is
+            unknown.
     """
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ExerciseConfigError(f"unknown families {unknown}: choose from {sorted(FAMILIES)}")
+    strange = [r for r in runners if r not in RUNNERS] or ([] if runners else ["(none)"])
+    if strange:
+        raise ExerciseConfigError(f"unknown runners {strange}: choose from {list(RUNNERS)}")
     directory.mkdir(parents=True, exist_ok=True)
     name = transfer["kv_connector"]
     made = workers_class(name)
@@ -537,12 +581,12 @@ def exercise(
         )
     (directory / "build-check.jsonl").unlink(missing_ok=True)
     reports, runs = [], []
-    for family_name in families:
+    for family_name, runner in ((f, r) for f in families for r in runners):
         family = FAMILIES[family_name]
-        report = FamilyReport(family_name, family.what)
+        report = FamilyReport(family_name, family.what, runner=runner)
         for i, seed in enumerate(seeds):
             try:
-                run = run_one(transfer, family, seed, steps, directory)
+                run = run_one(transfer, family, seed, steps, directory, runner)
             except ExerciseConfigError as exc:  # it built once, and not after a shutdown
                 raise ExerciseConfigError(
                     f"{name} built once and shut down, then did not build again: "
@@ -557,9 +601,22 @@ def exercise(
                 Path(run.log).unlink(missing_ok=True)
                 Path(run.log).with_suffix(".kvlife.jsonl").unlink(missing_ok=True)
             if progress is not None:
-                progress(family_name, i + 1, len(seeds))
+                progress(f"{family_name} ({runner})", i + 1, len(seeds))
         reports.append(report)
+    only_one_runner(reports)
     return reports, runs
+
+
+def only_one_runner(reports: Sequence[FamilyReport]) -> None:
+    """Mark each family's report whose runs failed under one runner while the family
+    was clean under another (``only``: the runners it was clean under)."""
+    by_family: dict[str, list[FamilyReport]] = {}
+    for report in reports:
+        by_family.setdefault(report.family, []).append(report)
+    for same in by_family.values():
+        clean = [r.runner for r in same if not r.failed]
+        for report in same:
+            report.clean_under = clean if report.failed else []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -575,6 +632,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config", help="the connector's kv_transfer_config as JSON, or @FILE holding it"
     )
     add_run_options(parser, FAMILIES)
+    parser.add_argument(
+        "--runners",
+        default=",".join(RUNNERS),
+        help="comma-separated, the shapes of vLLM's scheduler output to run each family "
+        "under: v1 (model runner V1's), v2 (V2's, every CUDA deployment) (default: both)",
+    )
     args = parser.parse_args(argv)
     error = run_counts_error(args, "kvlife vllm exercise")
     if error:
@@ -597,6 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.steps,
             Path(args.out),
             progress,
+            listed(args.runners),
         )
     except ExerciseConfigError as exc:
         print(f"kvlife vllm exercise: {exc}", file=sys.stderr)
@@ -611,6 +675,7 @@ __all__ = [
     "BLOCK",
     "FAMILIES",
     "PLAYED",
+    "RUNNERS",
     "ExerciseConfigError",
     "Family",
     "FamilyReport",
@@ -621,6 +686,7 @@ __all__ = [
     "exercise",
     "main",
     "model_dir",
+    "only_one_runner",
     "parse_config",
     "per_layer_kv_cache_config",
     "run_one",

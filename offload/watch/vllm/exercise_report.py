@@ -35,6 +35,10 @@ class RunResult:
     aborts: int = 0
     preemptions: int = 0
     reuses: int = 0
+    #: preempted requests scheduled again (V1: resumed ids; V2: new request data)
+    resumes: int = 0
+    #: the shape of vLLM's scheduler output it ran under (``v1``, ``v2``)
+    runner: str = "v1"
 
     @property
     def failed(self) -> bool:
@@ -67,6 +71,8 @@ class FamilyReport:
 
     family: str
     what: str
+    #: the shape of vLLM's scheduler output its runs ran under (``v1``, ``v2``)
+    runner: str = "v1"
     runs: int = 0
     failed: int = 0
     #: what the runs did, summed (see ``RunResult``)
@@ -75,6 +81,10 @@ class FamilyReport:
     aborts: int = 0
     preemptions: int = 0
     reuses: int = 0
+    resumes: int = 0
+    #: where the runs failed, the runners the same family was clean under (a failure
+    #: only this shape of vLLM's output shows)
+    clean_under: list[str] = field(default_factory=list)
     #: ``Type at where`` -> (runs, the first seed, its ``Type: message``)
     raises: dict[str, tuple[int, int, str]] = field(default_factory=dict)
     #: (runs, the first seed, its blocks) of leaked device blocks
@@ -91,6 +101,7 @@ class FamilyReport:
         self.aborts += run.aborts
         self.preemptions += run.preemptions
         self.reuses += run.reuses
+        self.resumes += run.resumes
         if not run.failed:
             return
         self.failed += 1
@@ -113,10 +124,15 @@ class FamilyReport:
 
     def lines(self) -> list[str]:
         lines = [
-            f"{self.family}: {self.runs} runs, {self.failed} failed ({self.what})",
+            f"{self.family}, runner {self.runner.upper()}: {self.runs} runs, {self.failed} "
+            f"failed ({self.what})",
             f"  did: {self.lifecycles} requests, {self.copies} copies, {self.aborts} aborts, "
-            f"{self.preemptions} preemptions, {self.reuses} ids reused while in flight",
+            f"{self.preemptions} preemptions, {self.resumes} resumes, {self.reuses} ids "
+            "reused while in flight",
         ]
+        if self.clean_under:
+            others = ", ".join(r.upper() for r in self.clean_under)
+            lines.append(f"  only under runner {self.runner.upper()}: clean under {others}")
         for where, (count, seed, text) in self.raises.items():
             lines.append(f"  raised in {count} run(s), first seed {seed}: {text} ({where})")
         if self.leaks:

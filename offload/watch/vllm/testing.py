@@ -13,10 +13,12 @@ In the connector's tests (an environment with vLLM and kvlife)::
     def test_lifecycle(family: str, seed: int, tmp_path) -> None:
         check_connector(CONFIG, family, seed, directory=tmp_path)
 
-A failing case is named ``test_lifecycle[reuse-seed3]``; its failure says what broke (the
-exception and where, the requests never drained, the blocks never returned, each verdict
-with the ``kvlife audit why`` command that tells it) and the command that runs the same
-case again from the shell.
+A failing case is named ``test_lifecycle[reuse-seed3]``; each case runs under both shapes
+of vLLM's scheduler output (model runner V1's, as on the CPU, and V2's, as on every CUDA
+deployment), and its failure says under which (and whether the other was clean), what
+broke (the exception and where, the requests never drained, the blocks never returned,
+each verdict with the ``kvlife audit why`` command that tells it) and the command that runs
+the same case again from the shell.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvlife.offload.watch.vllm.exercise import FAMILIES, RunResult, run_one
+from kvlife.offload.watch.vllm.exercise import FAMILIES, RUNNERS, RunResult, run_one
 
 
 class ConnectorFailure(AssertionError):
@@ -53,24 +55,38 @@ def exercise_cases(
 
 
 def check_connector(
-    config: dict[str, Any], family: str, seed: int, *, steps: int = 120, directory: Path
-) -> RunResult:
-    """Run one case; its result when clean.
+    config: dict[str, Any],
+    family: str,
+    seed: int,
+    *,
+    steps: int = 120,
+    directory: Path,
+    runners: Sequence[str] = tuple(RUNNERS),
+) -> list[RunResult]:
+    """Run one case under each of ``runners`` (default: both shapes of vLLM's scheduler
+    output, model runner V1's and V2's: see ``RUNNERS``); the runs when clean.
 
     Raises:
-        ConnectorFailure: the run raised, left requests or blocks behind, or its audit log
-            has verdicts.
+        ConnectorFailure: a run raised, left requests or blocks behind, or its audit log
+            has verdicts (the message names the runner, and whether the other was clean).
         kvlife.offload.watch.vllm.exercise.ExerciseConfigError: the connector does not
             build.
     """
-    run = run_one(config, FAMILIES[family], seed, steps, Path(directory))
-    if run.failed:
+    runs = [run_one(config, FAMILIES[family], seed, steps, Path(directory), r) for r in runners]
+    failed = [run for run in runs if run.failed]
+    if failed:
+        clean = [run.runner.upper() for run in runs if not run.failed]
+        run = failed[0]
+        only = f" (clean under {', '.join(clean)})" if clean else ""
         again = (
             f"kvlife vllm exercise '{json.dumps(config)}' --families {family} "
-            f"--seed {seed} --seeds 1 --steps {steps}"
+            f"--seed {seed} --seeds 1 --steps {steps} --runners {run.runner}"
         )
-        raise ConnectorFailure(f"{family} seed {seed}: {run.describe()}\nagain: {again}")
-    return run
+        raise ConnectorFailure(
+            f"{family} seed {seed}, runner {run.runner.upper()}{only}: {run.describe()}\n"
+            f"again: {again}"
+        )
+    return runs
 
 
 __all__ = ["ConnectorFailure", "check_connector", "exercise_cases"]
