@@ -44,8 +44,9 @@ Request ids carry the family and the seed (``reuse3-p1``), so that no two runs s
 The model is facebook/opt-125m's config (no weights; only its shape matters to the
 scheduler), blocks of 16 tokens, one KV cache group.
 
-This module is the run: the families, vLLM's scheduler built around the connector, the
-workload and one run's checks, every family over every seed, and the command. How the
+Why one module: it is the run, whose parts share one run's state (the families and the two
+runners, vLLM's scheduler built around the connector, the workload and one run's checks,
+every family over every seed under each runner, and the command). How the
 worker side runs is in
 [`exercise_workers`][kvlife.offload.watch.vllm.exercise_workers], what is reported in
 [`exercise_report`][kvlife.offload.watch.vllm.exercise_report].
