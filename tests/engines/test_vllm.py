@@ -223,9 +223,10 @@ def test_every_worker_must_report_a_store() -> None:
     assert lc.inflight == 0
 
 
-def test_a_preemption_names_the_stores_that_read_its_blocks(tmp_path: Any) -> None:
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_preemption_names_the_stores_that_read_its_blocks(tmp_path: Any, runner: str) -> None:
     audit = tmp_path / "kvlife.jsonl"
-    engine = Engine(blocks=8, audit_log=str(audit))  # room for 128 tokens: two requests
+    engine = Engine(blocks=8, audit_log=str(audit), runner=runner)  # room for two requests
     free_at_start = _free_blocks(engine)
     engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=60))
     engine.scheduler.add_request(make_request("b", prompt=40, max_tokens=60, first=3000))
@@ -240,10 +241,16 @@ def test_a_preemption_names_the_stores_that_read_its_blocks(tmp_path: Any) -> No
     assert in_flight_of_b and meta.wait_jobs == in_flight_of_b
     engine.hold_all = False
     engine.step(release=list(engine.held))  # every copy lands
+    resumed_as = set()
     for _ in range(200):  # both finish; b resumes and is recomputed
-        engine.step()
+        out = engine.step()
+        if "b" in out.scheduled_cached_reqs.resumed_req_ids:
+            resumed_as.add("resumed id")  # model runner V1's shape
+        if any(new.req_id == "b" for new in out.scheduled_new_reqs):
+            resumed_as.add("new request data")  # V2's
         if not engine.scheduler.requests:
             break
+    assert resumed_as == {"resumed id" if runner == "v1" else "new request data"}
     assert not engine.scheduler.requests and _free_blocks(engine) == free_at_start
     assert len(engine.expected) == len(engine.stores) > 4  # each checked at its launch
     engine.connector.registry.flush()
@@ -398,10 +405,13 @@ def test_a_load_after_the_blocks_vllm_supplies_lands_in_the_right_blocks() -> No
     engine.run_until_idle()
 
 
-def test_the_page_account_sums_to_the_capacity_after_every_step() -> None:
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_the_page_account_sums_to_the_capacity_after_every_step(runner: str) -> None:
+    """Under both shapes of vLLM's scheduler output (V2: a preempted request resumes as
+    new request data)."""
     for seed in range(3):
         rng = random.Random(seed)
-        engine = Engine(blocks=24, host_pages=12)
+        engine = Engine(blocks=24, host_pages=12, runner=runner)
         checked = 0
         for _ in range(120):
             live = set(engine.scheduler.requests)

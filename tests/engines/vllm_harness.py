@@ -221,10 +221,12 @@ class Engine:
         tensor_parallel: int = 1,
         kv_events: bool = False,
         audit: str | None = None,
+        runner: str = "v1",
         **extra: Any,
     ) -> None:
         """``audit``: the scheduler side runs inside ``KVLifeAuditConnectorHMA``, which
-        writes its log there."""
+        writes its log there. ``runner``: the shape of the scheduler's output, model runner
+        V1's (a resumed request in ``resumed_req_ids``) or V2's (as new request data)."""
         config = {"host_pages": host_pages, **extra}
         if audit is None:
             name, settings = "KVLifeConnector", config
@@ -243,6 +245,7 @@ class Engine:
             tensor_parallel=tensor_parallel,
             kv_events=kv_events,
         )
+        self.scheduler.use_v2_model_runner = runner == "v2"  # read at every step
         self.events: list[Any] = []  # every KV event vLLM published, in order
         publisher = self.scheduler.kv_event_publisher
         publish = publisher.publish
