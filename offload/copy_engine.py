@@ -327,21 +327,6 @@ class CopyEngine:
         self._warm_keep = scratch  # read by the copies above until they are done
         self._warm_listed = kept
 
-    def _launch_direct(self, index: torch.Tensor, pages: HostPages, stream: int) -> CopyJob:
-        """A CUDA store of whole blocks by the copy engines (see ``direct``)."""
-        direct = self._direct
-        assert direct is not None
-        copy_stream = self._copy_streams[stream]
-        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # compute wrote the KV
-        listed = direct.copy_cuda(index, pages.indices, copy_stream, to_host=True)
-        done = torch.cuda.Event()
-        done.record(copy_stream)
-        job = CopyJob(pages, len(index), stream, done, keep=(listed,))
-        if self._callbacks is not None:
-            self._callbacks.after(copy_stream, job)
-        job.recorded = True
-        return job
-
     def _warm(self) -> None:
         """Launch, once, the kernels and copies the CUDA store and load paths use, on
         this engine's own tensors (same dtypes, strides and index types), for chunks of
@@ -425,20 +410,15 @@ class CopyEngine:
             index = slots
         else:
             index = self.check(slots, len(pages))
-        n = len(index)
-        stream = self._next_stream
-        self._next_stream = (stream + 1) % self.streams
         if self._direct is not None and self.cuda:
             if index.device.type != "cpu":
                 raise ValueError(
                     "a direct block copy takes its blocks on the host (a list or a CPU tensor)"
                 )
-            try:
-                return self._launch_direct(index, pages, stream)
-            except Exception as exc:  # refused by the runtime: nothing was queued
-                failed = CopyJob(pages, n, stream, None)
-                failed.error = exc
-                return failed
+            return self._submit_direct([(index, pages)], load=False)[0]
+        n = len(index)
+        stream = self._next_stream
+        self._next_stream = (stream + 1) % self.streams
         if self.cuda:
             try:
                 return self._launch_cuda(index, pages, stream)
@@ -480,41 +460,52 @@ class CopyEngine:
                 except (ValueError, LayoutError) as exc:
                     out.append(exc)
             return out
-        accepted: list[tuple[int, torch.Tensor, HostPages]] = []
         results: list[CopyJob | BaseException] = []
+        accepted: list[tuple[torch.Tensor, HostPages]] = []
         for slots, pages in items:
             try:
-                index = self._check_direct(slots, pages)
+                accepted.append((self._check_direct(slots, pages), pages))
+                results.append(_PENDING)
             except ValueError as exc:
                 results.append(exc)
-                continue
-            accepted.append((len(results), index, pages))
-            results.append(_PENDING)
-        if not accepted:
-            return results
+        jobs = iter(self._submit_direct(accepted, load=load))
+        return [next(jobs) if made is _PENDING else made for made in results]
+
+    def _submit_direct(
+        self, items: Sequence[tuple[torch.Tensor, HostPages]], *, load: bool
+    ) -> list[CopyJob]:
+        """Checked ``(blocks, pages)`` copied by the copy engines in one submission on the
+        next stream, after the work queued on the current stream (compute wrote what a
+        store reads, and may still use the blocks a load writes): a job each, sharing the
+        submission's event. A submission the runtime refuses queues nothing: every job is
+        over and failed."""
+        direct = self._direct
+        assert direct is not None
+        if not items:
+            return []
         stream = self._next_stream
         self._next_stream = (stream + 1) % self.streams
         copy_stream = self._copy_streams[stream]
-        blocks = torch.cat([index for _, index, _ in accepted])
-        page_list = [p for _, _, pages in accepted for p in pages.indices]
+        blocks = items[0][0] if len(items) == 1 else torch.cat([b for b, _ in items])
+        page_list = [p for _, pages in items for p in pages.indices]
         try:
             copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             listed = direct.copy_cuda(blocks, page_list, copy_stream, to_host=not load)
             done = torch.cuda.Event()
             done.record(copy_stream)
         except Exception as exc:  # refused by the runtime: nothing was queued
-            for slot, index, pages in accepted:
-                failed = CopyJob(pages, len(index), stream, None)
-                failed.error = exc
-                results[slot] = failed
-            return results
-        for slot, index, pages in accepted:
-            job = CopyJob(pages, len(index), stream, done, keep=(listed,))
+            failed = [CopyJob(pages, len(b), stream, None) for b, pages in items]
+            for job in failed:
+                job.error = exc
+            return failed
+        jobs = []
+        for b, pages in items:
+            job = CopyJob(pages, len(b), stream, done, keep=(listed,))
             if self._callbacks is not None and not load:
                 self._callbacks.after(copy_stream, job)
             job.recorded = True
-            results[slot] = job
-        return results
+            jobs.append(job)
+        return jobs
 
     def _check_direct(self, slots: torch.Tensor | Sequence[int], pages: HostPages) -> torch.Tensor:
         """A direct copy's blocks, checked on the host (see ``check`` and ``load``)."""
@@ -752,15 +743,15 @@ class CopyEngine:
             device_pages = self._aligned_pages(index)
         if device_pages is None:
             raise ValueError("a load writes whole aligned device pages only")
+        if self._direct is not None and self.cuda:
+            return self._submit_direct([(device_pages, pages)], load=True)[0]
         stream = self._next_stream
         self._next_stream = (stream + 1) % self.streams
         job = CopyJob(pages, len(index), stream, None)
         if self.cuda:
             job.recorded = False
         try:
-            if self._direct is not None and self.cuda:
-                self._load_direct(pages, device_pages, stream, job)
-            elif self._direct is not None:
+            if self._direct is not None:
                 self._direct.copy_cpu(device_pages, pages.indices, to_host=False)
             elif self.cuda:
                 self._load_cuda(pages, device_pages, stream, job)
@@ -778,22 +769,6 @@ class CopyEngine:
             job.event = None
             job.recorded = True
         return job
-
-    def _load_direct(
-        self, pages: HostPages, blocks: torch.Tensor, stream: int, job: CopyJob
-    ) -> None:
-        """Host pages into whole device blocks by the copy engines, after the work queued
-        on the current stream (it may still read or write those blocks)."""
-        direct = self._direct
-        assert direct is not None
-        copy_stream = self._copy_streams[stream]
-        copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        listed = direct.copy_cuda(blocks, pages.indices, copy_stream, to_host=False)
-        done = torch.cuda.Event()
-        done.record(copy_stream)
-        job.event = done
-        job._keep = (listed,)
-        job.recorded = True
 
     def _load_cuda(
         self, pages: HostPages, device_pages: torch.Tensor, stream: int, job: CopyJob

@@ -153,25 +153,18 @@ class OffloadWorker:
             self._loads[order.op] = job
 
     def _launch_loads(self, orders: list[LoadOrder]) -> list[CopyJob | BaseException]:
-        """Each order's load launched, or why it was refused. On the direct CUDA path every
-        order's blocks go in one submission (a job each, sharing its event)."""
-        copier, host = self.copier, self.host
+        """Each order's load launched, or why it was refused (``launch_many``: on the
+        direct CUDA path every order's blocks go in one submission)."""
+        host = self.host
         made: list[CopyJob | BaseException | None] = []
-        if not (copier.cuda and copier.path == "direct"):
-            for order in orders:
-                try:
-                    made.append(copier.load(host.pages(order.pages), _blocks(order)))
-                except Exception as exc:  # refused before copying
-                    made.append(exc)
-            return cast("list[CopyJob | BaseException]", made)
         items = []
         for order in orders:
             try:
                 items.append((_blocks(order), host.pages(order.pages)))
                 made.append(None)
-            except Exception as exc:
+            except Exception as exc:  # pages not of this pool: refused before copying
                 made.append(exc)
-        launched = iter(copier.launch_many(items, load=True))
+        launched = iter(self.copier.launch_many(items, load=True))
         return [next(launched) if job is None else job for job in made]
 
     def wait(self, ops: Iterable[int]) -> None:
