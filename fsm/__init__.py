@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvlife.fsm import native as native  # first: it decides which build the hot modules load from
 from kvlife.fsm._lazy import lazy_names
 from kvlife.fsm._version import __version__
 from kvlife.fsm.audit.guard import SinkStatistics
@@ -60,6 +61,9 @@ _LAZY = {
     "read_audit": "kvlife.fsm.audit.reader",
 }
 
+
+#: Whether the hot modules run compiled (mypyc); ``native.describe()`` says why.
+__compiled__: bool = native.compiled
 
 _load = lazy_names(globals(), _LAZY)
 

@@ -24,6 +24,7 @@ import functools
 import gc
 import logging
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,7 @@ from weakref import WeakKeyDictionary
 
 from transitions import Machine
 
+from kvlife.fsm import __version__, native
 from kvlife.fsm.against import TreeError, load_tree
 from kvlife.fsm.audit import AuditRecord, JsonLinesSink, LoggingSink, MemorySink
 from kvlife.fsm.audit.records import DetailValue, encode_lines
@@ -892,6 +894,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flat = measure_flat_costs(rounds=max(3, min(args.rounds, 9)))
     floor = measure_audit_floor(rounds=max(3, min(args.rounds, 9)))
     table = format_table(rows, memory, measure_limits(rounds=args.rounds), flat, floor)
+    print(f"kvlife {__version__}, {native.describe()}, CPython {platform.python_version()}")
     print(table)
     print(
         "noise: how much a ratio moved between the interleaved rounds on this machine; a "

@@ -37,13 +37,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Final, Literal, NoReturn, cast, final
+from typing import Any, Final, Literal, NoReturn, cast, final
 
-from kvlife.fsm.audit.guard import AuditPath, Births, Emit, SinkStatistics
+from kvlife.fsm.audit.guard import AuditPath, Births, Emit, RegistryLifetime, SinkStatistics
 from kvlife.fsm.audit.records import (
     REGISTER,
     AuditRecord,
@@ -51,7 +50,6 @@ from kvlife.fsm.audit.records import (
     StateName,
     TriggerName,
 )
-from kvlife.fsm.construction import NoPublicConstructor
 from kvlife.fsm.errors import (
     PROTOCOL_REASONS,
     REASONS,
@@ -169,12 +167,26 @@ _get_ident = threading.get_ident
 ReleaseHook = Callable[["Lifecycle", Any], None]
 
 
+class _Maker:
+    """The key to Lifecycle's and Ticket's constructors: only this module holds one."""
+
+    __slots__ = ()
+
+
+_MAKER: Final = _Maker()
+
+
+def _not_made_here(cls: str, made_by: str) -> NoReturn:
+    raise TypeError(f"{cls} objects are made only by {made_by}")
+
+
 @final
-class Lifecycle(metaclass=NoPublicConstructor):
+class Lifecycle:
     """The lifecycle of one request instance: its state, copies in flight and outcome.
 
     Made only by
-    [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]; every
+    [`LifecycleRegistry.register()`][kvlife.fsm.registry.LifecycleRegistry.register]
+    (calling the class raises ``TypeError``; it cannot be subclassed); every
     attribute is read-only and every change goes through the registry. A lifecycle that
     reached ``released`` stays readable (its final state and outcome) but holds no reference
     to its request.
@@ -207,7 +219,32 @@ class Lifecycle(metaclass=NoPublicConstructor):
     # costs O(1) amortized however many share a rid, and the chain stays short.
     _older: Lifecycle | None
 
-    _made_by: ClassVar[str] = "LifecycleRegistry.register()"
+    def __init__(
+        self,
+        maker: object,
+        registry: LifecycleRegistry,
+        serial: int,
+        rid: str,
+        req: Any,
+        older: Lifecycle | None,
+    ) -> None:
+        if maker is not _MAKER:
+            _not_made_here("Lifecycle", "LifecycleRegistry.register()")
+        self._registry = registry
+        self._serial = serial
+        self._rid = rid
+        self._req = req
+        self._s = _ALLOCATED
+        self._inflight = 0
+        self._started = 0
+        self._outcome = None
+        self._older = older
+
+    def __init_subclass__(cls) -> None:  # compiled, the class is no base type at all
+        raise TypeError(
+            "kvlife.fsm.registry.Lifecycle cannot be subclassed: its objects are made by "
+            "LifecycleRegistry.register() only"
+        )
 
     @property
     def rid(self) -> str:
@@ -262,7 +299,7 @@ class Lifecycle(metaclass=NoPublicConstructor):
 
 
 @final
-class Ticket(metaclass=NoPublicConstructor):
+class Ticket:
     """Names one copy of one lifecycle instance. Returned by ``start_offload``.
 
     Deliver it exactly once, with
@@ -277,7 +314,18 @@ class Ticket(metaclass=NoPublicConstructor):
     _op: int
     _open: bool  # Invariant: True until its completion was applied; a ticket is used once
 
-    _made_by: ClassVar[str] = "LifecycleRegistry.start_offload()"
+    def __init__(self, maker: object, lc: Lifecycle, op: int) -> None:
+        if maker is not _MAKER:
+            _not_made_here("Ticket", "LifecycleRegistry.start_offload()")
+        self._lc = lc
+        self._op = op
+        self._open = True
+
+    def __init_subclass__(cls) -> None:  # compiled, the class is no base type at all
+        raise TypeError(
+            "kvlife.fsm.registry.Ticket cannot be subclassed: its objects are made by "
+            "LifecycleRegistry.start_offload() only"
+        )
 
     @property
     def lifecycle(self) -> Lifecycle:
@@ -332,9 +380,6 @@ def _check_detail(detail: Mapping[str, object]) -> None:
             )
 
 
-_new_lifecycle = object.__new__
-
-
 def _skip_released(lc: Lifecycle | None) -> Lifecycle | None:
     """The first unreleased lifecycle from ``lc`` down its rid chain; the released ones
     passed over are unlinked (each is passed over once: O(1) amortized)."""
@@ -347,9 +392,6 @@ def _skip_released(lc: Lifecycle | None) -> Lifecycle | None:
 
 def _by_serial(lc: Lifecycle) -> int:
     return lc._serial
-
-
-_new_ticket = object.__new__
 
 
 @dataclass(frozen=True)
@@ -434,8 +476,10 @@ class LifecycleRegistry:
         self._hooks: list[ReleaseHook] = []
         self._audit = AuditPath(sink_backlog, float(sink_retry_s))
         # At interpreter exit (or when the registry is collected), records a failing sink
-        # still owes are offered once more, and what it still refuses is logged as lost.
-        weakref.finalize(self, self._audit.settle)
+        # still owes are offered once more, and what it still refuses is logged as lost;
+        # the weak references go to an object that lives as long as the registry (a
+        # compiled registry takes none itself).
+        self._lifetime = RegistryLifetime(self._by_id, self._shadowed, self._audit.settle)
         # The audit path's emit while a sink takes records; None when none does: then no
         # record is ever built. Every record is built there, nowhere else.
         self._emit: Emit | None = None
@@ -455,15 +499,8 @@ class LifecycleRegistry:
         self._audit.attach(sink)
         bind = getattr(sink, "bind_state", None)
         if callable(bind):  # the closing record counts what is still live and in flight
-            bind(self._closing_state)
+            bind(self._lifetime.closing_state)
         self._rewire()
-
-    def _closing_state(self) -> tuple[int, int]:
-        """(live lifecycles, copies in flight), for a sink's closing record: read from
-        any thread, or a signal handler, without a lock (a snapshot may be a transition
-        behind)."""
-        lifecycles = self._snapshot()
-        return len(lifecycles), sum(lc._inflight for lc in lifecycles)
 
     def detach(self, sink: Any) -> None:
         """Stop sending records to ``sink`` (found by identity), after a last retry of
@@ -598,13 +635,16 @@ class LifecycleRegistry:
         if audit.gated and audit.regate():  # a LoggingSink's logger switched on or off
             self._rewire()
         if rid is None:
-            rid = getattr(req, "rid", None)
-            if rid is None:
+            found: object = getattr(req, "rid", None)  # checked here, not by mypyc's cast
+            if found is None:
                 raise TypeError(
                     f"{type(req).__name__} object has no .rid attribute (or it is None): "
                     "pass rid=... to register(); nothing registered"
                 )
-        if not isinstance(rid, str):
+            if not isinstance(found, str):
+                raise TypeError(f"a rid must be a str, got {type(found).__name__} {found!r:.80}")
+            rid = found
+        elif not isinstance(rid, str):
             raise TypeError(f"a rid must be a str, got {type(rid).__name__} {rid!r:.80}")
         if req is None or type(req) in (Lifecycle, Ticket):
             raise TypeError(f"cannot register {req!r} as a request")
@@ -627,21 +667,12 @@ class LifecycleRegistry:
                 f"rid {rid!r} is held by {newest!r}, which has not finished",
                 rid=rid,
             )
-        lc: Lifecycle = _new_lifecycle(Lifecycle)
         serial = self._next_serial
         self._next_serial = serial + 1
-        lc._registry = self
-        lc._serial = serial
-        lc._rid = rid
-        lc._req = req
-        lc._s = _ALLOCATED
-        lc._inflight = 0
-        lc._started = 0
-        lc._outcome = None
+        lc = Lifecycle(_MAKER, self, serial, rid, req, newest)
         now = _clock()
         if now >= self._next_mark:  # birth times are kept per 50 ms, not per lifecycle
             self._next_mark = self._births.mark(serial, now)
-        lc._older = newest
         if newest is not None and newest._older is not None and newest._older._s == _RELEASED:
             newest._older = _skip_released(newest._older)  # keep the chain short
         if current is not None:  # re-admitted: the old lifecycle releases on its own
@@ -685,10 +716,7 @@ class LifecycleRegistry:
         lc._s = dst
         op = self._next_op
         self._next_op = op + 1
-        ticket: Ticket = _new_ticket(Ticket)
-        ticket._lc = lc
-        ticket._op = op
-        ticket._open = True
+        ticket = Ticket(_MAKER, lc, op)
         emit = self._emit
         if emit is not None:
             emit(
@@ -927,10 +955,7 @@ class LifecycleRegistry:
                         lc._s = dst
                         op = self._next_op
                         self._next_op = op + 1
-                        ticket: Ticket = _new_ticket(Ticket)
-                        ticket._lc = lc
-                        ticket._op = op
-                        ticket._open = True
+                        ticket: Ticket = Ticket(_MAKER, lc, op)
                         if records is not None:
                             records.append(
                                 AuditRecord(nxt, now, lc._rid, lc._serial,

@@ -46,6 +46,7 @@ from typing import Any, Final
 
 import torch
 
+from kvlife.fsm import native
 from kvlife.fsm._version import __version__
 from kvlife.fsm.cli_args import BenchParser
 from kvlife.offload.bench_blocks import OuterDuplex, measure_outermost
@@ -217,6 +218,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "python": platform.python_version(),
         "kvlife": __version__,
+        "build": native.describe(),
         "commit": commit(),
         "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "LAZY (default)"),
     }

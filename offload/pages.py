@@ -10,17 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-
-class HostPageError(ValueError):
-    """A free that the pool refuses. Nothing was freed: the call is all or nothing."""
-
-
-class DoubleFreeError(HostPageError):
-    """A page is already free (or listed twice in one call)."""
-
-
-class ForeignPageError(HostPageError):
-    """The pages belong to another pool, or an index is out of range."""
+from kvlife.offload.errors import DoubleFreeError, ForeignPageError, HostPageError
 
 
 def page_runs(indices: Iterable[int]) -> list[tuple[int, int]]:
@@ -99,3 +89,6 @@ class PageAllocator:
     def is_allocated(self, index: int) -> bool:
         """Whether page ``index`` is handed out."""
         return bool(self._allocated[index])
+
+
+__all__ = ["DoubleFreeError", "ForeignPageError", "HostPageError", "PageAllocator", "page_runs"]

@@ -68,6 +68,7 @@ from typing import Any, NamedTuple
 from kvlife.fsm.overdue import OverdueWatch
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
+from kvlife.offload.errors import UnknownOrderError
 from kvlife.offload.pages import PageAllocator, page_runs
 from kvlife.offload.prefix_cache import HostPrefixCache
 
@@ -100,19 +101,6 @@ _STORABLE = tuple(state for state in State if LIFECYCLE.permits(state, Trigger.S
 MAX_REMEMBERED_ORDERS = 65536
 """Orders over whose tickets are kept, so that a late or repeated report of one is
 delivered (and refused, counted and audited by the registry) rather than dropped."""
-
-
-class UnknownOrderError(KeyError):
-    """A report names a copy number this planner never ordered (or forgot: more than
-    [`MAX_REMEMBERED_ORDERS`][kvlife.offload.planner.MAX_REMEMBERED_ORDERS] ago). Nothing
-    changed."""
-
-    def __init__(self, op: int) -> None:
-        super().__init__(op)
-        self.op = op
-
-    def __str__(self) -> str:
-        return f"a report for copy {self.op}, which this planner never ordered"
 
 
 class CacheEvent(NamedTuple):
@@ -1004,3 +992,18 @@ class OffloadPlanner:
             f"in flight, pages free={a.free} cached={a.cached} pinned={a.pinned} "
             f"storing={a.storing}>"
         )
+
+
+__all__ = [
+    "COUNTERS",
+    "MAX_REMEMBERED_ORDERS",
+    "CacheEvent",
+    "LoadOrder",
+    "OffloadPlanner",
+    "Order",
+    "PageAccount",
+    "Progress",
+    "StoreOrder",
+    "UnknownOrderError",
+    "block_ids",
+]

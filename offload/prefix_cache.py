@@ -19,11 +19,8 @@ from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvlife.offload.errors import PrefixCacheError
 from kvlife.offload.pages import PageAllocator
-
-
-class PrefixCacheError(ValueError):
-    """A call the cache refuses. Nothing changed."""
 
 
 @dataclass
@@ -223,3 +220,6 @@ class HostPrefixCache:
 
     def __repr__(self) -> str:
         return f"<HostPrefixCache {len(self)} pages, {len(self._pinned)} pinned>"
+
+
+__all__ = ["HostPrefixCache", "PrefixCacheError", "PrefixCacheStats"]

@@ -29,6 +29,7 @@ from kvlife.fsm import (
 )
 from kvlife.offload import Blake2bPageHasher, KVLayout, OffloadResult, PageAccount
 from kvlife.offload.host_callback import StreamGate
+from tests.builds import patches_compiled
 from tests.engine import FakeEngine, host_matches
 from tests.strategies import EqByRid, Req
 from tests.test_layout import LAYOUTS
@@ -433,6 +434,10 @@ def test_audit_detail_is_built_only_when_a_sink_is_attached() -> None:
     engine.manager.step(req)
     [start] = [r for r in sink.records() if r.trigger == "start_offload"]
     assert start.detail == {"kind": "store", "tokens": 4, "blocks": 1, "first_block": 0}
+
+
+@patches_compiled
+def test_no_audit_detail_is_built_without_a_sink() -> None:
     quiet = FakeEngine(SMALL, stride_pages=1)
     assert not quiet.manager.registry.audited
     calls: list[dict[str, Any]] = []

@@ -33,6 +33,7 @@ from kvlife.fsm import (
     check_audit,
 )
 from kvlife.offload import KVLayout
+from tests.builds import patches_compiled
 from tests.engine import FakeEngine
 from tests.strategies import Req
 
@@ -352,12 +353,14 @@ def explore(depth: int) -> tuple[int, int, float]:
     return len(seen), steps, time.perf_counter() - t0
 
 
+@patches_compiled  # System.new wraps the registry's deliver
 def test_every_interleaving_up_to_the_depth_matches_the_model() -> None:
     states, steps, seconds = explore(DEPTH)
     print(f"\nexhaustive: depth {DEPTH}, {states} distinct states, {steps} steps, {seconds:.1f} s")
     assert states > 1000 if DEPTH >= 8 else states > 10
 
 
+@patches_compiled
 def test_a_planted_bug_is_caught_within_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without its refusal pre-check the manager launches a copy for a finished request
     before the registry refuses it: the copy's host page leaks. The search finds it."""

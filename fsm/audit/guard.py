@@ -38,8 +38,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -552,6 +553,33 @@ class AuditPath:
         return tuple(guard.statistics() for guard in list(self._guards))
 
 
+class RegistryLifetime:
+    """Lives exactly as long as its registry (which holds the only reference to it), and
+    stands in for the registry where a weak reference is needed: a compiled registry takes
+    none (see [`kvlife.fsm.native`][kvlife.fsm.native]).
+
+    When it is collected, or at interpreter exit, ``settle`` runs (the audit path's last
+    chance for failing sinks); ``closing_state`` is what a sink's closing record counts,
+    held weakly by the sink.
+    """
+
+    __slots__ = ("__weakref__", "_by_id", "_shadowed")
+
+    def __init__(
+        self, by_id: Mapping[int, Any], shadowed: Mapping[int, Any], settle: Callable[[], None]
+    ) -> None:
+        self._by_id = by_id  # the registry's own dicts of live lifecycles, read only
+        self._shadowed = shadowed
+        weakref.finalize(self, settle)
+
+    def closing_state(self) -> tuple[int, int]:
+        """(live lifecycles, copies in flight): read from any thread, or a signal handler,
+        without a lock (a snapshot may be a transition behind)."""
+        # list() copies in C without running Python code
+        lifecycles = list(self._by_id.values()) + list(self._shadowed.values())
+        return len(lifecycles), sum(lc.inflight for lc in lifecycles)
+
+
 #: Lifecycles registered within this many seconds of each other share one birth time.
 BIRTH_RESOLUTION_S: Final = 0.05
 _MAX_BIRTH_MARKS: Final = 4096
@@ -591,6 +619,7 @@ __all__ = [
     "AuditPath",
     "Births",
     "Emit",
+    "RegistryLifetime",
     "SinkGuard",
     "SinkStatistics",
     "format_ranges",

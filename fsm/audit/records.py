@@ -25,6 +25,7 @@ from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 
+from kvlife.fsm import native
 from kvlife.fsm._version import __version__
 from kvlife.fsm.errors import Reason
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
@@ -117,6 +118,10 @@ class AuditHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     segment: str = ""
     part: _Count = 0
     witness: str = ""
+    #: Which build of kvlife's hot path wrote the log (``kvlife.fsm.native.describe()``:
+    #: ``"compiled (mypyc 2.4.1, 7 modules)"`` or ``"pure Python (...)"``); empty in logs
+    #: written before builds were told apart.
+    build: str = ""
     #: The writer ends the segment with a closing record when it closes cleanly: a
     #: segment that ends without one was cut short. ``False`` in logs written before
     #: closing records existed: how they ended is unknown.
@@ -260,6 +265,7 @@ def make_header(
         part=part,
         witness=witness,
         closes=closes,
+        build=native.describe(),
     )
 
 
