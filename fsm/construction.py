@@ -1,9 +1,10 @@
-"""Classes whose objects only their owner makes: ``Lifecycle`` and ``Ticket`` (made by a
-``LifecycleRegistry``) and ``HostPages`` (made by a ``HostPagePool``).
+"""Classes whose objects only their owner makes: ``HostPages`` (made by a ``HostPagePool``).
+(``Lifecycle`` and ``Ticket``, which mypyc compiles, guard their constructors with a key
+only ``kvlife.fsm.registry`` holds instead: a compiled class cannot have this metaclass.)
 
 [`NoPublicConstructor`][kvlife.fsm.construction.NoPublicConstructor] is their metaclass:
 calling the class raises ``TypeError`` saying who makes them, the owner makes one with
-``cls._create(...)`` (or ``object.__new__(cls)`` on a hot path), and defining a subclass
+``cls._create(...)``, and defining a subclass
 raises ``TypeError`` at once (not later, when a registry would meet an object it did not
 make). Type checkers see the same through ``@typing.final`` on each class.
 """
