@@ -18,7 +18,7 @@ import pytest
 
 from kvlife.diagrams.audit_bench import write_workload
 from kvlife.diagrams.cli import main
-from kvlife.fsm import JsonLinesSink, LifecycleRegistry, MemorySink, OverdueWatch
+from kvlife.fsm import JsonLinesSink, LifecycleRegistry, MemorySink, OverdueWatch, native
 from kvlife.fsm._version import __version__
 from kvlife.fsm.audit import encode_lines, make_header
 from kvlife.offload.bench import token_count
@@ -408,7 +408,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0
-    assert capsys.readouterr().out == f"kvlife {__version__}\n"
+    # the version and the build that runs (compiled or pure Python: kvlife.fsm.native)
+    assert capsys.readouterr().out == f"kvlife {__version__}, {native.describe()}\n"
 
 
 def test_demo_out_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -115,7 +115,7 @@ def test_without_a_c_compiler_the_install_is_pure_python_and_says_so(tmp_path: P
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "--wheel-dir", str(tmp_path), "-v", str(ROOT)],
-        env=dict(os.environ, CC="/nonexistent/cc"),
+        env={**{k: v for k, v in os.environ.items() if k != "KVLIFE_PURE"}, "CC": "/no/cc"},
         capture_output=True,
         text=True,
         check=False,
@@ -123,7 +123,7 @@ def test_without_a_c_compiler_the_install_is_pure_python_and_says_so(tmp_path: P
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
-    assert "kvlife build: no C compiler (/nonexistent/cc not found): pure Python installed" in said
+    assert "kvlife build: no C compiler (/no/cc not found): pure Python installed" in said
     [wheel] = tmp_path.glob("kvlife-*.whl")
     assert wheel.name.endswith("-py3-none-any.whl")  # no platform tag: nothing compiled
     names = zipfile.ZipFile(wheel).namelist()
