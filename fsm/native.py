@@ -91,12 +91,16 @@ class _PureFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+def _forced_pure(environ: Mapping[str, str]) -> bool:
+    return environ.get("KVLIFE_PURE", "") not in ("", "0")
+
+
 def _decide(
     environ: Mapping[str, str], stamp: ModuleType | None, digest: str | None
 ) -> tuple[bool, str]:
     """(compiled?, why) from the environment, the compiled build's stamp (None when none is
     installed) and the digest of the sources installed beside it."""
-    if environ.get("KVLIFE_PURE", "") not in ("", "0"):
+    if _forced_pure(environ):
         return False, "pure Python (KVLIFE_PURE is set)"
     if stamp is None:
         return False, "pure Python (installed without the compiled build)"
@@ -113,10 +117,8 @@ def _decide(
 
 
 def _stamp() -> ModuleType | None:
-    if os.environ.get("KVLIFE_PURE", "") not in ("", "0"):
+    if _forced_pure(os.environ) or not _HOME:
         return None  # not even loaded
-    if not _HOME:
-        return None
     try:
         return importlib.import_module(_STAMP)
     except ImportError:

@@ -609,8 +609,7 @@ class LifecycleRegistry:
         return sorted(self._snapshot(), key=_by_serial)
 
     def _snapshot(self) -> list[Lifecycle]:
-        # list() copies in C without running Python code: safe to call from any thread
-        return list(self._by_id.values()) + list(self._shadowed.values())
+        return self._lifetime.snapshot()  # our two dicts, read without a lock
 
     # ------------------------------------------------------------------ transitions
 

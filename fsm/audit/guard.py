@@ -572,11 +572,15 @@ class RegistryLifetime:
         self._shadowed = shadowed
         weakref.finalize(self, settle)
 
+    def snapshot(self) -> list[Any]:
+        """The registry's unreleased lifecycles: safe from any thread, or a signal handler,
+        without a lock (``list()`` copies in C without running Python code; a snapshot may
+        be a transition behind)."""
+        return list(self._by_id.values()) + list(self._shadowed.values())
+
     def closing_state(self) -> tuple[int, int]:
-        """(live lifecycles, copies in flight): read from any thread, or a signal handler,
-        without a lock (a snapshot may be a transition behind)."""
-        # list() copies in C without running Python code
-        lifecycles = list(self._by_id.values()) + list(self._shadowed.values())
+        """(live lifecycles, copies in flight), from a ``snapshot()``."""
+        lifecycles = self.snapshot()
         return len(lifecycles), sum(lc.inflight for lc in lifecycles)
 
 
