@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -325,15 +325,24 @@ def _print_ways(rows: Sequence[WayRow | LayoutRow], first: str) -> None:
         )
 
 
-def _judge_ways(rows: list[WayRow], verdicts: Verdicts, cuda: bool) -> None:
+def _kvlife_ratios(
+    rows: list[WayRow], verdicts: Verdicts, label: str
+) -> Iterator[tuple[WayRow, float, str]]:
+    """kvlife's rows with their share of the contiguous copy and their verdict's name; a
+    row that did not run gets its failed verdict here."""
     for row in rows:
         if row.way != "kvlife":
             continue
         ratio = _ratio_of(rows, row)
-        name = f"kvlife {row.direction} {row.tokens} tokens"
+        name = f"{label} {row.direction} {row.tokens} tokens"
         if row.error or ratio is None:
             verdicts.add(name, f"did not run: {row.error}", False, "")
             continue
+        yield row, ratio, name
+
+
+def _judge_ways(rows: list[WayRow], verdicts: Verdicts, cuda: bool) -> None:
+    for row, ratio, name in _kvlife_ratios(rows, verdicts, "kvlife"):
         if cuda:
             goal = 0.90 if row.tokens < 4096 else 0.95
         elif row.direction == "store":
@@ -360,14 +369,7 @@ def _judge_outermost(rows: list[WayRow], verdicts: Verdicts, cuda: bool) -> None
     """Targets of kvlife's direct path on a block-outermost cache: on CUDA >= 95 % of a
     contiguous copy at every size, <= 100 us of host time per 1k-token offload, the first
     store <= 1.10x the steady one; on the CPU >= 90 % at 1k and 4k tokens."""
-    for row in rows:
-        if row.way != "kvlife":
-            continue
-        ratio = _ratio_of(rows, row)
-        name = f"kvlife BLNHC {row.direction} {row.tokens} tokens"
-        if row.error or ratio is None:
-            verdicts.add(name, f"did not run: {row.error}", False, "")
-            continue
+    for row, ratio, name in _kvlife_ratios(rows, verdicts, "kvlife BLNHC"):
         verdicts.add(name, f"{ratio:.1%} of contiguous", ratio >= (0.95 if cuda else 0.90),
                      ">= 95%" if cuda else ">= 90%")  # fmt: skip
         if cuda and row.tokens == 1024:
