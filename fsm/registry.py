@@ -394,6 +394,25 @@ def _by_serial(lc: Lifecycle) -> int:
     return lc._serial
 
 
+_new_lifecycle = object.__new__
+_new_ticket = object.__new__
+
+
+def _plain(cls: type) -> bool:
+    """Whether ``cls`` is a plain Python class, whose objects the registry may make with
+    ``object.__new__`` and attribute stores (the pure build: about half the cost of calling
+    the class). A compiled class refuses ``object.__new__``; it is made by its keyed
+    constructor."""
+    try:
+        _new_lifecycle(cls)
+    except TypeError:
+        return False
+    return True
+
+
+_PLAIN: Final = _plain(Lifecycle) and _plain(Ticket)
+
+
 @dataclass(frozen=True)
 class RegistryStatistics:
     """A snapshot of a registry, for leak hunting and dashboards."""
@@ -668,7 +687,19 @@ class LifecycleRegistry:
             )
         serial = self._next_serial
         self._next_serial = serial + 1
-        lc = Lifecycle(_MAKER, self, serial, rid, req, newest)
+        if _PLAIN:  # pure Python: the stores inline cost half of calling the class
+            lc: Lifecycle = _new_lifecycle(Lifecycle)
+            lc._registry = self
+            lc._serial = serial
+            lc._rid = rid
+            lc._req = req
+            lc._s = _ALLOCATED
+            lc._inflight = 0
+            lc._started = 0
+            lc._outcome = None
+            lc._older = newest
+        else:
+            lc = Lifecycle(_MAKER, self, serial, rid, req, newest)
         now = _clock()
         if now >= self._next_mark:  # birth times are kept per 50 ms, not per lifecycle
             self._next_mark = self._births.mark(serial, now)
@@ -715,7 +746,13 @@ class LifecycleRegistry:
         lc._s = dst
         op = self._next_op
         self._next_op = op + 1
-        ticket = Ticket(_MAKER, lc, op)
+        if _PLAIN:
+            ticket: Ticket = _new_ticket(Ticket)
+            ticket._lc = lc
+            ticket._op = op
+            ticket._open = True
+        else:
+            ticket = Ticket(_MAKER, lc, op)
         emit = self._emit
         if emit is not None:
             emit(
@@ -954,7 +991,13 @@ class LifecycleRegistry:
                         lc._s = dst
                         op = self._next_op
                         self._next_op = op + 1
-                        ticket: Ticket = Ticket(_MAKER, lc, op)
+                        if _PLAIN:
+                            ticket: Ticket = _new_ticket(Ticket)
+                            ticket._lc = lc
+                            ticket._op = op
+                            ticket._open = True
+                        else:
+                            ticket = Ticket(_MAKER, lc, op)
                         if records is not None:
                             records.append(
                                 AuditRecord(nxt, now, lc._rid, lc._serial,
