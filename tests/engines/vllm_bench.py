@@ -27,11 +27,13 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
+from kvlife.fsm.native import describe
 from kvlife.offload.engines.vllm import KVLifeWorkerMetadata
 from tests.engines.vllm_harness import (
     BLOCK,
@@ -379,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         configs=configs,
     )
     print(
-        f"vLLM scheduler step, schedule() + update_from_output(), {args.concurrent} concurrent, "
-        f"{args.requests} requests x {args.rounds} rounds (interleaved)"
+        f"vLLM {vllm.__version__} scheduler step, schedule() + update_from_output(), "
+        f"{args.concurrent} concurrent, {args.requests} requests x {args.rounds} rounds "
+        f"(interleaved); kvlife {describe()}"
+        + (f", before: {args.against} from source" if args.against else "")
     )
     for config, row in result.items():
         ratios = (
