@@ -191,27 +191,66 @@ offered to the engine from the host cache, cached pages evicted, and calls the r
 refused (late or repeated reports, stale instances)."""
 
 
-@dataclass(slots=True)
 class Order:
-    """An order the planner made, as it keeps it. Read it, never change it."""
+    """An order the planner made, as it keeps it. Read it, never change it.
 
-    #: The ticket of its copy (``ticket.op`` is its copy number).
-    ticket: Ticket
-    #: The device blocks it reads or writes (empty in owner mode).
-    slots: tuple[Slot, ...]
-    #: The host pages it writes or reads.
-    pages: tuple[int, ...]
-    #: A store's block hashes, one per page (``None`` for a partial block); empty for loads.
-    hashes: tuple[Hashable, ...]
-    #: Whether it is a load.
-    load: bool
-    #: The index of its first block among the request's.
-    first: int
-    #: Its lifecycle's progress.
-    progress: Progress
-    reported: int = 0
-    failed: int = 0
-    keep: bool = True  # a store's pages join the cache when it is done (not after a reset)
+    Attributes:
+        ticket: The ticket of its copy (``ticket.op`` is its copy number).
+        slots: The device blocks it reads or writes (empty in owner mode).
+        pages: The host pages it writes or reads.
+        hashes: A store's block hashes, one per page (``None`` for a partial block);
+            empty for loads.
+        load: Whether it is a load.
+        first: The index of its first block among the request's.
+        progress: Its lifecycle's progress.
+        reported: Workers that reported it done so far.
+        failed: Workers that reported it failed so far.
+        keep: A store's pages join the cache when it is done (``False``: ordered before
+            a reset).
+    """
+
+    # A plain class rather than a dataclass: compiled, its constructor is C (a dataclass's
+    # generated __init__ would run as Python, once per order).
+    __slots__ = (
+        "failed",
+        "first",
+        "hashes",
+        "keep",
+        "load",
+        "pages",
+        "progress",
+        "reported",
+        "slots",
+        "ticket",
+    )
+
+    def __init__(
+        self,
+        ticket: Ticket,
+        slots: tuple[Slot, ...],
+        pages: tuple[int, ...],
+        hashes: tuple[Hashable, ...],
+        load: bool,
+        first: int,
+        progress: Progress,
+    ) -> None:
+        self.ticket = ticket
+        self.slots = slots
+        self.pages = pages
+        self.hashes = hashes
+        self.load = load
+        self.first = first
+        self.progress = progress
+        self.reported = 0
+        self.failed = 0
+        self.keep = True
+
+    def __repr__(self) -> str:
+        kind = "load" if self.load else "store"
+        return (
+            f"<Order op={self.ticket.op} {kind} first={self.first} pages={self.pages} "
+            f"reported={self.reported} failed={self.failed}>"
+        )
 
 
 @dataclass(slots=True)
@@ -448,7 +487,10 @@ class OffloadPlanner:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
         """
         runs = self._plan_store(lc, full, hashes, stride, retry, hold=False)
-        return [self._order_store(lc, *run) for run in runs]
+        return [
+            self._order_store(lc, progress, start, pages, keys, offset)
+            for progress, start, pages, keys, offset in runs
+        ]
 
     def store_many(
         self,
@@ -485,8 +527,8 @@ class OffloadPlanner:
         if not planned:
             return []
         if len(planned) == 1:  # a batch of one costs more than the single call
-            lc, run = planned[0]
-            return [self._order_store(lc, *run)]
+            lc, (progress, start, pages, keys, offset) = planned[0]
+            return [self._order_store(lc, progress, start, pages, keys, offset)]
         details = (
             [{"kind": "store", "blocks": len(run[2]), "first_block": run[1]} for _, run in planned]
             if self.registry.audited
@@ -496,15 +538,15 @@ class OffloadPlanner:
         group = (_START_OFFLOAD, targets) if details is None else (_START_OFFLOAD, targets, details)
         tickets = self.registry.apply([group])
         orders = []
-        for (_, run), ticket in zip(planned, tickets, strict=True):
+        for i, ticket in enumerate(tickets):  # one per planned run (the group's targets)
+            progress, start, taken, keys, offset = planned[i][1]
             if type(ticket) is not Ticket:  # pragma: no cover - the state was checked
-                _, _, taken, keys, offset = run
                 for key in keys[offset : offset + len(taken)]:
                     if self._storing.get(key) == _PLANNED:
                         del self._storing[key]
                 self.allocator.free(taken)
                 raise ticket  # type: ignore[misc]
-            orders.append(self._make_order(ticket, *run))
+            orders.append(self._make_order(ticket, progress, start, taken, keys, offset))
         return orders
 
     def _plan_store(
@@ -555,7 +597,8 @@ class OffloadPlanner:
                 used += run
         if hold and self._hand_over is None:  # a later plan of the batch leaves them
             for _, _, taken, _, offset in runs:
-                storing.update(dict.fromkeys(keys[offset : offset + len(taken)], _PLANNED))
+                for key in keys[offset : offset + len(taken)]:
+                    storing[key] = _PLANNED
         return runs
 
     def store_owned(
@@ -651,7 +694,9 @@ class OffloadPlanner:
             for block in block_ids(slots):
                 fences.setdefault(block, set()).add(op)
         if self._hand_over is None:  # owner mode: no cache, nothing to store only once
-            self._storing.update(dict.fromkeys(names, op))
+            storing = self._storing
+            for key in names:
+                storing[key] = op
         self._storing_pages += count
         return StoreOrder(op, slots, pages, start)
 

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlife.offload import HostPrefixCache, PageAllocator, PrefixCacheError
+from tests.builds import refused, takes_bool_as_number
 
 
 def _filled(pages: int = 4) -> tuple[HostPrefixCache, PageAllocator]:
@@ -61,8 +62,11 @@ def test_pins_count_and_refusals_change_nothing() -> None:
 
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["insert", "lookup", "pin", "unpin", "take"]), st.integers(0, 7)),
-        max_size=60,
+        st.tuples(
+            st.sampled_from(["insert", "insert_all", "lookup", "pin", "unpin", "take", "touch"]),
+            st.integers(0, 7),
+        ),
+        max_size=80,
     )
 )
 def test_the_cache_behaves_as_a_plain_model(ops: list[tuple[str, int]]) -> None:
@@ -84,6 +88,25 @@ def test_the_cache_behaves_as_a_plain_model(ops: list[tuple[str, int]]) -> None:
                 assert cache.insert(key, page)
                 lru[key] = page
                 key_of[page] = key
+        elif op == "insert_all" and owned:
+            pages = sorted(owned)[: n % 3 + 1]
+            keys = [f"k{(n + i) % 8}" for i in range(len(pages))]
+            expected_spare = []
+            for key, page in zip(keys, pages, strict=True):
+                owned.discard(page)
+                if key in key_of.values():
+                    expected_spare.append(page)
+                else:
+                    lru[key] = page
+                    key_of[page] = key
+            assert cache.insert_all(keys, pages) == expected_spare
+            allocator.free(expected_spare)
+        elif op == "touch":
+            keys = [f"k{(n + i) % 8}" for i in range(3)]
+            cache.touch(keys)
+            for key in keys:
+                if key in lru:
+                    lru.move_to_end(key)
         elif op == "lookup":
             keys = [f"k{i}" for i in range(n)]
             expected = []
@@ -113,10 +136,13 @@ def test_the_cache_behaves_as_a_plain_model(ops: list[tuple[str, int]]) -> None:
             if short > len(lru):
                 assert taken is None
                 continue
+            victims = []
             for _ in range(max(short, 0)):
                 _, page = lru.popitem(last=False)
                 del key_of[page]
+                victims.append(page)
             assert taken is not None and len(taken) == count
+            assert list(taken[len(taken) - len(victims) :]) == victims  # oldest first
             owned |= set(taken)
         assert (
             cache.pinned == set(pins) and cache.evictable == len(lru) and len(cache) == len(key_of)
@@ -142,3 +168,37 @@ def test_missing_names_each_absent_key_once_and_leaves_out_skipped_ones() -> Non
     absent, held = cache.missing(["h0", "x", "y", "x", "h1", "z"], skip={"y"})
     assert absent == [1, 5] and held == ["h0", "h1"]
     assert (cache.stats.hits, cache.stats.misses) == (0, 0)  # counts nothing
+
+
+def test_bad_pages_and_keys_are_refused_and_insert_nothing() -> None:
+    cache, _ = _filled(2)
+    before = (len(cache), cache.evictable, cache.stats.inserts)
+    with refused(PrefixCacheError, "-1 is not a page number"):
+        cache.insert_all(["a", "b"], [5, -1])
+    with pytest.raises(PrefixCacheError, match="page 7 is listed twice"):
+        cache.insert_all(["a", "b", "c"], [6, 7, 7])
+    with pytest.raises(TypeError, match="unhashable"):
+        cache.insert_all(["a", ["not", "hashable"]], [6, 7])
+    assert (len(cache), cache.evictable, cache.stats.inserts) == before
+    assert "a" not in cache and cache.lookup(["a"]) == []
+    assert cache.insert_all(["a", "b"], [6, 7]) == []  # the pages were left free
+    assert cache.evict(4) == [0, 1, 6, 7]
+
+
+def test_pages_far_apart_and_a_touch_reorder_eviction() -> None:
+    cache = HostPrefixCache()
+    assert cache.insert_all(["a", "b", "c"], [1000, 3, 40]) == []
+    cache.touch(["a", "missing"])
+    cache.pin([3])
+    cache.touch(["b"])  # pinned: passed over
+    assert cache.evict(2) == [40, 1000] and cache.evict(1) is None
+    cache.unpin([3])
+    assert cache.evict(1) == [3] and len(cache) == 0 and cache.evictable == 0
+
+
+@takes_bool_as_number
+def test_a_bool_is_not_a_page_number() -> None:
+    cache, _ = _filled(2)
+    with pytest.raises(PrefixCacheError, match="True is not a page number"):
+        cache.insert("a", True)
+    assert len(cache) == 2 and "a" not in cache
