@@ -968,9 +968,9 @@ class LifecycleRegistry:
         try:
             for group in batch:
                 kind = group[0]
-                pairs = zip(  # without details: None for each (repeat is endless)
-                    group[1], group[2] if len(group) == 3 else _NO_DETAIL, strict=False
-                )
+                # without details: None for each (repeat is endless); no strict= keyword:
+                # compiled, a keyword argument makes zip() a generic call
+                pairs = zip(group[1], group[2] if len(group) == 3 else _NO_DETAIL)  # noqa: B905
                 if kind is _T_START:
                     for target, detail in pairs:
                         try:

@@ -141,6 +141,12 @@ class LoadOrder(NamedTuple):
     first: int
 
 
+_new_order = tuple.__new__
+"""Makes a ``StoreOrder`` or ``LoadOrder`` from a tuple of its fields, in C: calling the
+class runs the ``__new__`` that ``NamedTuple`` writes in Python (compiled, the slowest
+part of making an order)."""
+
+
 @dataclass(frozen=True)
 class PageAccount:
     """Where every host page is now. ``free + cached + pinned + storing + kept ==
@@ -567,7 +573,9 @@ class OffloadPlanner:
         first = progress.covered
         if full - first < stride:  # the common case, decided before anything is counted
             return []
-        full = min(full, len(progress.slots), len(hashes))
+        # two arguments each: compiled, min() of two is a comparison, of three a call
+        full = min(full, len(progress.slots))
+        full = min(full, len(hashes))
         if full - first < stride or lc.state not in _STORABLE:
             return []
         cache, storing = self.cache, self._storing
@@ -698,7 +706,7 @@ class OffloadPlanner:
             for key in names:
                 storing[key] = op
         self._storing_pages += count
-        return StoreOrder(op, slots, pages, start)
+        return _new_order(StoreOrder, (op, slots, pages, start))
 
     # ------------------------------------------------------------------ loads
 
@@ -750,7 +758,7 @@ class OffloadPlanner:
         self._orders[op] = Order(ticket, slots, taken, (), True, first, progress)
         progress.ops.add(op)
         progress.covered = max(progress.covered, first + count)  # already on the host
-        return LoadOrder(op, slots, taken, first)
+        return _new_order(LoadOrder, (op, slots, taken, first))
 
     # ------------------------------------------------------------------ reports
 

@@ -144,8 +144,7 @@ class HostPrefixCache:
         for page in pages:
             if type(page) is not int or page < 0:
                 raise PrefixCacheError(f"{page!r} is not a page number; nothing inserted")
-            if page > top:  # noqa: PLR1730  # compiled, max() with a keyword is a slow call
-                top = page
+            top = max(top, page)  # compiled, max() of two is a comparison (of a list, a call)
         if top >= len(key_of):
             grow = top + 1 - len(key_of)
             key_of.extend([_NO_KEY] * grow)
