@@ -24,6 +24,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from tests.engines import hicache_harness as H
 
+from kvlife.fsm.native import describe
 from kvlife.offload.watch.sglang import HiCacheLens, attach
 
 TOKENS = list(range(100, 124))
@@ -80,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args(argv)
-    print(f"HiCache lens cost, SGLang 0.5.23 on CPU, medians of {args.rounds} alternating rounds")
+    print(
+        f"HiCache lens cost, SGLang 0.5.23 on CPU, medians of {args.rounds} alternating "
+        f"rounds; kvlife {describe()}"
+    )
     print(f"{'core':6} {'call':22} {'alone us':>9} {'lens us':>9} {'ratio':>6}")
     worst = {"hot": 0.0, "step": 0.0}
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,6 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from kvlife.fsm.native import describe
 from tests.engines.sglang_harness import (
     PAGE,
     close,
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     got = measure(seed=args.seed, steps=args.steps, rounds=args.rounds)
-    print(f"scheduler-loop time in the offload manager, per step ({got['steps']:.0f} steps each)")
+    print(
+        f"scheduler-loop time in the offload manager, per step ({got['steps']:.0f} steps each); "
+        f"kvlife {describe()}"
+    )
     print(f"  SGLang 0.5.23 DecodeKVCacheOffloadManager  {got['sglang_us']:8.1f} us  1.00")
     ours, ratio = got["kvlife_us"], got["ratio"]
     print(f"  kvlife KVLifeDecodeOffloadManager           {ours:8.1f} us  {ratio:.2f}")
