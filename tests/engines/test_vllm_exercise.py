@@ -13,11 +13,14 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
+
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvlife.diagrams.cli import main
 from kvlife.offload.watch.vllm.exercise import (
@@ -27,6 +30,8 @@ from kvlife.offload.watch.vllm.exercise import (
     parse_config,
     run_one,
 )
+from kvlife.offload.watch.vllm.exercise_multi import multi_config
+from kvlife.offload.watch.vllm.lenses.multi import MultiLens
 from kvlife.offload.watch.vllm.testing import (
     ConnectorFailure,
     check_connector,
@@ -225,3 +230,74 @@ def test_a_connector_that_binds_a_fixed_port_is_shut_down_between_runs(tmp_path:
         for bound in HoldsPort.held:
             bound.close()
         HoldsPort.held.clear()
+
+
+def test_a_multiconnector_of_kvlife_and_offloading_runs_each_child_as_alone(
+    tmp_path: Path,
+) -> None:
+    """MultiConnector's own worker role with kvlife's worker and vLLM's OffloadingConnector
+    played; its lens sees the OffloadingConnector child's stores. The families with fresh
+    ids are clean; ``reuse`` fails as that child fails alone (vLLM's KeyError)."""
+    families = ["basic", "hold", "tp2", "resume", "reuse"]
+    reports, _ = exercise(multi_config(KVLIFE, OFFLOADING), families, range(2), STEPS, tmp_path)
+    by = {(r.family, r.runner): r for r in reports}
+    for family in families[:-1]:
+        for runner in ("v1", "v2"):
+            report = by[family, runner]
+            assert report.failed == 0, (family, runner, report)
+            assert report.copies > 0  # the OffloadingConnector child's stores, through its lens
+    assert by["resume", "v2"].resumes > 0
+    for runner in ("v1", "v2"):
+        reuse = by["reuse", runner]
+        assert reuse.failed == reuse.runs
+        assert any("offloading/scheduler.py" in where for where in reuse.raises), reuse.raises
+        assert "inherited_state" in reuse.verdicts
+
+
+def test_a_multiconnector_with_a_child_that_runs_alone_only_is_refused(tmp_path: Path) -> None:
+    lmcache = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
+    with pytest.raises(ExerciseConfigError, match="LMCacheMPConnector alone only"):
+        exercise(multi_config(KVLIFE, lmcache), ["basic"], range(1), STEPS, tmp_path)
+    with pytest.raises(ExerciseConfigError, match=r"needs kv_connector_extra_config\.connectors"):
+        exercise({"kv_connector": "MultiConnector"}, ["basic"], range(1), STEPS, tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+class _FakeLens:
+    def __init__(self, name: str, keeps: bool, owners: dict[str, Any]) -> None:
+        self.name, self.keeps_every_request, self.owners = name, keeps, owners
+
+    def issued(self, meta: Any) -> list[tuple[Any, str, Any]]:
+        return [(job, "store", request) for job, request in meta]
+
+    def completions(self, output: Any) -> list[tuple[Any, bool, Any]]:
+        return [(job, True, None) for job in output.kv_connector_worker_meta]
+
+    def owner(self, rid: str) -> Any:
+        return self.owners.get(rid)
+
+    def finishing(self, request: Any) -> bool:
+        return request in self.owners.values()
+
+    def flushes(self, request: Any) -> bool:
+        return False
+
+
+def test_the_multiconnector_lens_keys_each_childs_jobs_and_names_the_stale_owner() -> None:
+    old, new = SimpleNamespace(arrival_time=1.0), SimpleNamespace(arrival_time=2.0)
+    first = _FakeLens("A", keeps=True, owners={"r": new, "s": new})
+    second = _FakeLens("B", keeps=False, owners={"r": old})
+    lens = MultiLens([(0, first), (2, second)])
+    assert lens.name == "MultiConnector(A, B)" and lens.keeps_every_request
+    meta = SimpleNamespace(metadata=([(7, new)], None, [(7, old), ((9, "x"), old)]))
+    assert list(lens.issued(meta)) == [
+        ((7, 0), "store", new),
+        ((7, 2), "store", old),
+        ((9, "x", 2), "store", old),
+    ]
+    output = KVConnectorOutput(kv_connector_worker_meta=SimpleNamespace(metadata=([7], None, None)))
+    assert list(lens.completions(output)) == [((7, 0), True, None)]
+    assert lens.owner("r") is old  # two children disagree: the earlier arrival is stale
+    assert lens.owner("s") is new  # the child that keeps no state for every request: passed
+    assert lens.owner("t") is None  # the child that keeps every request holds none
+    assert lens.finishing(old) and not lens.flushes(new)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlife.offload.watch.vllm.exercise import FAMILIES, FamilyReport, exercise
+from kvlife.offload.watch.vllm.exercise_multi import multi_config
 
 REPORT = Path("docs/exercise-report.md")
 
@@ -69,6 +70,18 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
 ]
+
+
+def _config(label: str) -> dict[str, Any]:
+    return next(config for name, config in CONNECTORS if name == label)
+
+
+CONNECTORS.append(
+    (
+        "vLLM `MultiConnector`: kvlife's, then `OffloadingConnector`",
+        multi_config(_config("kvlife `KVLifeConnector`"), _config("vLLM `OffloadingConnector`")),
+    )
+)
 
 
 #: LMCache's in-process connector, configured by the LMCACHE_* settings the exercise sets

@@ -435,6 +435,15 @@ def _where(exc: BaseException) -> str:
     return f"{path}:{frame.lineno} in {frame.name}"
 
 
+def _check_runnable(made: type[Any], transfer: dict[str, Any]) -> None:
+    """Raise ``ExerciseConfigError`` when the workers ``made`` cannot run ``transfer``'s
+    connector (their ``refused(transfer)`` says why; most workers have none)."""
+    refused = getattr(made, "refused", None)
+    why = refused(transfer) if refused is not None else None
+    if why is not None:
+        raise ExerciseConfigError(why)
+
+
 def run_one(
     transfer: dict[str, Any],
     family: Family,
@@ -448,7 +457,8 @@ def run_one(
     ``DIRECTORY/FAMILY-SEED.jsonl`` (``FAMILY-v2-SEED.jsonl`` under V2).
 
     Raises:
-        ExerciseConfigError: the connector does not build.
+        ExerciseConfigError: the connector does not build, or the exercise cannot run its
+            workers (a MultiConnector with a child that runs alone only). Nothing ran.
         ValueError: ``runner`` is not one of ``RUNNERS``.
     """
     if runner not in RUNNERS:
@@ -470,6 +480,7 @@ def run_one(
         extra = {**transfer.get("kv_connector_extra_config", {}), "audit_log": str(own)}
         transfer = {**transfer, "kv_connector_extra_config": extra}
     made = workers_class(transfer["kv_connector"])
+    _check_runnable(made, transfer)
     scheduler = build_scheduler(
         transfer, log, blocks=family.blocks, workers=family.workers, layout=made.kv_cache_layout
     )
@@ -571,6 +582,7 @@ def exercise(
     directory.mkdir(parents=True, exist_ok=True)
     name = transfer["kv_connector"]
     made = workers_class(name)
+    _check_runnable(made, transfer)
     scheduler = build_scheduler(
         transfer, directory / "build-check.jsonl", layout=made.kv_cache_layout
     )

@@ -286,7 +286,8 @@ PLAYED: dict[str, type[Any]] = {
 def workers_class(connector: str) -> type[Any]:
     """How the worker side of the connector named ``connector`` (its ``kv_connector``)
     runs: played for the connectors in ``PLAYED``, LMCache's with its pacing
-    (``kvlife.offload.watch.vllm.exercise_lmcache``), else its own worker role."""
+    (``kvlife.offload.watch.vllm.exercise_lmcache``), MultiConnector's with each child's
+    as alone (``kvlife.offload.watch.vllm.exercise_multi``), else its own worker role."""
     if connector == "LMCacheMPConnector":
         from kvlife.offload.watch.vllm.exercise_lmcache import LMCacheWorkers  # noqa: PLC0415
 
@@ -296,4 +297,8 @@ def workers_class(connector: str) -> type[Any]:
 
         inprocess.settings()  # before LMCache reads its config, once per process
         return inprocess.LMCacheInProcessWorkers
+    if connector == "MultiConnector":
+        from kvlife.offload.watch.vllm.exercise_multi import MultiWorkers  # noqa: PLC0415
+
+        return MultiWorkers
     return PLAYED.get(connector, RealWorkers)
