@@ -146,6 +146,17 @@ def test_kvlife_stores_and_loads_in_a_running_engine(
     assert cli.returncode == 0, cli.stdout + cli.stderr
 
 
+def test_vllm_cpu_refuses_model_runner_v2(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running engine is tested under model runner V1 only: vllm-cpu 0.32 refuses
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` (V2 needs Triton, which vllm-cpu does not ship). V2's
+    shape of the scheduler output is tested on vLLM's real scheduler instead
+    (``test_vllm.py``, ``kvlife vllm exercise``). When this fails, vllm-cpu runs V2: run
+    this module's engine tests under it."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(Exception, match="Model Runner V2 requires Triton"):
+        make_llm(model, kv_transfer_config={**KVLIFE, "kv_connector_extra_config": {}})
+
+
 def test_a_store_copies_only_the_blocks_the_host_cache_does_not_hold(
     model: Path, tmp_path: Path
 ) -> None:
