@@ -587,6 +587,7 @@ class JobPlay:
         reuse: bool = False,
         connector: dict[str, Any] = OFFLOADING,
         alone: bool = False,
+        runner: str = "v1",
     ) -> None:
         if alone:  # the same connector without the wrapper
             self.scheduler = make_scheduler(
@@ -600,6 +601,8 @@ class JobPlay:
             self.scheduler = make_scheduler(
                 "KVLifeAuditConnectorHMA", KVLIFE, extra, blocks=32, tensor_parallel=workers
             )
+        # the shape of vLLM's output: model runner V1's or V2's (a resume as new request data)
+        self.scheduler.use_v2_model_runner = runner == "v2"
         self.trace: list[tuple[Any, ...]] = []  # what vLLM scheduled, step by step
         self.rng = random.Random(seed)
         self.workers, self.reuse = workers, reuse
@@ -680,17 +683,19 @@ class JobPlay:
         self.n += 1
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_vllms_offloading_connector_with_fresh_ids_checks_clean_with_every_job_a_ticket(
-    tmp_path: Path,
+    tmp_path: Path, runner: str
 ) -> None:
     """No false verdict: 40 seeded runs with fresh ids, shared prefixes, aborts,
-    preemption and one or two workers reporting in different steps. The lens turns every
-    store job into a ticket, each completes when the last worker reported it, and every
-    log checks clean."""
+    preemption and one or two workers reporting in different steps, under either shape of
+    vLLM's output (V2: a resumed request comes back as new request data). The lens turns
+    every store job into a ticket, each completes when the last worker reported it, and
+    every log checks clean."""
     jobs = preempted = 0
     for seed in range(40):
         path = tmp_path / f"{seed}.jsonl"
-        play = JobPlay(path, seed, workers=1 + seed % 2)
+        play = JobPlay(path, seed, workers=1 + seed % 2, runner=runner)
         play.run(120)
         play.scheduler.shutdown()
         report = check_audit(read_audit(path), expect_released=True)
@@ -790,10 +795,19 @@ class EventPlay(JobPlay):
         reuse: bool = False,
         lazy: bool = False,
         alone: bool = False,
+        runner: str = "v1",
     ) -> None:
         settings = {**SIMPLE["kv_connector_extra_config"], "lazy_offload": lazy}
         connector = {**SIMPLE, "kv_connector_extra_config": settings}
-        super().__init__(path, seed, workers=workers, reuse=reuse, connector=connector, alone=alone)
+        super().__init__(
+            path,
+            seed,
+            workers=workers,
+            reuse=reuse,
+            connector=connector,
+            alone=alone,
+            runner=runner,
+        )
 
     def step(self, arrivals: bool = True) -> None:
         scheduler, rng, n = self.scheduler, self.rng, self.n
@@ -833,15 +847,19 @@ class EventPlay(JobPlay):
         return bool(self.pending or self.load_pending)
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_vllms_simple_cpu_offload_with_fresh_ids_checks_clean(tmp_path: Path, lazy: bool) -> None:
+def test_vllms_simple_cpu_offload_with_fresh_ids_checks_clean(
+    tmp_path: Path, lazy: bool, runner: str
+) -> None:
     """No false verdict from the SimpleCPUOffloadConnector lens: 40 seeded runs with fresh
-    ids (shared prefixes, aborts, preemption, one or two workers), every log clean; in
-    eager mode each request a store event copies for is a ticket."""
+    ids (shared prefixes, aborts, preemption, one or two workers), under either shape of
+    vLLM's output, every log clean; in eager mode each request a store event copies for is
+    a ticket."""
     tickets = events = 0
     for seed in range(40):
         path = tmp_path / f"{seed}.jsonl"
-        play = EventPlay(path, seed, workers=1 + seed % 2, lazy=lazy)
+        play = EventPlay(path, seed, workers=1 + seed % 2, lazy=lazy, runner=runner)
         play.run(120)
         play.scheduler.shutdown()
         report = check_audit(read_audit(path), expect_released=True)
@@ -946,9 +964,10 @@ def _arrive(scheduler: Any, rng: random.Random, serial: int) -> int:
     return serial
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("inner", ["ExampleConnector", "KVLifeConnector"])
 def test_example_and_kvlifes_own_connector_with_fresh_ids_check_clean(
-    tmp_path: Path, inner: str
+    tmp_path: Path, inner: str, runner: str
 ) -> None:
     """No false verdict, for the connectors without a lens: 10 seeded runs each with fresh
     ids, shared prefixes, aborts and a KV cache of 32 blocks (vLLM preempts). vLLM's
@@ -968,8 +987,9 @@ def test_example_and_kvlifes_own_connector_with_fresh_ids_check_clean(
             }
             extra = {"connector": config, "audit_log": str(path)}
             scheduler = make_scheduler("KVLifeAuditConnector", KVLIFE, extra, blocks=32)
+            scheduler.use_v2_model_runner = runner == "v2"
         else:
-            engine = Engine(blocks=32, host_pages=48, audit=str(path))
+            engine = Engine(blocks=32, host_pages=48, audit=str(path), runner=runner)
             scheduler = engine.scheduler
         for n in range(260):
             if n < 60:
