@@ -230,6 +230,7 @@ class Lifecycle:
     ) -> None:
         if maker is not _MAKER:
             _not_made_here("Lifecycle", "LifecycleRegistry.register()")
+        # register() makes the same stores inline on the pure build: keep the two alike
         self._registry = registry
         self._serial = serial
         self._rid = rid
@@ -317,6 +318,7 @@ class Ticket:
     def __init__(self, maker: object, lc: Lifecycle, op: int) -> None:
         if maker is not _MAKER:
             _not_made_here("Ticket", "LifecycleRegistry.start_offload()")
+        # start_offload() and apply() make the same stores inline on the pure build
         self._lc = lc
         self._op = op
         self._open = True
