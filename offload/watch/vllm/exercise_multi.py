@@ -10,10 +10,10 @@ What ``MultiConnector`` needs that other connectors do not, all of it here:
 * a played child stands where MultiConnector keeps the child it built
   (``MultiConnector._connectors``, private in vLLM 0.33): a small object with a
   connector's worker calls, answering from the jobs the child's metadata orders;
-* each child's reports are held back for the family's delay on their own (a job vLLM waits
-  for in its own step, a flush or a synchronous load, is never held), so that one child's
-  report can come before the other's, as two real workers' would; MultiConnector's joined
-  output is then passed on in the step it was made.
+* each child's reports are held back for the family's delay on their own (a played
+  child's job that vLLM waits for in its own step, a flush or a synchronous load, is never
+  held), so that one child's report can come before the other's, as two real workers'
+  would; MultiConnector's joined output is then passed on in the step it was made.
 """
 
 from __future__ import annotations
