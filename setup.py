@@ -12,15 +12,14 @@ out as the import names (``build/mypyc-tree/kvlife/fsm`` linking to ``fsm/``).
 
 from __future__ import annotations
 
-import ast
 import functools
-import hashlib
 import importlib.util
 import os
 import shutil
 import sys
 import sysconfig
 from pathlib import Path
+from types import ModuleType
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -33,14 +32,16 @@ _MYPY_FLAGS = ("--ignore-missing-imports", "--no-site-packages", "--follow-impor
 FOLDERS = {"fsm": "fsm", "offload": "offload"}  # import name under kvlife -> folder
 
 
-def _hot_modules() -> tuple[str, ...]:
-    """The compiled modules, as ``kvlife.fsm.native.COMPILED`` lists them (read, not
-    imported: the build environment has none of kvlife's dependencies)."""
-    tree = ast.parse((ROOT / "fsm" / "native.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "COMPILED":
-            return tuple(ast.literal_eval(node.value))  # type: ignore[arg-type]
-    raise RuntimeError("fsm/native.py lists no COMPILED modules")
+def _native() -> ModuleType:
+    """``kvlife.fsm.native``, loaded from its file (it needs the standard library only; the
+    build environment has none of kvlife's dependencies): the list of compiled modules and
+    the digest its stamp check recomputes come from there."""
+    spec = importlib.util.spec_from_file_location("_kvlife_native", ROOT / "fsm" / "native.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError("fsm/native.py cannot be loaded")
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    return native
 
 
 def _say(message: str) -> None:
@@ -68,7 +69,7 @@ def _mypyc_version() -> str:
     return __version__
 
 
-def _tree(modules: tuple[str, ...]) -> list[str]:
+def _tree(native: ModuleType, modules: tuple[str, ...]) -> list[str]:
     """Lay the packages out as their import names; return the hot modules' paths there
     and write the digest module that tells a compiled build from stale sources."""
     shutil.rmtree(TREE, ignore_errors=True)
@@ -80,17 +81,16 @@ def _tree(modules: tuple[str, ...]) -> list[str]:
             link = kvlife / name / source.relative_to(ROOT / folder)
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(source)
-    digest = hashlib.sha256()
-    paths = []
+    sources, paths = [], []
     for module in modules:
         _, package, *rest = module.split(".")
         source = Path(FOLDERS[package], *rest).with_suffix(".py")
-        digest.update(module.encode() + b"\0" + (ROOT / source).read_bytes() + b"\0")
+        sources.append((module, (ROOT / source).read_bytes()))
         paths.append(str(TREE / "kvlife" / package / Path(*rest).with_suffix(".py")))
     stamp = TREE / "kvlife" / "fsm" / "_native_build.py"
     stamp.write_text(
         '"""Written by setup.py: which sources this compiled build was made from."""\n\n'
-        f"DIGEST = {digest.hexdigest()!r}\nMODULES = {modules!r}\n"
+        f"DIGEST = {native.source_digest(sources)!r}\nMODULES = {modules!r}\n"
         f"MYPYC = {_mypyc_version()!r}\n",
         encoding="utf-8",
     )
@@ -101,9 +101,10 @@ def _tree(modules: tuple[str, ...]) -> list[str]:
 def _compiled_extensions() -> list[Extension]:
     from mypyc.build import mypycify
 
-    modules = _hot_modules()
+    native = _native()
+    modules = tuple(native.COMPILED)
     try:
-        paths = _tree(modules)
+        paths = _tree(native, modules)
         config = TREE / "mypy.ini"  # not the project's strict one: `make types` runs that
         config.write_text("[mypy]\n", encoding="utf-8")
         extensions = mypycify(

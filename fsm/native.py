@@ -32,7 +32,7 @@ import importlib.util
 import os
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Final
@@ -65,14 +65,24 @@ def _source(module: str) -> Path | None:
     return None
 
 
-def _digest(modules: Sequence[str]) -> str | None:
+def source_digest(sources: Iterable[tuple[str, bytes]]) -> str:
+    """The digest of the compiled modules' sources, ``(module, its source's bytes)`` in
+    ``COMPILED``'s order: ``setup.py`` writes it into the build's stamp, and a build whose
+    stamp differs from the installed sources' is stale."""
     digest = hashlib.sha256()
+    for module, text in sources:
+        digest.update(module.encode() + b"\0" + text + b"\0")
+    return digest.hexdigest()
+
+
+def _digest(modules: Sequence[str]) -> str | None:
+    sources = []
     for module in modules:
         path = _source(module)
         if path is None:
             return None
-        digest.update(module.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+        sources.append((module, path.read_bytes()))
+    return source_digest(sources)
 
 
 class _PureFinder(importlib.abc.MetaPathFinder):
