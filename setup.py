@@ -32,6 +32,7 @@ _MYPY_FLAGS = ("--ignore-missing-imports", "--no-site-packages", "--follow-impor
 FOLDERS = {"fsm": "fsm", "offload": "offload"}  # import name under kvlife -> folder
 
 
+@functools.cache
 def _native() -> ModuleType:
     """``kvlife.fsm.native``, loaded from its file (it needs the standard library only; the
     build environment has none of kvlife's dependencies): the list of compiled modules and
@@ -50,7 +51,7 @@ def _say(message: str) -> None:
 
 def _why_pure() -> str | None:
     """Why this build is pure Python, or None when it can compile."""
-    if os.environ.get("KVLIFE_PURE", "") not in ("", "0"):
+    if _native()._forced_pure(os.environ):
         return "KVLIFE_PURE is set"
     if importlib.util.find_spec("mypyc") is None:
         return "mypyc is not installed"
