@@ -20,9 +20,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
-from kvlife.offload.watch.vllm.exercise_workers import PLAYED, RealWorkers, _JobPlay
+from kvlife.offload.watch.vllm.exercise_workers import (
+    PLAYED,
+    RealWorkers,
+    _Held,
+    _JobPlay,
+    output_of,
+)
 
 #: children ``MultiWorkers`` cannot run: their workers need pacing of their own
 UNSUPPORTED_CHILDREN = ("LMCacheMPConnector", "LMCacheConnectorV1")
@@ -36,57 +43,56 @@ class _Clock:
         self.delay: Callable[[], int] = lambda: 0
 
 
-class _PlayedChild:
-    """One worker's side of a played child: the connector calls MultiConnector's worker
-    makes, answered from the jobs the child's metadata orders (each job done after the
-    family's delay; a job vLLM waits for in its own step, done in that step)."""
+class _ChildReports:
+    """A child's reports of the step, answered from one ``KVConnectorOutput`` (``None``:
+    nothing to report) as MultiConnector's worker asks for them."""
 
-    def __init__(self, play: _JobPlay, clock: _Clock) -> None:
-        self.play = play
-        self.clock = clock
-        self.pending: list[tuple[int, int, list[str]]] = []  # due, job, rids
-        self.done: dict[int, int] = {}  # jobs reported in this step
-
-    # the calls MultiConnector's worker makes of a child
-    def register_kv_caches(self, kv_caches: Any) -> None:
-        return None
-
-    def handle_preemptions(self, meta: Any) -> None:
-        return None
-
-    def bind_connector_metadata(self, meta: Any) -> None:
-        clock = self.clock
-        if getattr(meta, "need_flush", False):  # SimpleCPUOffload: vLLM preempted, all now
-            self.pending = [(clock.n, job, rids) for _, job, rids in self.pending]
-        for job, rids, now in self.play.orders(meta):
-            self.pending.append((clock.n if now else clock.n + clock.delay(), job, rids))
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
+    output: Any = None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
             KVConnectorTransferResults,
         )
 
-        n = self.clock.n
-        due = [p for p in self.pending if p[0] <= n]
-        self.pending = [p for p in self.pending if p[0] > n]
         results = KVConnectorTransferResults()
-        self.done = {}
-        for _, job, rids in due:
-            self.done[job] = self.done.get(job, 0) + 1
-            results.finished_recving.update(rids)
+        output = self.output
+        if output is not None:
+            results.finished_sending.update(output.finished_sending or ())
+            results.finished_recving.update(output.finished_recving or ())
+            results.failed_recving.update(getattr(output, "failed_recving", None) or ())
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()
+        return set(self.output.invalid_block_ids or ()) if self.output is not None else set()
 
     def build_connector_worker_meta(self) -> Any:
-        return self.play.worker_meta(self.done) if self.done else None
+        return self.output.kv_connector_worker_meta if self.output is not None else None
+
+
+class _PlayedChild(_ChildReports):
+    """One worker's side of a played child: the play (``exercise_workers``) of one worker
+    takes the child's metadata at each step and reports its jobs when due (a job vLLM waits
+    for in its own step, in that step); the other worker calls do nothing."""
+
+    def __init__(self, play: _JobPlay, clock: _Clock) -> None:
+        self.play = play
+        self.clock = clock
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        step = SimpleNamespace(kv_connector_metadata=meta)  # what the play reads of a step
+        self.output = self.play.step(step, self.clock.n, self.clock.delay)[0]
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        return None
+
+    def handle_preemptions(self, meta: Any) -> None:
+        return None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
 
     def clear_connector_metadata(self) -> None:
         return None
@@ -95,55 +101,33 @@ class _PlayedChild:
         return None
 
     def busy(self) -> bool:
-        return bool(self.pending)
+        return bool(self.play.busy())
 
 
-class _HeldChild:
+class _HeldChild(_ChildReports):
     """A child's own worker, its reports held back for the family's delay: each step's
     transfer results, load errors and worker metadata come out together, when due."""
 
     def __init__(self, inner: Any, clock: _Clock) -> None:
         self.inner = inner
         self.clock = clock
-        self.held: list[tuple[int, Any, set[int], Any]] = []  # due, results, errors, meta
-        self.out: tuple[set[int], Any] = (set(), None)
+        self.held = _Held(1)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
-            KVConnectorTransferResults,
-        )
-
         inner, n = self.inner, self.clock.n
-        results = inner.get_transfer_results(finished_req_ids)
-        errors = set(inner.get_block_ids_with_load_errors() or ())
-        meta = inner.build_connector_worker_meta()
-        self.held.append((n + self.clock.delay(), results, errors, meta))
-        due = [h for h in self.held if h[0] <= n]
-        self.held = [h for h in self.held if h[0] > n]
-        joined = KVConnectorTransferResults()
-        all_errors: set[int] = set()
-        joined_meta: Any = None
-        for _, got, got_errors, got_meta in due:
-            joined.finished_sending.update(got.finished_sending)
-            joined.finished_recving.update(got.finished_recving)
-            joined.failed_recving.update(got.failed_recving)
-            all_errors |= got_errors
-            if got_meta is not None:
-                joined_meta = got_meta if joined_meta is None else joined_meta.aggregate(got_meta)
-        self.out = (all_errors, joined_meta)
-        return joined
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.out[0]
-
-    def build_connector_worker_meta(self) -> Any:
-        return self.out[1]
+        self.held.put(
+            0,
+            n + self.clock.delay(),
+            output_of(inner, inner.get_transfer_results(finished_req_ids)),
+        )
+        self.output = self.held.due(n)[0]
+        return super().get_transfer_results(finished_req_ids)
 
     def busy(self) -> bool:
-        return bool(self.held)
+        return self.held.busy()
 
 
 class MultiWorkers(RealWorkers):

@@ -81,6 +81,24 @@ def _merged(outputs: list[Any]) -> Any:
     return first
 
 
+def output_of(worker: Any, results: Any) -> Any:
+    """A worker connector's ``KVConnectorOutput`` for a step: its transfer ``results``
+    (``get_transfer_results``), then its load errors and its worker metadata, asked in
+    that order as vLLM's model runner asks."""
+    from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
+
+    output = KVConnectorOutput(
+        finished_sending=set(results.finished_sending or ()) or None,
+        finished_recving=set(results.finished_recving or ()) or None,
+        invalid_block_ids=set(worker.get_block_ids_with_load_errors() or ()),
+        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+    )
+    failed = getattr(results, "failed_recving", None)
+    if failed:
+        output.failed_recving = set(failed)
+    return output
+
+
 class RealWorkers:
     """The connector's own worker role, one instance per worker, on CPU KV caches."""
 
@@ -127,8 +145,6 @@ class RealWorkers:
         return None
 
     def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
-
         meta = out.kv_connector_metadata
         context = self.forward_context()
         for rank, worker in enumerate(self.ranks):
@@ -137,16 +153,7 @@ class RealWorkers:
             worker.start_load_kv(context)
             worker.wait_for_save()
             self.saved(worker)
-            results = worker.get_transfer_results(out.finished_req_ids)
-            output = KVConnectorOutput(
-                finished_sending=set(results.finished_sending or ()) or None,
-                finished_recving=set(results.finished_recving or ()) or None,
-                invalid_block_ids=set(worker.get_block_ids_with_load_errors() or ()),
-                kv_connector_worker_meta=worker.build_connector_worker_meta(),
-            )
-            failed = getattr(results, "failed_recving", None)
-            if failed:
-                output.failed_recving = set(failed)
+            output = output_of(worker, worker.get_transfer_results(out.finished_req_ids))
             worker.clear_connector_metadata()
             self.held.put(rank, n + delay(), output)
         return self.held.due(n)
