@@ -475,8 +475,12 @@ def test_kvlife_vllm_exercise_runs_lmcache_and_finds_its_two_known_bugs(
     hand."""
     from kvlife.offload.watch.vllm.exercise import exercise  # noqa: PLC0415
 
-    families = ["basic", "preempt", "hold", "prefix", "tp2", "reuse", "abort"]
-    reports, _ = exercise(lmcache_config(server), families, range(3), 80, tmp_path, runners=["v1"])
+    families = ["basic", "preempt", "hold", "prefix", "tp2", "reuse"]
+    config = lmcache_config(server)
+    reports, _ = exercise(config, families, range(3), 80, tmp_path, runners=["v1"])
+    # an abort must meet a load in flight: with each run's prompts its own (cache salt),
+    # loads come only from prompts the run repeats; seed 8's 120 steps meet one
+    reports += exercise(config, ["abort"], [8], 120, tmp_path, runners=["v1"])[0]
     did = {r.family: r for r in reports}
     for family in ("basic", "preempt", "hold", "prefix", "tp2"):
         assert did[family].failed == 0 and did[family].copies > 0, did[family].lines()
@@ -487,3 +491,24 @@ def test_kvlife_vllm_exercise_runs_lmcache_and_finds_its_two_known_bugs(
     assert any(where.startswith("AssertionError at vllm/") for where in abort.raises)
     for report in reports:
         print("\n".join(report.lines()))
+
+
+def test_a_seed_replays_the_same_run_whatever_ran_before_on_the_server(
+    server: Server, tmp_path: Path
+) -> None:
+    """The server keeps what every run stored; the exercise salts each run's prompts with
+    the run, so that a seed run again on a warm server loads nothing an earlier run stored
+    and does what it did the first time (unsalted, the second run of ``resume`` seed 1
+    loaded from the first's chunks: 215 copies against 133, and a drain of a fixed length
+    called a request that was still finishing undrained)."""
+    from kvlife.offload.watch.vllm.exercise import FAMILIES, run_one  # noqa: PLC0415
+
+    config = lmcache_config(server)
+    first = run_one(config, FAMILIES["resume"], 1, 120, tmp_path / "first")
+    again = run_one(config, FAMILIES["resume"], 1, 120, tmp_path / "again")
+    did = [
+        (run.lifecycles, run.copies, run.preemptions, run.resumes, run.drain_steps)
+        for run in (first, again)
+    ]
+    assert not first.failed and not again.failed, (first.describe(), again.describe())
+    assert did[0] == did[1] and first.copies > 0 and first.resumes > 0, did

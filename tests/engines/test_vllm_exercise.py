@@ -20,9 +20,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
+from vllm import SamplingParams
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
 
 from kvlife.diagrams.cli import main
+from kvlife.offload.watch.vllm import exercise as exercise_module
 from kvlife.offload.watch.vllm.exercise import (
     FAMILIES,
     ExerciseConfigError,
@@ -122,6 +125,34 @@ def test_what_each_planted_bug_looks_like(tmp_path: Path) -> None:
     assert seen["ForgetsPreempted"].undrained
     assert seen["LoadForAnother"].undrained or seen["LoadForAnother"].raised
     assert "event_mismatch" in seen["WrongTokens"].verdicts
+
+
+def test_a_drain_that_moves_is_never_cut_short_and_one_that_stalls_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that decodes 600 tokens after the workload ends is drained however long
+    that takes (a drain of a fixed number of steps called it undrained); a delayed free
+    never reported ends the drain ``STALL_STEPS`` after the last request moved."""
+    arrive = exercise_module._Workload.arrive
+
+    def long_one(self: Any, scheduler: Any) -> None:
+        if not self.arrived:
+            self.arrived += 1
+            params = SamplingParams(max_tokens=600, ignore_eos=True)
+            tokens = list(range(100, 140))
+            scheduler.add_request(
+                Request(f"{self.tag}long", tokens, params, None, block_hasher=self.hasher)
+            )
+        arrive(self, scheduler)
+
+    monkeypatch.setattr(exercise_module._Workload, "arrive", long_one)
+    run = run_one(KVLIFE, FAMILIES["basic"], 0, 20, tmp_path)
+    assert not run.failed, run.describe()
+    assert run.drain_steps > 560  # the long request's tokens, one a step
+    stuck = run_one(config("ForgetsPreempted"), FAMILIES["preempt"], 0, STEPS, tmp_path)
+    assert stuck.undrained
+    assert exercise_module.STALL_STEPS <= stuck.drain_steps < 600
+    assert f"after {stuck.drain_steps} drain steps" in stuck.describe()
 
 
 def test_vllms_offloading_connector_fails_reuse_and_passes_fresh_ids(tmp_path: Path) -> None:

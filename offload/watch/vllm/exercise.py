@@ -11,7 +11,8 @@ workers reporting in different steps). Each run checks what vLLM needs of a conn
 * no exception from vLLM or the connector (the exception and the innermost frame);
 * every request drained: vLLM's engine steps while it holds a request, and after the
   workload the exercise steps until vLLM holds none (a delayed free never reported keeps
-  its request, for ever);
+  its request, for ever); a drain ends undrained only when none of the requests vLLM
+  holds moved in ``STALL_STEPS`` steps, however long the drain took;
 * every device block back in vLLM's free pool at the end (a leak is a block count);
 * kvlife's audit log of the run checks clean, every lifecycle released (each verdict with
   the rid it names and the ``kvlife audit why`` command that tells its story).
@@ -60,6 +61,7 @@ import functools
 import json
 import logging
 import random
+import secrets
 import sys
 import tempfile
 import traceback
@@ -88,8 +90,14 @@ from kvlife.offload.watch.vllm.exercise_workers import (
     workers_class,
 )
 
-#: steps after the workload for vLLM to drain (every report in, every request gone)
-DRAIN_STEPS = 400
+#: After the workload vLLM steps until it holds no request and no worker owes a report
+#: (drained), or until none of the requests it holds moved (status, computed and output
+#: tokens) in this many steps: more than any family's report delay, so that only a
+#: request held for good stops the drain.
+STALL_STEPS = 100
+#: the most steps a drain takes however its requests move (a backstop; a drain that
+#: moves ends long before)
+DRAIN_LIMIT = 5000
 MODULE = "kvlife.offload.engines.vllm"
 
 
@@ -362,11 +370,17 @@ def _first_line(exc: BaseException) -> str:
 
 class _Workload:
     """The family's requests: 0-2 arrivals a step, prompts of 20-90 tokens (one in four an
-    earlier prompt again, which a connector may load), 1-24 tokens decoded, ids fresh or
-    from the family's pool, and the family's aborts."""
+    earlier prompt of the run again, which a connector may load), 1-24 tokens decoded, ids
+    fresh or from the family's pool, and the family's aborts; every prompt carries a cache
+    salt of its run's own."""
 
     def __init__(self, family: Family, rng: random.Random, tag: str = "") -> None:
         self.family, self.rng, self.tag = family, rng, tag
+        # every prompt salted with this run alone (not drawn from the seed): what a
+        # connector keeps outside the process (LMCache's server) from any other run, this
+        # seed's before included, never hits, so that a seed replays the same run
+        # whatever ran before it
+        self.salt = f"kvlife-exercise:{tag}{secrets.token_hex(8)}"
         self.arrived = 0
         self.seen: list[list[int]] = []  # every new prompt so far
         self.prefix = [rng.randrange(3, 30_000) for _ in range(40)]
@@ -402,10 +416,21 @@ class _Workload:
                 tokens = head + [rng.randrange(3, 30_000) for _ in range(length - len(head))]
                 self.seen.append(tokens)
             params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True)
-            scheduler.add_request(Request(rid, tokens, params, None, block_hasher=self.hasher))
+            scheduler.add_request(
+                Request(rid, tokens, params, None, block_hasher=self.hasher, cache_salt=self.salt)
+            )
         if scheduler.requests and rng.random() < family.abort:
             rid = rng.choice(sorted(scheduler.requests))
             scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+
+def _held(scheduler: Any) -> frozenset[tuple[str, Any, int, int]]:
+    """Where each request vLLM holds is (its id, status, computed and output tokens): a
+    drain moves while this changes."""
+    return frozenset(
+        (rid, r.status, r.num_computed_tokens, r.num_output_tokens)
+        for rid, r in scheduler.requests.items()
+    )
 
 
 def _model_output(out: Any, kv_output: Any) -> Any:
@@ -515,10 +540,18 @@ def run_one(
 
         for n in range(steps):
             step(n, arrivals=True)
-        for n in range(steps, steps + DRAIN_STEPS):
+        moved_at, seen = steps, _held(scheduler)
+        for n in range(steps, steps + DRAIN_LIMIT):
             if not scheduler.has_requests() and not workers.busy():
                 break
+            if n - moved_at >= STALL_STEPS:
+                result.undrained = sorted(scheduler.requests)
+                break
+            result.drain_steps += 1
             step(n, arrivals=False)
+            now = _held(scheduler)
+            if now != seen:
+                moved_at, seen = n, now
         else:
             result.undrained = sorted(scheduler.requests)
         if not result.undrained:  # (an undrained request holds its blocks: said above)

@@ -19,8 +19,11 @@ class RunResult:
     #: vLLM's or the connector's exception, ``Type: message``, and where it was raised
     raised: str | None = None
     raised_at: str | None = None
-    #: requests vLLM still held after the drain
+    #: requests vLLM still held after the drain (none of them moved in its last
+    #: ``STALL_STEPS`` steps)
     undrained: list[str] = field(default_factory=list)
+    #: steps vLLM took to drain after the workload
+    drain_steps: int = 0
     #: device blocks not back in vLLM's free pool at the end
     leaked_blocks: int = 0
     #: the audit log's verdicts: kind -> the rids they name, in order
@@ -50,7 +53,10 @@ class RunResult:
         if self.raised:
             lines.append(f"raised {self.raised} at {self.raised_at}")
         if self.undrained:
-            lines.append(f"never drained: vLLM still holds {self.undrained}")
+            lines.append(
+                f"never drained: vLLM still holds {self.undrained} after {self.drain_steps} "
+                "drain steps"
+            )
         if self.leaked_blocks:
             lines.append(f"{self.leaked_blocks} device block(s) never came back")
         for kind, rids in self.verdicts.items():
