@@ -54,6 +54,15 @@ OFFLOADING = {
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20},
 }
+SIMPLE_LAZY = {
+    "kv_connector": "SimpleCPUOffloadConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {
+        "num_cpu_blocks": 64,
+        "cpu_bytes_to_use": 1 << 20,
+        "lazy_offload": True,
+    },
+}
 STEPS = 80
 SEEDS = range(8)
 
@@ -149,6 +158,11 @@ def test_a_drain_that_moves_is_never_cut_short_and_one_that_stalls_ends(
     run = run_one(KVLIFE, FAMILIES["basic"], 0, 20, tmp_path)
     assert not run.failed, run.describe()
     assert run.drain_steps > 560  # the long request's tokens, one a step
+    # no request held, the workers' reports still moving the drain: a lazy offload stores
+    # blocks vLLM's prefix cache keeps, reported after 4-20 steps, for 200 steps after
+    # the last request went (cut off at STALL_STEPS, its blocks in flight were a "leak")
+    lazy = run_one(SIMPLE_LAZY, FAMILIES["hold"], 1, 120, tmp_path)
+    assert not lazy.failed and lazy.drain_steps > exercise_module.STALL_STEPS, lazy.describe()
     stuck = run_one(config("ForgetsPreempted"), FAMILIES["preempt"], 0, STEPS, tmp_path)
     assert stuck.undrained
     assert exercise_module.STALL_STEPS <= stuck.drain_steps < 600

@@ -91,9 +91,10 @@ from kvlife.offload.watch.vllm.exercise_workers import (
 )
 
 #: After the workload vLLM steps until it holds no request and no worker owes a report
-#: (drained), or until none of the requests it holds moved (status, computed and output
-#: tokens) in this many steps: more than any family's report delay, so that only a
-#: request held for good stops the drain.
+#: (drained), or, while it holds requests, until none of them moved (status, computed and
+#: output tokens) in this many steps: more than any family's report delay, so that only a
+#: request held for good stops the drain. (With no request held the workers' reports
+#: still move it: a lazy offload's stores of cached blocks.)
 STALL_STEPS = 100
 #: the most steps a drain takes however its requests move (a backstop; a drain that
 #: moves ends long before)
@@ -544,7 +545,7 @@ def run_one(
         for n in range(steps, steps + DRAIN_LIMIT):
             if not scheduler.has_requests() and not workers.busy():
                 break
-            if n - moved_at >= STALL_STEPS:
+            if n - moved_at >= STALL_STEPS and scheduler.requests:
                 result.undrained = sorted(scheduler.requests)
                 break
             result.drain_steps += 1
