@@ -90,6 +90,11 @@ from kvlife.offload.watch.vllm.exercise_workers import (
     workers_class,
 )
 
+#: A prompt the workload repeats is drawn from those before the latest this many, which
+#: vLLM's own prefix cache (96 blocks, about 28 prompts) may still hold: the connector
+#: loads it (from the most recent ones, vLLM's cache serves most repeats, and a connector
+#: with its KV outside the process loads little within one run).
+RECENT = 24
 #: After the workload vLLM steps until it holds no request and no worker owes a report
 #: (drained), or, while it holds requests, until none of them moved (status, computed and
 #: output tokens) in this many steps: more than any family's report delay, so that only a
@@ -371,7 +376,8 @@ def _first_line(exc: BaseException) -> str:
 
 class _Workload:
     """The family's requests: 0-2 arrivals a step, prompts of 20-90 tokens (one in four an
-    earlier prompt of the run again, which a connector may load), 1-24 tokens decoded, ids
+    earlier prompt of the run again, one before the ``RECENT`` latest where there are
+    more, which a connector may load), 1-24 tokens decoded, ids
     fresh or from the family's pool, and the family's aborts; every prompt carries a cache
     salt of its run's own."""
 
@@ -410,7 +416,7 @@ class _Workload:
                 rid = f"{self.tag}r{self.arrived}"
             self.arrived += 1
             if self.seen and rng.random() < 0.25:  # a prompt again: a load, where cached
-                tokens = list(rng.choice(self.seen))
+                tokens = list(rng.choice(self.seen[: max(1, len(self.seen) - RECENT)]))
             else:
                 length = rng.randint(20, 90)
                 head = self.prefix[: rng.randint(4, 40)] if rng.random() < family.prefix else []
