@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import random
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +27,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvlife.diagrams.cli import main
+from kvlife.fsm import AuditReader, AuditRecord
 from kvlife.offload.watch.vllm import exercise as exercise_module
 from kvlife.offload.watch.vllm.exercise import (
     FAMILIES,
@@ -34,6 +37,8 @@ from kvlife.offload.watch.vllm.exercise import (
     run_one,
 )
 from kvlife.offload.watch.vllm.exercise_multi import multi_config
+from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay, NixlProtocolError
+from kvlife.offload.watch.vllm.exercise_workers import transfer_params_of
 from kvlife.offload.watch.vllm.lenses.multi import MultiLens
 from kvlife.offload.watch.vllm.testing import (
     ConnectorFailure,
@@ -63,6 +68,7 @@ SIMPLE_LAZY = {
         "lazy_offload": True,
     },
 }
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 STEPS = 80
 SEEDS = range(8)
 
@@ -167,6 +173,91 @@ def test_a_drain_that_moves_is_never_cut_short_and_one_that_stalls_ends(
     assert stuck.undrained
     assert exercise_module.STALL_STEPS <= stuck.drain_steps < 600
     assert f"after {stuck.drain_steps} drain steps" in stuck.describe()
+
+
+def _kinds(log: str) -> Counter[str]:
+    """The copies a run's audit log opened, by kind."""
+    return Counter(
+        str(record.detail.get("kind"))
+        for record in AuditReader(log)
+        if isinstance(record, AuditRecord) and record.trigger == "start_offload"
+    )
+
+
+def test_nixl_pull_loads_and_delays_frees_and_passes_every_family(tmp_path: Path) -> None:
+    """vLLM's NixlConnector (pull): decode requests load from the played prefill engine,
+    prefill requests' frees wait for the played decode engine's read, in every family,
+    under both runners."""
+    reports, _ = exercise(NIXL, list(FAMILIES), range(2), STEPS, tmp_path)
+    for report in reports:
+        assert report.failed == 0 and report.copies > 0, report.lines()
+    run = run_one(NIXL, FAMILIES["abort"], 0, STEPS, tmp_path / "kept")  # its log kept
+    kinds = _kinds(run.log)
+    assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
+
+
+def test_a_nixl_worker_that_never_reports_a_send_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exercise sees NIXL's delayed frees: a played worker that drops every send
+    leaves vLLM holding the prefill requests, told as unreported."""
+    step = NixlPlay.step
+
+    def forgets_sends(self: NixlPlay, out: Any, n: int, delay: Any) -> list[Any]:
+        self.pending = [p for p in self.pending if p[2] != "send"]
+        return step(self, out, n, delay)
+
+    monkeypatch.setattr(NixlPlay, "step", forgets_sends)
+    run = run_one(NIXL, FAMILIES["basic"], 0, STEPS, tmp_path)
+    assert run.undrained and "unreported" in run.verdicts, run.describe()
+
+
+def test_the_played_nixl_worker_refuses_an_abort_of_a_request_it_sends() -> None:
+    """As NIXL's own worker asserts: an abort (``reqs_not_processed``) of a request whose
+    send the worker waits for is a protocol error, told with the request id."""
+    play = NixlPlay(None, 1)
+
+    def meta(**fields: Any) -> Any:
+        empty = {"reqs_to_recv": {}, "reqs_in_batch": set(), "reqs_not_processed": set()}
+        return SimpleNamespace(kv_connector_metadata=SimpleNamespace(**{**empty, **fields}))
+
+    play.step(meta(reqs_in_batch={"p"}, reqs_to_send={}), 0, lambda: 5)
+    play.step(meta(reqs_to_send={"p": 30.0}), 1, lambda: 5)
+    assert play.busy()
+    with pytest.raises(NixlProtocolError, match="'p'"):
+        play.step(meta(reqs_not_processed={"p"}, reqs_to_send={}), 2, lambda: 5)
+    untracked = NixlPlay(None, 1)  # never in a batch: no send to wait for, none reported
+    untracked.step(meta(reqs_to_send={"q": 30.0}), 0, lambda: 0)
+    assert not untracked.busy()
+
+
+def test_the_workload_gives_nixls_requests_their_roles_also_as_a_multiconnectors_child() -> None:
+    multi = multi_config(NIXL, OFFLOADING)
+    assert transfer_params_of(NIXL) is transfer_params_of(multi) is NixlPlay.transfer_params
+    assert transfer_params_of(OFFLOADING) is None and transfer_params_of(KVLIFE) is None
+    rng = random.Random(0)
+    roles = [NixlPlay.transfer_params(rng, f"r{i}", 40, 2) for i in range(60)]
+    decode = [params for params, _ in roles if params and params.get("do_remote_prefill")]
+    prefill = [fixed for params, fixed in roles if params and params.get("do_remote_decode")]
+    assert decode and prefill and any(params is None for params, _ in roles)
+    assert all(params["remote_block_ids"] == [[0, 1, 2]] for params in decode)  # 40 tokens
+    assert all(params["tp_size"] == 2 for params in decode) and set(prefill) == {1}
+
+
+def test_a_multiconnector_of_nixl_and_offloading_fails_only_offloadings_reuse(
+    tmp_path: Path,
+) -> None:
+    """NIXL's worker is not built in the exercise (it needs the NIXL library): as a
+    MultiConnector's child it is played like alone; the pair fails ``reuse`` as vLLM's
+    OffloadingConnector alone does."""
+    families = ["basic", "reuse", "abort", "tp2"]
+    reports, _ = exercise(multi_config(NIXL, OFFLOADING), families, range(2), STEPS, tmp_path)
+    for report in reports:
+        if report.family == "reuse":
+            assert report.failed == report.runs
+            assert any("offloading/scheduler.py" in where for where in report.raises)
+        else:
+            assert report.failed == 0 and report.copies > 0, report.lines()
 
 
 def test_vllms_offloading_connector_fails_reuse_and_passes_fresh_ids(tmp_path: Path) -> None:

@@ -69,6 +69,10 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
             },
         },
     ),
+    (
+        "vLLM `NixlConnector` (pull), both roles, the other engine played",
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+    ),
 ]
 
 
@@ -80,6 +84,15 @@ CONNECTORS.append(
     (
         "vLLM `MultiConnector`: kvlife's, then `OffloadingConnector`",
         multi_config(_config("kvlife `KVLifeConnector`"), _config("vLLM `OffloadingConnector`")),
+    )
+)
+CONNECTORS.append(
+    (
+        "vLLM `MultiConnector`: `NixlConnector`, then `OffloadingConnector`",
+        multi_config(
+            _config("vLLM `NixlConnector` (pull), both roles, the other engine played"),
+            _config("vLLM `OffloadingConnector`"),
+        ),
     )
 )
 

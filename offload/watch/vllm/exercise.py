@@ -87,6 +87,7 @@ from kvlife.offload.watch.vllm.exercise_workers import (
     PLAYED,
     RealWorkers,
     Workers,
+    transfer_params_of,
     workers_class,
 )
 
@@ -388,6 +389,8 @@ class _Workload:
         # seed's before included, never hits, so that a seed replays the same run
         # whatever ran before it
         self.salt = f"kvlife-exercise:{tag}{secrets.token_hex(8)}"
+        #: the connector's transfer parameters of a request (``transfer_params_of``)
+        self.params: Callable[..., Any] | None = None
         self.arrived = 0
         self.seen: list[list[int]] = []  # every new prompt so far
         self.prefix = [rng.randrange(3, 30_000) for _ in range(40)]
@@ -422,7 +425,15 @@ class _Workload:
                 head = self.prefix[: rng.randint(4, 40)] if rng.random() < family.prefix else []
                 tokens = head + [rng.randrange(3, 30_000) for _ in range(length - len(head))]
                 self.seen.append(tokens)
-            params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True)
+            max_tokens, transfer = rng.randint(1, 24), None
+            if self.params is not None:  # the connector's role for the request
+                transfer, fixed = self.params(rng, rid, len(tokens), family.workers)
+                max_tokens = max_tokens if fixed is None else fixed
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                extra_args=None if transfer is None else {"kv_transfer_params": transfer},
+            )
             scheduler.add_request(
                 Request(rid, tokens, params, None, block_hasher=self.hasher, cache_salt=self.salt)
             )
@@ -521,6 +532,7 @@ def run_one(
     rng = random.Random(seed)
     tag = f"{family.name}{seed}-" if runner == "v1" else f"{family.name}{seed}{runner}-"
     workload = _Workload(family, rng, tag)
+    workload.params = transfer_params_of(transfer)
     preempted: set[str] = set()
     workers: Workers | None = None
     try:

@@ -18,8 +18,9 @@ What ``MultiConnector`` needs that other connectors do not, all of it here:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -130,6 +131,40 @@ class _HeldChild(_ChildReports):
         return self.held.busy()
 
 
+class _Unbuilt:
+    """Where MultiConnector's worker would build a played child's own worker (NIXL's
+    needs the NIXL library, the offloading ones a GPU): nothing, replaced at once."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _played_children_unbuilt() -> Iterator[None]:
+    """While MultiConnector's worker is built, its played children are ``_Unbuilt``
+    (vLLM's ``MultiConnector._get_connector_classes_and_configs``, patched on the class for
+    the duration and put back)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: PLC0415
+        MultiConnector,
+    )
+
+    original = MultiConnector.__dict__["_get_connector_classes_and_configs"]
+    found = original.__func__
+
+    def classes(cls: Any, vllm_config: Any) -> list[tuple[Any, Any]]:
+        made = found(cls, vllm_config)
+        return [
+            (_Unbuilt if config.kv_transfer_config.kv_connector in PLAYED else klass, config)
+            for klass, config in made
+        ]
+
+    MultiConnector._get_connector_classes_and_configs = classmethod(classes)
+    try:
+        yield
+    finally:
+        MultiConnector._get_connector_classes_and_configs = original
+
+
 class MultiWorkers(RealWorkers):
     """``MultiConnector``'s own worker role, one per worker, each child's worker played or
     its own (see the module's text)."""
@@ -162,7 +197,8 @@ class MultiWorkers(RealWorkers):
         super().__init__(scheduler, workers)
 
     def build(self, make: Callable[[Any], Any], vllm_config: Any, rank: int) -> Any:
-        multi = make(vllm_config)
+        with _played_children_unbuilt():
+            multi = make(vllm_config)
         clock = _Clock()
         children = []
         for i, name in enumerate(self.names):

@@ -2,8 +2,9 @@
 [`kvlife.offload.watch.vllm.exercise`][kvlife.offload.watch.vllm.exercise]): the
 connector's own worker role on CPU KV caches (``real``), workers played from the jobs a
 connector's metadata orders (``played``: vLLM's OffloadingConnector and
-SimpleCPUOffloadConnector, which need a GPU worker), none (``none``), and LMCache's in
-their own modules; ``workers_class`` picks one by the connector's name."""
+SimpleCPUOffloadConnector, which need a GPU worker, and NIXL's, in its own module), none
+(``none``), and LMCache's in their own modules; ``workers_class`` picks one by the
+connector's name, ``transfer_params_of`` what the workload's requests carry for it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
+
+from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay
 
 BLOCK = 16
 LAYERS = ("layer.0", "layer.1")
@@ -287,7 +290,21 @@ PLAYED: dict[str, type[Any]] = {
     "OffloadingConnector": OffloadingPlay,
     "SimpleCPUOffloadConnector": SimpleCPUPlay,
     "ExampleConnector": NoWorkers,
+    "NixlConnector": NixlPlay,
+    "NixlPullConnector": NixlPlay,
 }
+
+
+def transfer_params_of(transfer: dict[str, Any]) -> Callable[..., Any] | None:
+    """What gives each request of the workload its ``kv_transfer_params``, for the
+    connector of ``transfer`` (a MultiConnector's: its first child's that has one):
+    ``transfer_params(rng, rid, prompt_tokens, workers) -> (params, max_tokens)`` of the
+    played workers (``None``: requests carry none)."""
+    if transfer.get("kv_connector") == "MultiConnector":
+        children = transfer.get("kv_connector_extra_config", {}).get("connectors") or []
+        hooks = [transfer_params_of(c) for c in children if isinstance(c, dict)]
+        return next((hook for hook in hooks if hook is not None), None)
+    return getattr(PLAYED.get(str(transfer.get("kv_connector"))), "transfer_params", None)
 
 
 def workers_class(connector: str) -> type[Any]:
