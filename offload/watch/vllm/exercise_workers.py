@@ -54,7 +54,30 @@ class _Held:
         return released
 
     def busy(self) -> bool:
-        return any(self.queues)
+        """Whether an output still held tells vLLM anything (a real worker's output of a
+        step with nothing to report is held too)."""
+        return any(_carries(output) for queue in self.queues for _, output in queue)
+
+
+def _carries(output: Any) -> bool:
+    """Whether ``output`` (a ``KVConnectorOutput`` or ``None``) reports anything: an id
+    sent or received, a block that failed, or worker metadata with a field not empty
+    (metadata the exercise cannot look into counts as something)."""
+    if output is None:
+        return False
+    if (
+        output.finished_sending
+        or output.finished_recving
+        or output.invalid_block_ids
+        or getattr(output, "failed_recving", None)
+    ):
+        return True
+    meta = output.kv_connector_worker_meta
+    if meta is None:
+        return False
+    if dataclasses.is_dataclass(meta):
+        return any(getattr(meta, f.name) for f in dataclasses.fields(meta))
+    return not hasattr(meta, "__dict__") or any(vars(meta).values())
 
 
 def _merged(outputs: list[Any]) -> Any:
