@@ -45,6 +45,7 @@ from kvlife.offload.watch.vllm.testing import (
     check_connector,
     exercise_cases,
 )
+from tests.engines.vllm_exercise_report import CONNECTORS
 from tests.engines.vllm_planted import CAUGHT_BY, PANIC_HOOKS, HoldsPort, config
 from tests.engines.vllm_server import free_port
 
@@ -59,15 +60,7 @@ OFFLOADING = {
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20},
 }
-SIMPLE_LAZY = {
-    "kv_connector": "SimpleCPUOffloadConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {
-        "num_cpu_blocks": 64,
-        "cpu_bytes_to_use": 1 << 20,
-        "lazy_offload": True,
-    },
-}
+SIMPLE_LAZY = dict(CONNECTORS)["vLLM `SimpleCPUOffloadConnector`, lazy"]
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 STEPS = 80
 SEEDS = range(8)

@@ -378,9 +378,9 @@ def _first_line(exc: BaseException) -> str:
 class _Workload:
     """The family's requests: 0-2 arrivals a step, prompts of 20-90 tokens (one in four an
     earlier prompt of the run again, one before the ``RECENT`` latest where there are
-    more, which a connector may load), 1-24 tokens decoded, ids
-    fresh or from the family's pool, and the family's aborts; every prompt carries a cache
-    salt of its run's own."""
+    more, which a connector may load), 1-24 tokens decoded, ids fresh or from the
+    family's pool, and the family's aborts; every prompt carries a cache salt of its run's
+    own, and the connector's transfer parameters where it has a role for the request."""
 
     def __init__(self, family: Family, rng: random.Random, tag: str = "") -> None:
         self.family, self.rng, self.tag = family, rng, tag
