@@ -196,15 +196,17 @@ def test_nixl_pull_loads_and_delays_frees_and_passes_every_family(tmp_path: Path
 def test_a_nixl_worker_that_never_reports_a_send_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The exercise sees NIXL's delayed frees: a played worker that drops every send
-    leaves vLLM holding the prefill requests, told as unreported."""
+    """The exercise sees NIXL's delayed frees: a played worker that forgets the prefill
+    requests of each batch never sends one, which leaves vLLM holding them, told as
+    unreported."""
     step = NixlPlay.step
 
-    def forgets_sends(self: NixlPlay, out: Any, n: int, delay: Any) -> list[Any]:
-        self.pending = [p for p in self.pending if p[2] != "send"]
-        return step(self, out, n, delay)
+    def forgets_batches(self: NixlPlay, out: Any, n: int, delay: Any) -> list[Any]:
+        outputs = step(self, out, n, delay)
+        self.tracked.clear()
+        return outputs
 
-    monkeypatch.setattr(NixlPlay, "step", forgets_sends)
+    monkeypatch.setattr(NixlPlay, "step", forgets_batches)
     run = run_one(NIXL, FAMILIES["basic"], 0, STEPS, tmp_path)
     assert run.undrained and "unreported" in run.verdicts, run.describe()
 

@@ -382,7 +382,13 @@ class _Workload:
     family's pool, and the family's aborts; every prompt carries a cache salt of its run's
     own, and the connector's transfer parameters where it has a role for the request."""
 
-    def __init__(self, family: Family, rng: random.Random, tag: str = "") -> None:
+    def __init__(
+        self,
+        family: Family,
+        rng: random.Random,
+        tag: str = "",
+        params: Callable[..., Any] | None = None,
+    ) -> None:
         self.family, self.rng, self.tag = family, rng, tag
         # every prompt salted with this run alone (not drawn from the seed): what a
         # connector keeps outside the process (LMCache's server) from any other run, this
@@ -390,7 +396,7 @@ class _Workload:
         # whatever ran before it
         self.salt = f"kvlife-exercise:{tag}{secrets.token_hex(8)}"
         #: the connector's transfer parameters of a request (``transfer_params_of``)
-        self.params: Callable[..., Any] | None = None
+        self.params = params
         self.arrived = 0
         self.seen: list[list[int]] = []  # every new prompt so far
         self.prefix = [rng.randrange(3, 30_000) for _ in range(40)]
@@ -531,8 +537,7 @@ def run_one(
     scheduler.use_v2_model_runner = runner == "v2"
     rng = random.Random(seed)
     tag = f"{family.name}{seed}-" if runner == "v1" else f"{family.name}{seed}{runner}-"
-    workload = _Workload(family, rng, tag)
-    workload.params = transfer_params_of(transfer)
+    workload = _Workload(family, rng, tag, transfer_params_of(transfer))
     preempted: set[str] = set()
     workers: Workers | None = None
     try:

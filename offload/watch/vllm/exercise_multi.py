@@ -27,8 +27,8 @@ from typing import Any
 from kvlife.offload.watch.vllm.exercise_workers import (
     PLAYED,
     RealWorkers,
+    Workers,
     _Held,
-    _JobPlay,
     output_of,
 )
 
@@ -75,7 +75,7 @@ class _PlayedChild(_ChildReports):
     takes the child's metadata at each step and reports its jobs when due (a job vLLM waits
     for in its own step, in that step); the other worker calls do nothing."""
 
-    def __init__(self, play: _JobPlay, clock: _Clock) -> None:
+    def __init__(self, play: Workers, clock: _Clock) -> None:
         self.play = play
         self.clock = clock
 

@@ -85,8 +85,11 @@ class NixlPlay:
     transfer_params = staticmethod(transfer_params)
 
     def __init__(self, scheduler: Any, workers: int) -> None:
+        # (not at the module's top: exercise_workers lists this class among its plays)
+        from kvlife.offload.watch.vllm.exercise_workers import _Held  # noqa: PLC0415
+
         self.workers = workers
-        self.pending: list[tuple[int, int, str, str]] = []  # due, rank, recv/send, rid
+        self.held = _Held(workers)  # each worker's reports until due
         self.tracked: set[str] = set()  # prefill requests in a batch, not yet sent
         # each worker's sends it waits for (the real worker's ``_reqs_to_send``)
         self.sending: list[set[str]] = [set() for _ in range(workers)]
@@ -97,7 +100,8 @@ class NixlPlay:
         meta = out.kv_connector_metadata
         for rid, req in meta.reqs_to_recv.items():
             if req.awaiting_kvs or any(req.local_block_ids):
-                self.pending += [(n + delay(), r, "recv", rid) for r in range(self.workers)]
+                for rank in range(self.workers):
+                    self.held.put(rank, n + delay(), KVConnectorOutput(finished_recving={rid}))
         self.tracked.update(meta.reqs_in_batch)
         for rid in meta.reqs_not_processed:
             self.tracked.discard(rid)
@@ -111,23 +115,15 @@ class NixlPlay:
                 self.tracked.discard(rid)
                 for rank in range(self.workers):
                     self.sending[rank].add(rid)
-                    self.pending.append((n + delay(), rank, "send", rid))
-        due = [p for p in self.pending if p[0] <= n]
-        self.pending = [p for p in self.pending if p[0] > n]
-        outputs: list[Any] = []
-        for rank in range(self.workers):
-            recving = {rid for _, r, what, rid in due if r == rank and what == "recv"}
-            sent = {rid for _, r, what, rid in due if r == rank and what == "send"}
-            self.sending[rank] -= sent
-            outputs.append(
-                KVConnectorOutput(finished_sending=sent or None, finished_recving=recving or None)
-                if recving or sent
-                else None
-            )
+                    self.held.put(rank, n + delay(), KVConnectorOutput(finished_sending={rid}))
+        outputs = self.held.due(n)
+        for sends, output in zip(self.sending, outputs, strict=True):
+            if output is not None:
+                sends.difference_update(output.finished_sending or ())
         return outputs
 
     def busy(self) -> bool:
-        return bool(self.pending)
+        return self.held.busy()
 
 
 __all__ = ["NixlPlay", "NixlProtocolError", "transfer_params"]
