@@ -73,6 +73,10 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
         "vLLM `NixlConnector` (pull), both roles, the other engine played",
         {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
     ),
+    (
+        "vLLM `MooncakeConnector` (P/D), both roles, the other engine played",
+        {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"},
+    ),
 ]
 
 

@@ -15,7 +15,9 @@ workers reporting in different steps). Each run checks what vLLM needs of a conn
   holds moved in ``STALL_STEPS`` steps, however long the drain took;
 * every device block back in vLLM's free pool at the end (a leak is a block count);
 * kvlife's audit log of the run checks clean, every lifecycle released (each verdict with
-  the rid it names and the ``kvlife audit why`` command that tells its story).
+  the rid it names and the ``kvlife audit why`` command that tells its story). A run that
+  raised stopped there: the copies then open are counted (``open_at_raise``), not
+  ``unreported``, since the run, not the connector, left them open.
 
 The worker side (``worker`` in the report):
 
@@ -588,6 +590,7 @@ def run_one(
         result.raised_at = _where(exc)
     finally:
         stopped = shut_down(scheduler, workers, made)
+    raised_in_run = result.raised is not None
     if stopped is not None and result.raised is None:  # the run found it at shutdown
         result.raised = f"{type(stopped).__name__} at shutdown(): {_first_line(stopped)}"
         result.raised_at = _where(stopped)
@@ -600,6 +603,9 @@ def run_one(
         checks.append((own, check_audit(AuditReader(own), expect_released=clean_end)))
     for where, checked in checks:
         for violation in checked.violations:
+            if raised_in_run and violation.kind == "unreported":  # stopped by the raise
+                result.open_at_raise += 1
+                continue
             rids = result.verdicts.setdefault(violation.kind, [])
             rids.append(str(violation.rid))
             if len(rids) == 1 and where != log:

@@ -42,6 +42,9 @@ class RunResult:
     resumes: int = 0
     #: the shape of vLLM's scheduler output it ran under (``v1``, ``v2``)
     runner: str = "v1"
+    #: copies still open when the run stopped on ``raised``: no verdict on anyone (the
+    #: run, not the connector, stopped them), counted here instead of as ``unreported``
+    open_at_raise: int = 0
 
     @property
     def failed(self) -> bool:
@@ -52,6 +55,8 @@ class RunResult:
         lines = []
         if self.raised:
             lines.append(f"raised {self.raised} at {self.raised_at}")
+            if self.open_at_raise:
+                lines.append(f"{self.open_at_raise} copies open when it raised (no verdict)")
         if self.undrained:
             lines.append(
                 f"never drained: vLLM still holds {self.undrained} after {self.drain_steps} "

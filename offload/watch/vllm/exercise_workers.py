@@ -2,9 +2,10 @@
 [`kvlife.offload.watch.vllm.exercise`][kvlife.offload.watch.vllm.exercise]): the
 connector's own worker role on CPU KV caches (``real``), workers played from the jobs a
 connector's metadata orders (``played``: vLLM's OffloadingConnector and
-SimpleCPUOffloadConnector, which need a GPU worker, and NIXL's, in its own module), none
-(``none``), and LMCache's in their own modules; ``workers_class`` picks one by the
-connector's name, ``transfer_params_of`` what the workload's requests carry for it."""
+SimpleCPUOffloadConnector, which need a GPU worker, and NIXL's and Mooncake's P/D, each
+in its own module), none (``none``), and LMCache's in their own modules;
+``workers_class`` picks one by the connector's name, ``transfer_params_of`` what the
+workload's requests carry for it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from kvlife.offload.watch.vllm.exercise_mooncake import MooncakePlay
 from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay
 
 BLOCK = 16
@@ -315,6 +317,7 @@ PLAYED: dict[str, type[Any]] = {
     "ExampleConnector": NoWorkers,
     "NixlConnector": NixlPlay,
     "NixlPullConnector": NixlPlay,
+    "MooncakeConnector": MooncakePlay,
 }
 
 
