@@ -8,7 +8,10 @@ kvlife."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import random
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -113,34 +116,54 @@ def _request(rid: str, transfer_id: str, first: int, max_tokens: int) -> Request
     )
 
 
-def test_mooncake_alone_raises_for_a_prefill_request_aborted_before_it_was_scheduled() -> None:
+def test_mooncake_alone_raises_for_a_prefill_request_aborted_before_it_was_scheduled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The reproduction in ``docs/exercise.md``, without kvlife: vLLM's bare ``Scheduler``
-    with ``MooncakeConnector``'s scheduler role, and vLLM's own ``record_send_reqs`` (the
-    prefill worker's sender loop) on the table of sends it keeps. ``a`` is scheduled (its
-    send announced), ``b`` waits; both are aborted. The scheduler side tells the worker to
-    drop both transfers; the worker never heard of ``b``'s and raises ``KeyError``; what
-    the set holds after ``b``'s stays in the table."""
+    with ``MooncakeConnector``'s scheduler role, and vLLM's own worker code for the
+    prefill side's sends (``start_load_kv`` hands each step's metadata to
+    ``record_send_reqs`` on the sender loop, a thread of its own) on the table of sends it
+    keeps. ``a`` is scheduled (its send announced), ``b`` waits; both are aborted. The
+    scheduler side tells the worker to drop both transfers; the worker never heard of
+    ``b``'s: ``record_send_reqs`` raises ``KeyError``, in a future nobody reads (nothing is
+    logged), and the drops after ``b``'s in the set's order are never made."""
     scheduler = make_scheduler("MooncakeConnector", max_seqs=1)
-    table = SimpleNamespace(reqs_need_send={})  # what MooncakeConnectorWorker keeps
     loop = asyncio.new_event_loop()
+    sender = threading.Thread(target=loop.run_forever, daemon=True)
+    sender.start()
+    worker = SimpleNamespace(  # what MooncakeConnectorWorker keeps for this, a prefill side
+        reqs_need_send={}, is_kv_producer=True, is_kv_consumer=False, sender_loop=loop
+    )
+    worker.record_send_reqs = functools.partial(MooncakeConnectorWorker.record_send_reqs, worker)
+
+    def start_load_kv(meta: Any) -> None:  # as the model runner calls it; then settled
+        MooncakeConnectorWorker.start_load_kv(worker, meta)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=10)
+
     try:
         scheduler.add_request(_request("a", "xfer-a", 1000, 4))  # still running after a step
         scheduler.add_request(_request("b", "xfer-b", 2000, 1))
         out = scheduler.schedule()  # a is scheduled (max_seqs=1), b waits
-        meta = out.kv_connector_metadata
-        assert set(meta.reqs_to_send) == {"a"}
-        loop.run_until_complete(MooncakeConnectorWorker.record_send_reqs(table, meta))
-        assert set(table.reqs_need_send) == {"xfer-a"}  # announced, not ready
+        assert set(out.kv_connector_metadata.reqs_to_send) == {"a"}
+        start_load_kv(out.kv_connector_metadata)
+        assert set(worker.reqs_need_send) == {"xfer-a"}  # announced, not ready
         scheduler.update_from_output(out, model_output(out))
         scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
         meta = scheduler.schedule().kv_connector_metadata
         assert meta.reqs_not_processed == {"xfer-a", "xfer-b"}
+        before = dict(worker.reqs_need_send)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            start_load_kv(meta)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
         order = list(meta.reqs_not_processed)
-        with pytest.raises(KeyError, match="xfer-b"):
-            loop.run_until_complete(MooncakeConnectorWorker.record_send_reqs(table, meta))
-        # the drops after b's in the set's order were never made
         stays = {"xfer-a"} if order.index("xfer-b") < order.index("xfer-a") else set()
-        assert set(table.reqs_need_send) == stays
+        assert set(worker.reqs_need_send) == stays
+        with pytest.raises(KeyError, match="xfer-b"):  # what the future nobody reads holds
+            table = SimpleNamespace(reqs_need_send=before)
+            asyncio.run(MooncakeConnectorWorker.record_send_reqs(table, meta))
     finally:
+        loop.call_soon_threadsafe(loop.stop)
+        sender.join(timeout=10)
         loop.close()
         scheduler.shutdown()

@@ -77,6 +77,10 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
         "vLLM `MooncakeConnector` (P/D), both roles, the other engine played",
         {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"},
     ),
+    (
+        "vLLM `MooncakeStoreConnector`, its workers and store played",
+        {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
+    ),
 ]
 
 

@@ -2,8 +2,8 @@
 [`kvlife.offload.watch.vllm.exercise`][kvlife.offload.watch.vllm.exercise]): the
 connector's own worker role on CPU KV caches (``real``), workers played from the jobs a
 connector's metadata orders (``played``: vLLM's OffloadingConnector and
-SimpleCPUOffloadConnector, which need a GPU worker, and NIXL's and Mooncake's P/D, each
-in its own module), none (``none``), and LMCache's in their own modules;
+SimpleCPUOffloadConnector, which need a GPU worker, and NIXL's P/D, Mooncake's P/D and
+Mooncake's store, each in its own module), none (``none``), and LMCache's in their own modules;
 ``workers_class`` picks one by the connector's name, ``transfer_params_of`` what the
 workload's requests carry for it."""
 
@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kvlife.offload.watch.vllm.exercise_mooncake import MooncakePlay
+from kvlife.offload.watch.vllm.exercise_mooncake_store import MooncakeStorePlay
 from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay
 
 BLOCK = 16
@@ -318,6 +319,7 @@ PLAYED: dict[str, type[Any]] = {
     "NixlConnector": NixlPlay,
     "NixlPullConnector": NixlPlay,
     "MooncakeConnector": MooncakePlay,
+    "MooncakeStoreConnector": MooncakeStorePlay,
 }
 
 

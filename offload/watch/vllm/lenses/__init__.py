@@ -62,6 +62,7 @@ def lens_for(connector: Any) -> Lens | None:
     """The lens of ``connector`` (the wrapped connector's scheduler side), or ``None``."""
     from kvlife.offload.watch.vllm.lenses import (  # noqa: PLC0415
         lmcache_inprocess,
+        mooncake_store,
         multi,
         offloading,
         simple_cpu,
@@ -71,6 +72,7 @@ def lens_for(connector: Any) -> Lens | None:
         offloading.lens_for(connector)
         or simple_cpu.lens_for(connector)
         or lmcache_inprocess.lens_for(connector)
+        or mooncake_store.lens_for(connector)
         or multi.lens_for(connector, lens_for)  # its children's lenses, each over its part
     )
     return lens
