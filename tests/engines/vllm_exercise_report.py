@@ -81,6 +81,14 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
         "vLLM `MooncakeStoreConnector`, its workers and store played",
         {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
     ),
+    (
+        "vLLM `ExampleHiddenStatesConnector`, `extract_hidden_states` speculation",
+        {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": "build/exercise/hidden"},
+        },
+    ),
 ]
 
 

@@ -254,11 +254,13 @@ def build_scheduler(
     blocks: int = 96,
     workers: int = 1,
     layout: str | None = None,
+    speculative: dict[str, Any] | None = None,
 ) -> Any:
     """vLLM's ``Scheduler`` over ``blocks`` device blocks with the connector of
     ``transfer`` inside ``KVLifeAuditConnector`` (or its HMA form, as the connector
     needs), writing ``audit_log``; KV events on (published nowhere), so that the wrapper
-    checks the connector's.
+    checks the connector's. ``speculative``: vLLM's speculative config (the
+    ``--speculative-config`` fields), for a connector that needs one.
 
     Raises:
         ExerciseConfigError: the connector does not build; the message says why.
@@ -272,6 +274,7 @@ def build_scheduler(
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
     from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
@@ -303,6 +306,12 @@ def build_scheduler(
             seed=0,
             max_model_len=1024,
         )
+        parallel = ParallelConfig(tensor_parallel_size=workers)
+        drafting = None
+        if speculative is not None:
+            drafting = SpeculativeConfig(
+                **speculative, target_model_config=model, target_parallel_config=parallel
+            )
         vllm_config = VllmConfig(
             scheduler_config=SchedulerConfig(
                 max_num_seqs=8,
@@ -316,7 +325,8 @@ def build_scheduler(
             ),
             kv_transfer_config=wrapper,
             device_config=DeviceConfig("cpu"),
-            parallel_config=ParallelConfig(tensor_parallel_size=workers),
+            parallel_config=parallel,
+            speculative_config=drafting,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
         )
         spec = FullAttentionSpec(
@@ -533,7 +543,12 @@ def run_one(
     made = workers_class(transfer["kv_connector"])
     _check_runnable(made, transfer)
     scheduler = build_scheduler(
-        transfer, log, blocks=family.blocks, workers=family.workers, layout=made.kv_cache_layout
+        transfer,
+        log,
+        blocks=family.blocks,
+        workers=family.workers,
+        layout=made.kv_cache_layout,
+        speculative=getattr(made, "speculative_config", None),
     )
     # the shape of the output vLLM's scheduler builds (it reads the flag at every step)
     scheduler.use_v2_model_runner = runner == "v2"
@@ -647,7 +662,10 @@ def exercise(
     made = workers_class(name)
     _check_runnable(made, transfer)
     scheduler = build_scheduler(
-        transfer, directory / "build-check.jsonl", layout=made.kv_cache_layout
+        transfer,
+        directory / "build-check.jsonl",
+        layout=made.kv_cache_layout,
+        speculative=getattr(made, "speculative_config", None),
     )
     checked = shut_down(scheduler, made=made)
     if checked is not None:

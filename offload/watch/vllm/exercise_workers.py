@@ -2,10 +2,10 @@
 [`kvlife.offload.watch.vllm.exercise`][kvlife.offload.watch.vllm.exercise]): the
 connector's own worker role on CPU KV caches (``real``), workers played from the jobs a
 connector's metadata orders (``played``: vLLM's OffloadingConnector and
-SimpleCPUOffloadConnector, which need a GPU worker, and NIXL's P/D, Mooncake's P/D and
-Mooncake's store, each in its own module), none (``none``), and LMCache's in their own modules;
-``workers_class`` picks one by the connector's name, ``transfer_params_of`` what the
-workload's requests carry for it."""
+SimpleCPUOffloadConnector, which need a GPU worker, and NIXL's P/D, Mooncake's P/D,
+Mooncake's store and the hidden-states example, each in its own module), none
+(``none``), and LMCache's in their own modules; ``workers_class`` picks one by the
+connector's name, ``transfer_params_of`` what the workload's requests carry for it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from kvlife.offload.watch.vllm.exercise_hidden_states import HiddenStatesPlay
 from kvlife.offload.watch.vllm.exercise_mooncake import MooncakePlay
 from kvlife.offload.watch.vllm.exercise_mooncake_store import MooncakeStorePlay
 from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay
@@ -320,6 +321,7 @@ PLAYED: dict[str, type[Any]] = {
     "NixlPullConnector": NixlPlay,
     "MooncakeConnector": MooncakePlay,
     "MooncakeStoreConnector": MooncakeStorePlay,
+    "ExampleHiddenStatesConnector": HiddenStatesPlay,
 }
 
 
