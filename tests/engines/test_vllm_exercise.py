@@ -37,7 +37,7 @@ from kvlife.offload.watch.vllm.exercise import (
     run_one,
 )
 from kvlife.offload.watch.vllm.exercise_multi import multi_config
-from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay, NixlProtocolError
+from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay, NixlProtocolError, NixlPushPlay
 from kvlife.offload.watch.vllm.exercise_workers import transfer_params_of
 from kvlife.offload.watch.vllm.lenses.multi import MultiLens
 from kvlife.offload.watch.vllm.testing import (
@@ -62,6 +62,7 @@ OFFLOADING = {
 }
 SIMPLE_LAZY = dict(CONNECTORS)["vLLM `SimpleCPUOffloadConnector`, lazy"]
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+NIXL_PUSH = {"kv_connector": "NixlPushConnector", "kv_role": "kv_both"}
 STEPS = 80
 SEEDS = range(8)
 
@@ -208,6 +209,32 @@ def test_a_nixl_worker_that_never_reports_a_send_is_caught(
 
     monkeypatch.setattr(NixlPlay, "step", forgets_batches)
     run = run_one(NIXL, FAMILIES["basic"], 0, STEPS, tmp_path)
+    assert run.undrained and "unreported" in run.verdicts, run.describe()
+
+
+def test_nixl_push_writes_both_ways_and_passes_every_family(tmp_path: Path) -> None:
+    """vLLM's NixlPushConnector: decode requests' blocks registered with the played prefill
+    engine and written by it, prefill requests' frees delayed until written to the played
+    decode engine, in every family, under both runners."""
+    reports, _ = exercise(NIXL_PUSH, list(FAMILIES), range(2), STEPS, tmp_path)
+    for report in reports:
+        assert report.failed == 0 and report.copies > 0, report.lines()
+    run = run_one(NIXL_PUSH, FAMILIES["abort"], 0, STEPS, tmp_path / "kept")
+    kinds = _kinds(run.log)
+    assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
+
+
+def test_a_nixl_push_worker_that_never_writes_a_finished_prefill_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = NixlPushPlay.step
+
+    def never_writes(self: NixlPushPlay, out: Any, n: int, delay: Any) -> list[Any]:
+        out.kv_connector_metadata.push_finished_blocks = {}
+        return step(self, out, n, delay)
+
+    monkeypatch.setattr(NixlPushPlay, "step", never_writes)
+    run = run_one(NIXL_PUSH, FAMILIES["basic"], 0, STEPS, tmp_path)
     assert run.undrained and "unreported" in run.verdicts, run.describe()
 
 

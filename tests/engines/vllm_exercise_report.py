@@ -74,6 +74,10 @@ CONNECTORS: list[tuple[str, dict[str, Any]]] = [
         {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
     ),
     (
+        "vLLM `NixlPushConnector`, both roles, the other engine played",
+        {"kv_connector": "NixlPushConnector", "kv_role": "kv_both"},
+    ),
+    (
         "vLLM `MooncakeConnector` (P/D), both roles, the other engine played",
         {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"},
     ),

@@ -1,7 +1,8 @@
-"""vLLM's NIXL prefill/decode connector, pull mode (``NixlConnector``, the same class as
-``NixlPullConnector``, vLLM 0.33), in ``kvlife vllm exercise``: its real scheduler side,
-one engine serving both roles (``kv_role`` ``kv_both``), the other engine of each pair and
-the NIXL transfers played.
+"""vLLM's NIXL prefill/decode connector in ``kvlife vllm exercise``, pull mode
+(``NixlConnector``, the same class as ``NixlPullConnector``) and push mode
+(``NixlPushConnector``), vLLM 0.33 and 0.32: its real scheduler side, one engine serving
+both roles (``kv_role`` ``kv_both``), the other engine of each pair and the NIXL transfers
+played.
 
 The workload gives each request a role, as a P/D proxy would (``transfer_params``):
 
@@ -27,10 +28,22 @@ Like the real worker, it refuses an abort for a request whose send it already wa
 succeed, before any lease expires; heartbeats go nowhere. The scheduler side opens no
 socket here (vLLM starts its handshake listener only when workers hand it their metadata).
 
+Push mode (``NixlPushConnector``, ``NixlPushPlay``): the same roles and transfer
+parameters, the copies the other way. A decode request's blocks are registered with the
+prefill engine (``push_registrations``); the played prefill engine writes them and every
+worker reports the request received after the family's delay. A request in
+``reqs_to_recv`` without a registration (one aborted before vLLM allocated it) waits for a
+write that never comes, and is never reported, as in NIXL's push worker. A finished
+prefill request's blocks (``push_finished_blocks``) are written to the played decode
+engine, which always registered for them, and every worker that tracks the request
+(``reqs_in_batch``, ``reqs_to_send``) reports it sent after the family's delay; an abort
+of a request whose send it waits for is refused as in pull mode.
+
 No lens: NIXL's scheduler side keeps no request's state across steps that the wrapper
-needs (``_reqs_need_recv``, ``_reqs_in_batch``, ``_reqs_not_processed`` and
-``_reqs_need_send`` are emptied into each step's metadata); every report names its
-request id, which the audit wrapper tickets as it does any connector's.
+needs (``_reqs_need_recv``, ``_reqs_in_batch``, ``_reqs_not_processed``,
+``_reqs_need_send`` and push mode's registrations and finished blocks are emptied into
+each step's metadata); every report names its request id, which the audit wrapper
+tickets as it does any connector's.
 """
 
 from __future__ import annotations
@@ -103,19 +116,28 @@ class NixlPlay:
                 for rank in range(self.workers):
                     self.held.put(rank, n + delay(), KVConnectorOutput(finished_recving={rid}))
         self.tracked.update(meta.reqs_in_batch)
-        for rid in meta.reqs_not_processed:
-            self.tracked.discard(rid)
-            if any(rid in sends for sends in self.sending):
-                raise NixlProtocolError(
-                    f"NIXL's worker asserts that no request it waits to send is aborted: "
-                    f"{rid!r} is in reqs_not_processed while its send is pending"
-                )
+        self._drops(meta.reqs_not_processed)
         for rid in meta.reqs_to_send:
             if rid in self.tracked:
                 self.tracked.discard(rid)
                 for rank in range(self.workers):
                     self.sending[rank].add(rid)
                     self.held.put(rank, n + delay(), KVConnectorOutput(finished_sending={rid}))
+        return self._due(n)
+
+    def _drops(self, aborted: Any) -> None:
+        """The prefill requests ``reqs_not_processed`` names: no longer tracked; refused
+        where a worker waits to send one, as NIXL's worker asserts."""
+        for rid in aborted:
+            self.tracked.discard(rid)
+            if any(rid in sends for sends in self.sending):
+                raise NixlProtocolError(
+                    f"NIXL's worker asserts that no request it waits to send is aborted: "
+                    f"{rid!r} is in reqs_not_processed while its send is pending"
+                )
+
+    def _due(self, n: int) -> list[Any]:
+        """Each worker's reports due at step ``n``; the sends they report done."""
         outputs = self.held.due(n)
         for sends, output in zip(self.sending, outputs, strict=True):
             if output is not None:
@@ -126,4 +148,29 @@ class NixlPlay:
         return self.held.busy()
 
 
-__all__ = ["NixlPlay", "NixlProtocolError", "transfer_params"]
+class NixlPushPlay(NixlPlay):
+    """The workers of ``NixlPushConnector``, played from each step's metadata (see the
+    module's text): each worker reports each write the played prefill engine made into
+    its blocks, and each write it made into the played decode engine's, after
+    ``delay()`` steps."""
+
+    def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
+        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
+
+        meta = out.kv_connector_metadata
+        for rid in meta.push_registrations or ():
+            for rank in range(self.workers):
+                self.held.put(rank, n + delay(), KVConnectorOutput(finished_recving={rid}))
+        self.tracked.update(meta.reqs_in_batch)
+        self._drops(meta.reqs_not_processed)
+        waiting = self.tracked.intersection(meta.reqs_to_send)
+        for rid in meta.push_finished_blocks or ():
+            if rid in waiting:
+                self.tracked.discard(rid)
+                for rank in range(self.workers):
+                    self.sending[rank].add(rid)
+                    self.held.put(rank, n + delay(), KVConnectorOutput(finished_sending={rid}))
+        return self._due(n)
+
+
+__all__ = ["NixlPlay", "NixlProtocolError", "NixlPushPlay", "transfer_params"]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kvlife.offload.watch.vllm.exercise_hidden_states import HiddenStatesPlay
 from kvlife.offload.watch.vllm.exercise_mooncake import MooncakePlay
 from kvlife.offload.watch.vllm.exercise_mooncake_store import MooncakeStorePlay
-from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay
+from kvlife.offload.watch.vllm.exercise_nixl import NixlPlay, NixlPushPlay
 
 BLOCK = 16
 LAYERS = ("layer.0", "layer.1")
@@ -319,6 +319,7 @@ PLAYED: dict[str, type[Any]] = {
     "ExampleConnector": NoWorkers,
     "NixlConnector": NixlPlay,
     "NixlPullConnector": NixlPlay,
+    "NixlPushConnector": NixlPushPlay,
     "MooncakeConnector": MooncakePlay,
     "MooncakeStoreConnector": MooncakeStorePlay,
     "ExampleHiddenStatesConnector": HiddenStatesPlay,
