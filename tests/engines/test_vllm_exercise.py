@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import random
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +26,6 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvlife.diagrams.cli import main
-from kvlife.fsm import AuditReader, AuditRecord
 from kvlife.offload.watch.vllm import exercise as exercise_module
 from kvlife.offload.watch.vllm.exercise import (
     FAMILIES,
@@ -46,6 +44,7 @@ from kvlife.offload.watch.vllm.testing import (
     exercise_cases,
 )
 from tests.engines.vllm_exercise_report import CONNECTORS
+from tests.engines.vllm_harness import copies_started
 from tests.engines.vllm_planted import CAUGHT_BY, PANIC_HOOKS, HoldsPort, config
 from tests.engines.vllm_server import free_port
 
@@ -173,15 +172,6 @@ def test_a_drain_that_moves_is_never_cut_short_and_one_that_stalls_ends(
     assert f"after {stuck.drain_steps} drain steps" in stuck.describe()
 
 
-def _kinds(log: str) -> Counter[str]:
-    """The copies a run's audit log opened, by kind."""
-    return Counter(
-        str(record.detail.get("kind"))
-        for record in AuditReader(log)
-        if isinstance(record, AuditRecord) and record.trigger == "start_offload"
-    )
-
-
 def test_nixl_pull_loads_and_delays_frees_and_passes_every_family(tmp_path: Path) -> None:
     """vLLM's NixlConnector (pull): decode requests load from the played prefill engine,
     prefill requests' frees wait for the played decode engine's read, in every family,
@@ -190,7 +180,7 @@ def test_nixl_pull_loads_and_delays_frees_and_passes_every_family(tmp_path: Path
     for report in reports:
         assert report.failed == 0 and report.copies > 0, report.lines()
     run = run_one(NIXL, FAMILIES["abort"], 0, STEPS, tmp_path / "kept")  # its log kept
-    kinds = _kinds(run.log)
+    kinds = copies_started(run.log)
     assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
 
 
@@ -220,7 +210,7 @@ def test_nixl_push_writes_both_ways_and_passes_every_family(tmp_path: Path) -> N
     for report in reports:
         assert report.failed == 0 and report.copies > 0, report.lines()
     run = run_one(NIXL_PUSH, FAMILIES["abort"], 0, STEPS, tmp_path / "kept")
-    kinds = _kinds(run.log)
+    kinds = copies_started(run.log)
     assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
 
 

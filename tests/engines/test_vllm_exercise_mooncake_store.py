@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +16,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="runs in the vLLM environment: make test-vllm")
 
-from kvlife.fsm import AuditReader, AuditRecord
 from kvlife.offload.watch.vllm.exercise import FAMILIES, exercise, run_one
 from kvlife.offload.watch.vllm.exercise_mooncake_store import MooncakeStorePlay
-from tests.engines.vllm_harness import make_request, make_scheduler, model_output
+from tests.engines.vllm_harness import (
+    copies_started,
+    make_request,
+    make_scheduler,
+    model_output,
+)
 
 STORE = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
 STEPS = 80
-
-
-def _kinds(log: str) -> Counter[str]:
-    return Counter(
-        str(record.detail.get("kind"))
-        for record in AuditReader(log)
-        if isinstance(record, AuditRecord) and record.trigger == "start_offload"
-    )
 
 
 def test_stores_and_loads_pass_every_family_with_fresh_ids(tmp_path: Path) -> None:
@@ -43,7 +38,7 @@ def test_stores_and_loads_pass_every_family_with_fresh_ids(tmp_path: Path) -> No
     for report in reports:
         assert report.failed == 0 and report.copies > 0, report.lines()
     run = run_one(STORE, FAMILIES["tp2"], 0, STEPS, tmp_path / "kept")
-    kinds = _kinds(run.log)
+    kinds = copies_started(run.log)
     assert kinds["store"] > 0 and kinds["load"] > 0, kinds
 
 
@@ -76,7 +71,7 @@ def test_the_lookup_server_and_client_are_released_at_the_runs_end(
     run = run_one(STORE, FAMILIES["basic"], 0, STEPS, tmp_path)
     assert not run.failed, run.describe()
     (play,) = made
-    assert play.lookups > 0 and _kinds(run.log)["load"] > 0
+    assert play.lookups > 0 and copies_started(run.log)["load"] > 0
     assert not play.server.is_alive() and play.socket.closed
     assert not os.path.exists(play.path)
     assert "kvlife-mooncake-lookup" not in {t.name for t in threading.enumerate()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,6 +48,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvlife.fsm import AuditReader, AuditRecord
 from kvlife.offload.engines.vllm import KVLifeConnector
 from kvlife.offload.watch.vllm.exercise import model_dir, per_layer_kv_cache_config
 
@@ -125,6 +127,16 @@ def make_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=BLOCK,
+    )
+
+
+def copies_started(log: str) -> Counter[str]:
+    """The copies an audit log opened (``start_offload``), by kind (``store``, ``load``,
+    ``delayed_free``, ...)."""
+    return Counter(
+        str(record.detail.get("kind"))
+        for record in AuditReader(log)
+        if isinstance(record, AuditRecord) and record.trigger == "start_offload"
     )
 
 
