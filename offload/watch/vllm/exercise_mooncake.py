@@ -99,7 +99,6 @@ class MooncakePlay:
         # each worker's table of sends, as MooncakeConnectorWorker keeps it
         self.ranks = [SimpleNamespace(reqs_need_send={}) for _ in range(workers)]
         self.pulls: list[tuple[int, int, str]] = []  # due, rank, transfer id
-        self.pulling: list[set[str]] = [set() for _ in range(workers)]
         self.held = _Held(workers)  # each worker's reports until due
         self.loop = asyncio.new_event_loop()  # the workers' sender loop
 
@@ -110,19 +109,18 @@ class MooncakePlay:
         for pulls in meta.reqs_to_recv.values():
             for rid, pull in pulls.items():
                 if any(pull.local_block_ids):
-                    for rank in range(len(self.ranks)):
-                        self.held.put(rank, n + delay(), KVConnectorOutput(finished_recving={rid}))
+                    self.held.each(n, delay, finished_recving={rid})
         if meta.reqs_to_send or meta.reqs_not_processed:
+            # the sends this step's finishes make ready (those with blocks): pulled next
+            ready = {transfer_id for transfer_id, blocks in meta.reqs_to_send.values() if blocks}
             for rank, worker in enumerate(self.ranks):
                 self.loop.run_until_complete(self.record_send_reqs(worker, meta))
-                for transfer_id, send in worker.reqs_need_send.items():
-                    if send.ready.is_set() and transfer_id not in self.pulling[rank]:
-                        self.pulling[rank].add(transfer_id)
+                for transfer_id in worker.reqs_need_send:
+                    if transfer_id in ready:
                         self.pulls.append((n + delay(), rank, transfer_id))
         due = [pull for pull in self.pulls if pull[0] <= n]
         self.pulls = [pull for pull in self.pulls if pull[0] > n]
         for _, rank, transfer_id in due:
-            self.pulling[rank].discard(transfer_id)
             send = self.ranks[rank].reqs_need_send.pop(transfer_id, None)
             if send is not None:  # pulled by every decode worker paired with it: sent
                 self.held.put(rank, n, KVConnectorOutput(finished_sending={send.p_req_id}))

@@ -149,9 +149,7 @@ class MooncakeStorePlay:
                 for rank in range(workers):
                     self.stores.append((n + delay(), rank, req.store_job_id, hashes))
             if req.load_spec is not None and req.load_spec.can_load:
-                for rank in range(workers):
-                    output = KVConnectorOutput(finished_recving={req.req_id})
-                    self.held.put(rank, n + delay(), output)
+                self.held.each(n, delay, finished_recving={req.req_id})
         due = [store for store in self.stores if store[0] <= n]
         self.stores = [store for store in self.stores if store[0] > n]
         for _, rank, job, hashes in due:

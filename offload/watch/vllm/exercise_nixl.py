@@ -108,22 +108,23 @@ class NixlPlay:
         self.sending: list[set[str]] = [set() for _ in range(workers)]
 
     def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
-
         meta = out.kv_connector_metadata
         for rid, req in meta.reqs_to_recv.items():
             if req.awaiting_kvs or any(req.local_block_ids):
-                for rank in range(self.workers):
-                    self.held.put(rank, n + delay(), KVConnectorOutput(finished_recving={rid}))
+                self.held.each(n, delay, finished_recving={rid})
         self.tracked.update(meta.reqs_in_batch)
         self._drops(meta.reqs_not_processed)
         for rid in meta.reqs_to_send:
             if rid in self.tracked:
-                self.tracked.discard(rid)
-                for rank in range(self.workers):
-                    self.sending[rank].add(rid)
-                    self.held.put(rank, n + delay(), KVConnectorOutput(finished_sending={rid}))
+                self._send(rid, n, delay)
         return self._due(n)
+
+    def _send(self, rid: str, n: int, delay: Callable[[], int]) -> None:
+        """Every worker sends the tracked prefill request ``rid`` and reports it sent."""
+        self.tracked.discard(rid)
+        for sends in self.sending:
+            sends.add(rid)
+        self.held.each(n, delay, finished_sending={rid})
 
     def _drops(self, aborted: Any) -> None:
         """The prefill requests ``reqs_not_processed`` names: no longer tracked; refused
@@ -155,21 +156,15 @@ class NixlPushPlay(NixlPlay):
     ``delay()`` steps."""
 
     def step(self, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
-        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
-
         meta = out.kv_connector_metadata
         for rid in meta.push_registrations or ():
-            for rank in range(self.workers):
-                self.held.put(rank, n + delay(), KVConnectorOutput(finished_recving={rid}))
+            self.held.each(n, delay, finished_recving={rid})
         self.tracked.update(meta.reqs_in_batch)
         self._drops(meta.reqs_not_processed)
         waiting = self.tracked.intersection(meta.reqs_to_send)
         for rid in meta.push_finished_blocks or ():
             if rid in waiting:
-                self.tracked.discard(rid)
-                for rank in range(self.workers):
-                    self.sending[rank].add(rid)
-                    self.held.put(rank, n + delay(), KVConnectorOutput(finished_sending={rid}))
+                self._send(rid, n, delay)
         return self._due(n)
 
 

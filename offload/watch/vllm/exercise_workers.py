@@ -49,6 +49,14 @@ class _Held:
     def put(self, rank: int, due: int, output: Any) -> None:
         self.queues[rank].append((due, output))
 
+    def each(self, n: int, delay: Callable[[], int], **report: Any) -> None:
+        """Every worker reports ``report`` (``KVConnectorOutput`` fields), each after a
+        ``delay()`` of its own from step ``n``, in rank order."""
+        from vllm.v1.outputs import KVConnectorOutput  # noqa: PLC0415
+
+        for rank in range(len(self.queues)):
+            self.put(rank, n + delay(), KVConnectorOutput(**report))
+
     def due(self, n: int) -> list[Any]:
         released = []
         for rank, queue in enumerate(self.queues):
