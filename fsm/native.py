@@ -45,9 +45,15 @@ COMPILED: Final[tuple[str, ...]] = (
     "kvlife.offload.pages",
     "kvlife.offload.prefix_cache",
     "kvlife.offload.planner",
+    "kvlife.offload.engines.vllm.scheduler",
 )
 """The modules compiled when kvlife is installed with a C compiler (``setup.py`` reads
 this list)."""
+
+ENGINE_MODULES: Final[dict[str, str]] = {"kvlife.offload.engines.vllm.scheduler": "vllm"}
+"""The compiled modules that import a serving engine, and the engine's package: compiled
+with the others (the engine's classes are only read there, never typed), importable only
+where the engine is installed."""
 
 _STAMP: Final = "kvlife.fsm._native_build"  # written and compiled by setup.py only
 
@@ -164,4 +170,4 @@ def loaded() -> dict[str, bool]:
     }
 
 
-__all__ = ["COMPILED", "compiled", "describe", "loaded"]
+__all__ = ["COMPILED", "ENGINE_MODULES", "compiled", "describe", "loaded"]

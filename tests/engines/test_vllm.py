@@ -49,6 +49,7 @@ def test_vllms_offloading_connector_dies_on_a_repeated_store_report() -> None:
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvlife.fsm import AuditReader, State, check_audit, read_audit  # noqa: E402
+from tests.builds import patches_compiled  # noqa: E402
 from tests.engines.vllm_harness import Engine  # noqa: E402
 
 
@@ -109,6 +110,7 @@ def test_the_id_reuse_race_is_harmless_with_kvlife(tmp_path: Any) -> None:
     ] * 2  # each late delivery named the old lifecycle and its copy
 
 
+@patches_compiled
 def test_a_step_looks_only_at_requests_whose_blocks_changed_or_filled() -> None:
     """build_connector_meta does Python work (``_look``) for a request only in a step
     where it is new, got blocks, or its computed tokens reach its next store: in most
@@ -1098,6 +1100,23 @@ def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
         assert result[config]["median_us"] > 0 and result[config]["p99_ratio"] > 0
     speed = copy_speed(layers=2, blocks=64, copied=8, reps=3)
     assert speed["store_gbs"] > 0 and speed["load_gbs"] > 0 and speed["mib"] == 1.0
+
+
+def test_the_benchmarks_source_config_runs_the_scheduler_side_from_its_source() -> None:
+    """``kvlife@source``: the same connector with its scheduler side from the ``.py`` (what
+    compiling the adapter gains, side by side); the connector module is left as it was."""
+    import sys  # noqa: PLC0415
+
+    from kvlife.fsm import native  # noqa: PLC0415
+    from kvlife.offload.engines.vllm import connector, scheduler  # noqa: PLC0415
+    from tests.engines import vllm_bench  # noqa: PLC0415
+
+    source = vllm_bench._scheduler("kvlife@source", 64, "").connector._scheduler
+    built = vllm_bench._scheduler("kvlife", 64, "").connector._scheduler
+    assert type(source).__module__ == vllm_bench.SOURCE
+    assert type(built) is scheduler.SchedulerSide is connector.SchedulerSide
+    assert native.loaded()[scheduler.__name__] is native.compiled
+    assert str(sys.modules[vllm_bench.SOURCE].__file__).endswith("scheduler.py")
 
 
 def test_the_scheduler_benchmark_breaks_kvlifes_calls_down_and_runs_another_tree(

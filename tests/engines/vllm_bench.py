@@ -3,9 +3,11 @@ that does nothing (``null``: what vLLM's own plumbing costs a step once any conn
 configured), with vLLM's own ``OffloadingConnector`` (alone, and inside kvlife's audit
 wrapper ``KVLifeAuditConnectorHMA`` with its log and its lens: ``vllm+audit``), with vLLM's
 ``SimpleCPUOffloadConnector`` in eager mode (``simple``, ``simple+audit``) and with
-``KVLifeConnector``: the same seeded workload through each, interleaved in one process,
-timing only ``schedule()`` + ``update_from_output()`` per step (median and p99), each as a
-ratio to no connector and to the connector that does nothing. ``make bench-vllm``.
+``KVLifeConnector`` (as built, and with its scheduler side run from its ``.py`` source
+over the same core: ``kvlife@source``, what compiling the adapter gains): the same seeded
+workload through each, interleaved in one process, timing only ``schedule()`` +
+``update_from_output()`` per step (median and p99), each as a ratio to no connector and to
+the connector that does nothing. ``make bench-vllm``.
 
 The workload keeps ``concurrent`` requests running (prompts of 64-400 distinct tokens,
 16-64 output tokens), admitting a new one whenever one finishes, until ``requests`` have
@@ -20,11 +22,14 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import importlib.util
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import vllm
@@ -46,7 +51,35 @@ from tests.engines.vllm_harness import (
 KVLIFE = "kvlife.offload.engines.vllm"
 AGAINST = "kvlife_against.offload.engines.vllm"  # another kvlife tree: --against DIR
 NULL = "tests.engines.vllm_connectors"
-CONFIGS = ("none", "null", "vllm", "vllm+audit", "simple", "simple+audit", "kvlife", "kvlife+log")
+CONFIGS = (
+    "none",
+    "null",
+    "vllm",
+    "vllm+audit",
+    "simple",
+    "simple+audit",
+    "kvlife",
+    "kvlife@source",
+    "kvlife+log",
+)
+SOURCE = "kvlife_bench_scheduler_source"  # the scheduler side's .py, loaded under this name
+
+
+def _scheduler_side_from_source() -> type:
+    """``SchedulerSide`` run from its ``.py`` source, whatever the build (kvlife's compiled
+    core beneath it): ``kvlife@source`` against ``kvlife`` is what compiling the adapter
+    gains, in the same process."""
+    module = sys.modules.get(SOURCE)
+    if module is None:
+        compiled = importlib.import_module(f"{KVLIFE}.scheduler")
+        path = Path(str(compiled.__file__)).with_name("scheduler.py")
+        spec = importlib.util.spec_from_file_location(SOURCE, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[SOURCE] = module
+        spec.loader.exec_module(module)
+    side: type = module.SchedulerSide
+    return side
 
 
 def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
@@ -82,6 +115,14 @@ def _scheduler(config: str, host_blocks: int, audit: str) -> Any:
     extra: dict[str, Any] = {"host_pages": host_blocks}
     if config.startswith("kvlife+log"):  # with its audit log, as a server would run it
         extra["audit_log"] = audit
+    if config == "kvlife@source":
+        connector = importlib.import_module(f"{KVLIFE}.connector")
+        compiled = connector.SchedulerSide
+        connector.SchedulerSide = _scheduler_side_from_source()
+        try:
+            return make_scheduler("KVLifeConnector", module, extra, blocks=4096, max_seqs=64)
+        finally:
+            connector.SchedulerSide = compiled
     return make_scheduler("KVLifeConnector", module, extra, blocks=4096, max_seqs=64)
 
 
@@ -413,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} {row[name]:.1f}" for name in SCHEDULER_CALLS if row[name] >= 0.05
             )
             print(f"  {config:17s} total {row['total']:6.1f}: {parts}")
+    compiled, source = result.get("kvlife"), result.get("kvlife@source")
+    if compiled is not None and source is not None:
+        print(
+            "  kvlife / kvlife@source (the scheduler side as built / from its source): median "
+            f"{compiled['median_us'] / source['median_us']:.2f}, p99 "
+            f"{compiled['p99_us'] / source['p99_us']:.2f}"
+        )
     for config in ("kvlife", "kvlife+log", "vllm+audit", "simple+audit"):
         before, now = result.get(f"{config}@before"), result.get(config)
         if before is not None and now is not None:
