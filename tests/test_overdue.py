@@ -3,6 +3,7 @@ open, and the checker and ``why`` tell whether it completed later."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -114,6 +115,27 @@ def test_the_queue_is_compacted_as_tickets_complete() -> None:
     assert len(watch) <= 4097  # not 20,000: completed tickets do not pile up
     clock.now += 1
     assert watch.oldest_age() == 0.0
+
+
+def test_watching_a_ticket_adds_no_object_the_garbage_collector_tracks() -> None:
+    """A serving engine's scheduler opens a ticket per copy: a tracked object per watched
+    ticket, kept until its deadline, made its young collections come more often."""
+    registry, _, watch, clock = _watched(limit=60.0)
+    req = Req("a")
+    registry.register(req)
+    tickets = [registry.start_offload(req) for _ in range(1000)]
+    gc.collect()
+    before = len(gc.get_objects())
+    for ticket in tickets:
+        watch.opened(ticket, "store")
+    assert len(gc.get_objects()) - before < 10  # not one per ticket
+    assert len(watch) == 1000
+    for ticket in tickets[:500]:
+        registry.complete(ticket)
+    clock.now += 61
+    assert watch.check() == 500  # the open ones, once each, oldest first
+    assert len(watch) == 500 and watch.open_overdue() == 500
+    assert watch.oldest_age() == pytest.approx(61.0)
 
 
 def test_check_from_another_thread_writes_nothing() -> None:
