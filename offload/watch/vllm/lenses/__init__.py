@@ -58,6 +58,15 @@ class Lens(Protocol):
         ...
 
 
+def part_of(connector: Any, class_name: str, attribute: str) -> Any:
+    """``connector``'s ``attribute`` (the part of it a lens reads) when ``connector`` is a
+    ``class_name``, that class or a subclass (told by name: no connector's module is
+    imported to ask); ``None`` when it is not one, or has no such attribute."""
+    if all(klass.__name__ != class_name for klass in type(connector).__mro__):
+        return None
+    return getattr(connector, attribute, None)
+
+
 def lens_for(connector: Any) -> Lens | None:
     """The lens of ``connector`` (the wrapped connector's scheduler side), or ``None``."""
     from kvlife.offload.watch.vllm.lenses import (  # noqa: PLC0415
@@ -78,4 +87,4 @@ def lens_for(connector: Any) -> Lens | None:
     return lens
 
 
-__all__ = ["Lens", "lens_for"]
+__all__ = ["Lens", "lens_for", "part_of"]

@@ -26,6 +26,8 @@ from typing import Any
 
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvlife.offload.watch.vllm.lenses import part_of
+
 
 class LMCacheInProcessLens:
     """See the module's text. Reads ``LMCacheConnectorV1Impl._unfinished_requests``."""
@@ -55,9 +57,8 @@ class LMCacheInProcessLens:
 def lens_for(connector: Any) -> LMCacheInProcessLens | None:
     """A lens for LMCache's ``LMCacheConnectorV1`` scheduler side with the private state
     this module reads; ``None`` for any other connector (or another LMCache's shapes)."""
-    names = {klass.__name__ for klass in type(connector).__mro__}
-    impl = getattr(connector, "_lmcache_engine", None)
-    if "LMCacheConnectorV1" not in names or impl is None:
+    impl = part_of(connector, "LMCacheConnectorV1", "_lmcache_engine")
+    if impl is None:
         return None
     if not isinstance(getattr(impl, "_unfinished_requests", None), dict):
         return None  # a worker role, or another LMCache's private shapes: no lens

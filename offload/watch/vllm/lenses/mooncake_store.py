@@ -26,6 +26,8 @@ from typing import Any
 
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvlife.offload.watch.vllm.lenses import part_of
+
 
 class MooncakeStoreLens:
     """See the module's text. Reads ``_unfinished_requests`` and ``_pinned_saves``."""
@@ -76,9 +78,8 @@ class MooncakeStoreLens:
 def lens_for(connector: Any) -> MooncakeStoreLens | None:
     """A lens for a vLLM ``MooncakeStoreConnector`` scheduler side with the private state
     this module reads; ``None`` for any other connector (or another vLLM's shapes)."""
-    names = {klass.__name__ for klass in type(connector).__mro__}
-    scheduler = getattr(connector, "connector_scheduler", None)
-    if "MooncakeStoreConnector" not in names or scheduler is None:
+    scheduler = part_of(connector, "MooncakeStoreConnector", "connector_scheduler")
+    if scheduler is None:
         return None
     state = [getattr(scheduler, name, None) for name in ("_unfinished_requests", "_pinned_saves")]
     if not all(isinstance(part, dict) for part in state):

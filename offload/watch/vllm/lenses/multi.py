@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvlife.offload.watch.vllm.lenses import Lens
+from kvlife.offload.watch.vllm.lenses import Lens, part_of
 
 
 def _key(job: Hashable, child: int) -> tuple[Any, ...]:
@@ -80,9 +80,8 @@ class MultiLens:
 def lens_for(connector: Any, child_lens: Any) -> MultiLens | None:
     """A lens for a vLLM ``MultiConnector`` with at least one child ``child_lens`` sees
     (``child_lens(child)``: a child's lens or ``None``); ``None`` for any other connector."""
-    names = {klass.__name__ for klass in type(connector).__mro__}
-    connectors = getattr(connector, "_connectors", None)
-    if "MultiConnector" not in names or not isinstance(connectors, list):
+    connectors = part_of(connector, "MultiConnector", "_connectors")
+    if not isinstance(connectors, list):
         return None
     children = [(i, lens) for i, c in enumerate(connectors) if (lens := child_lens(c))]
     return MultiLens(children) if children else None

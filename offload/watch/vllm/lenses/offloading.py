@@ -22,6 +22,8 @@ from typing import Any
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from kvlife.offload.watch.vllm.lenses import part_of
+
 
 class OffloadingLens:
     """See the module's text. Reads ``scheduler._jobs`` and ``scheduler._req_status``."""
@@ -88,9 +90,8 @@ class OffloadingLens:
 def lens_for(connector: Any) -> OffloadingLens | None:
     """A lens for a vLLM ``OffloadingConnector`` (or a subclass) with the private state
     this module reads; ``None`` for any other connector."""
-    names = {klass.__name__ for klass in type(connector).__mro__}
-    scheduler = getattr(connector, "connector_scheduler", None)
-    if "OffloadingConnector" not in names or scheduler is None:
+    scheduler = part_of(connector, "OffloadingConnector", "connector_scheduler")
+    if scheduler is None:
         return None
     if not (hasattr(scheduler, "_jobs") and hasattr(scheduler, "_req_status")):
         return None  # another vLLM's private shapes: relayed without a lens

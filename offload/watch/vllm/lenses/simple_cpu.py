@@ -24,6 +24,8 @@ from typing import Any
 
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvlife.offload.watch.vllm.lenses import part_of
+
 
 class SimpleCPUOffloadLens:
     """See the module's text. Reads the scheduler manager's ``_store_event_to_reqs``,
@@ -81,9 +83,8 @@ class SimpleCPUOffloadLens:
 def lens_for(connector: Any) -> SimpleCPUOffloadLens | None:
     """A lens for a vLLM ``SimpleCPUOffloadConnector`` in eager mode with the private
     state this module reads; ``None`` for any other connector (or lazy mode)."""
-    names = {klass.__name__ for klass in type(connector).__mro__}
-    manager = getattr(connector, "scheduler_manager", None)
-    if "SimpleCPUOffloadConnector" not in names or manager is None:
+    manager = part_of(connector, "SimpleCPUOffloadConnector", "scheduler_manager")
+    if manager is None:
         return None
     wanted = (
         "_store_event_to_reqs",
