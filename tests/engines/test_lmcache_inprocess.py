@@ -29,7 +29,7 @@ from kvlife.offload.watch.vllm.exercise import (
     workers_class,
 )
 from kvlife.offload.watch.vllm.exercise_lmcache_inprocess import LMCacheInProcessWorkers
-from tests.engines.vllm_harness import make_request, make_scheduler, model_output
+from tests.engines.vllm_harness import finished_then_again, make_scheduler, model_output
 
 CONFIG: dict[str, Any] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 CLEAN = ("basic", "abort", "preempt", "hold", "prefix", "tp2")
@@ -146,12 +146,7 @@ def test_lmcache_alone_raises_when_an_id_comes_again_right_after_its_request_fin
     scheduler = make_scheduler("LMCacheConnectorV1", None, {}, layout="LBNHC")
     impl = scheduler.connector._lmcache_engine
     try:
-        scheduler.add_request(make_request("x", prompt=40, max_tokens=1, first=1000))
-        out = scheduler.schedule()  # x prefills and samples its one token
-        scheduler.update_from_output(out, model_output(out))  # x finished
-        assert "x" not in scheduler.requests
-        renewed = make_request("x", prompt=40, max_tokens=4, first=2000)
-        scheduler.add_request(renewed)
+        finished_then_again(scheduler, "x")
         out = scheduler.schedule()  # the new x is allocated, then dropped with the old x
         assert "x" not in impl._unfinished_requests
         scheduler.update_from_output(out, model_output(out))

@@ -44,7 +44,7 @@ from kvlife.offload.watch.vllm.testing import (
     exercise_cases,
 )
 from tests.engines.vllm_exercise_report import CONNECTORS
-from tests.engines.vllm_harness import copies_started
+from tests.engines.vllm_harness import copies_started, exercised_clean, run_with_step
 from tests.engines.vllm_planted import CAUGHT_BY, PANIC_HOOKS, HoldsPort, config
 from tests.engines.vllm_server import free_port
 
@@ -176,10 +176,7 @@ def test_nixl_pull_loads_and_delays_frees_and_passes_every_family(tmp_path: Path
     """vLLM's NixlConnector (pull): decode requests load from the played prefill engine,
     prefill requests' frees wait for the played decode engine's read, in every family,
     under both runners."""
-    reports, _ = exercise(NIXL, list(FAMILIES), range(2), STEPS, tmp_path)
-    for report in reports:
-        assert report.failed == 0 and report.copies > 0, report.lines()
-    run = run_one(NIXL, FAMILIES["abort"], 0, STEPS, tmp_path / "kept")  # its log kept
+    _, run = exercised_clean(NIXL, FAMILIES, tmp_path, kept="abort", steps=STEPS)
     kinds = copies_started(run.log)
     assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
 
@@ -190,15 +187,11 @@ def test_a_nixl_worker_that_never_reports_a_send_is_caught(
     """The exercise sees NIXL's delayed frees: a played worker that forgets the prefill
     requests of each batch never sends one, which leaves vLLM holding them, told as
     unreported."""
-    step = NixlPlay.step
 
-    def forgets_batches(self: NixlPlay, out: Any, n: int, delay: Any) -> list[Any]:
-        outputs = step(self, out, n, delay)
-        self.tracked.clear()
-        return outputs
+    def forgets_batches(play: NixlPlay) -> None:
+        play.tracked.clear()
 
-    monkeypatch.setattr(NixlPlay, "step", forgets_batches)
-    run = run_one(NIXL, FAMILIES["basic"], 0, STEPS, tmp_path)
+    run = run_with_step(monkeypatch, NixlPlay, NIXL, tmp_path, after=forgets_batches)
     assert run.undrained and "unreported" in run.verdicts, run.describe()
 
 
@@ -206,10 +199,7 @@ def test_nixl_push_writes_both_ways_and_passes_every_family(tmp_path: Path) -> N
     """vLLM's NixlPushConnector: decode requests' blocks registered with the played prefill
     engine and written by it, prefill requests' frees delayed until written to the played
     decode engine, in every family, under both runners."""
-    reports, _ = exercise(NIXL_PUSH, list(FAMILIES), range(2), STEPS, tmp_path)
-    for report in reports:
-        assert report.failed == 0 and report.copies > 0, report.lines()
-    run = run_one(NIXL_PUSH, FAMILIES["abort"], 0, STEPS, tmp_path / "kept")
+    _, run = exercised_clean(NIXL_PUSH, FAMILIES, tmp_path, kept="abort", steps=STEPS)
     kinds = copies_started(run.log)
     assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
 
@@ -217,14 +207,11 @@ def test_nixl_push_writes_both_ways_and_passes_every_family(tmp_path: Path) -> N
 def test_a_nixl_push_worker_that_never_writes_a_finished_prefill_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    step = NixlPushPlay.step
 
-    def never_writes(self: NixlPushPlay, out: Any, n: int, delay: Any) -> list[Any]:
+    def never_writes(play: NixlPushPlay, out: Any) -> None:
         out.kv_connector_metadata.push_finished_blocks = {}
-        return step(self, out, n, delay)
 
-    monkeypatch.setattr(NixlPushPlay, "step", never_writes)
-    run = run_one(NIXL_PUSH, FAMILIES["basic"], 0, STEPS, tmp_path)
+    run = run_with_step(monkeypatch, NixlPushPlay, NIXL_PUSH, tmp_path, before=never_writes)
     assert run.undrained and "unreported" in run.verdicts, run.describe()
 
 

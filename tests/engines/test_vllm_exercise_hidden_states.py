@@ -16,13 +16,11 @@ from kvlife.offload.watch.vllm.exercise import (
     FAMILIES,
     ExerciseConfigError,
     build_scheduler,
-    exercise,
-    run_one,
     shut_down,
 )
 from kvlife.offload.watch.vllm.exercise_hidden_states import SPECULATIVE, HiddenStatesPlay
 from kvlife.offload.watch.vllm.exercise_workers import workers_class
-from tests.engines.vllm_harness import copies_started
+from tests.engines.vllm_harness import copies_started, exercised_clean, run_with_step
 
 STEPS = 80
 
@@ -52,24 +50,20 @@ def test_delayed_frees_pass_every_family(tmp_path: Path) -> None:
     """Every scheduled request's free waits for rank 0's copy; a request aborted before
     it was scheduled has nothing to copy (vLLM #56841: its ``request_finished`` once
     raised ``KeyError``), under both runners, two workers included."""
-    reports, _ = exercise(_hidden(tmp_path), list(FAMILIES), range(2), STEPS, tmp_path)
-    for report in reports:
-        assert report.failed == 0 and report.copies > 0, report.lines()
+    reports, run = exercised_clean(_hidden(tmp_path), FAMILIES, tmp_path, kept="tp2", steps=STEPS)
     abort = next(r for r in reports if r.family == "abort")
     assert abort.aborts > 0 and abort.copies < abort.lifecycles
-    run = run_one(_hidden(tmp_path), FAMILIES["tp2"], 0, STEPS, tmp_path / "kept")
     assert set(copies_started(run.log)) == {"delayed_free"}
 
 
 def test_a_rank_0_that_never_copies_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    step = HiddenStatesPlay.step
 
-    def never_copies(self: HiddenStatesPlay, out: Any, n: int, delay: Any) -> list[Any]:
+    def never_copies(play: HiddenStatesPlay, out: Any) -> None:
         out.kv_connector_metadata.pending_saves = []
-        return step(self, out, n, delay)
 
-    monkeypatch.setattr(HiddenStatesPlay, "step", never_copies)
-    run = run_one(_hidden(tmp_path), FAMILIES["basic"], 0, STEPS, tmp_path)
+    run = run_with_step(
+        monkeypatch, HiddenStatesPlay, _hidden(tmp_path), tmp_path, before=never_copies
+    )
     assert run.undrained and "unreported" in run.verdicts, run.describe()

@@ -26,10 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 )
 from vllm.v1.request import Request, RequestStatus
 
-from kvlife.offload.watch.vllm.exercise import FAMILIES, exercise, run_one
+from kvlife.offload.watch.vllm.exercise import FAMILIES, run_one
 from kvlife.offload.watch.vllm.exercise_mooncake import MooncakePlay, transfer_params
 from kvlife.offload.watch.vllm.exercise_workers import transfer_params_of
-from tests.engines.vllm_harness import _HASHER, copies_started, make_scheduler, model_output
+from tests.engines.vllm_harness import (
+    _HASHER,
+    copies_started,
+    exercised_clean,
+    make_scheduler,
+    model_output,
+    run_with_step,
+)
 
 MOONCAKE = {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}
 STEPS = 80
@@ -54,10 +61,7 @@ def test_loads_and_delayed_frees_pass_every_family_but_abort(tmp_path: Path) -> 
     the played decode engine's pull, under both runners; preemption, holds, two workers
     clean."""
     families = [f for f in FAMILIES if f != "abort"]
-    reports, _ = exercise(MOONCAKE, families, range(2), STEPS, tmp_path)
-    for report in reports:
-        assert report.failed == 0 and report.copies > 0, report.lines()
-    run = run_one(MOONCAKE, FAMILIES["tp2"], 0, STEPS, tmp_path / "kept")
+    _, run = exercised_clean(MOONCAKE, families, tmp_path, kept="tp2", steps=STEPS)
     kinds = copies_started(run.log)
     assert kinds["load"] > 0 and kinds["delayed_free"] > 0, kinds
 
@@ -86,14 +90,11 @@ def test_a_played_decode_engine_that_never_pulls_is_caught(
 ) -> None:
     """The exercise sees Mooncake's delayed frees: when the played decode engine never
     pulls, vLLM holds the prefill requests for ever, told as undrained and unreported."""
-    step = MooncakePlay.step
 
-    def never_pulls(self: MooncakePlay, out: Any, n: int, delay: Any) -> list[Any]:
-        self.pulls.clear()
-        return step(self, out, n, delay)
+    def never_pulls(play: MooncakePlay, out: Any) -> None:
+        play.pulls.clear()
 
-    monkeypatch.setattr(MooncakePlay, "step", never_pulls)
-    run = run_one(MOONCAKE, FAMILIES["basic"], 0, STEPS, tmp_path)
+    run = run_with_step(monkeypatch, MooncakePlay, MOONCAKE, tmp_path, before=never_pulls)
     assert run.undrained and "unreported" in run.verdicts, run.describe()
 
 

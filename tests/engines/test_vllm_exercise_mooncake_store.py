@@ -20,9 +20,10 @@ from kvlife.offload.watch.vllm.exercise import FAMILIES, exercise, run_one
 from kvlife.offload.watch.vllm.exercise_mooncake_store import MooncakeStorePlay
 from tests.engines.vllm_harness import (
     copies_started,
-    make_request,
+    exercised_clean,
+    finished_then_again,
     make_scheduler,
-    model_output,
+    run_with_step,
 )
 
 STORE = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
@@ -34,10 +35,7 @@ def test_stores_and_loads_pass_every_family_with_fresh_ids(tmp_path: Path) -> No
     reported them), loads of what the played store holds, found by lookups over ZMQ;
     clean in every family with fresh ids, under both runners."""
     families = [f for f in FAMILIES if f != "reuse"]
-    reports, _ = exercise(STORE, families, range(2), STEPS, tmp_path)
-    for report in reports:
-        assert report.failed == 0 and report.copies > 0, report.lines()
-    run = run_one(STORE, FAMILIES["tp2"], 0, STEPS, tmp_path / "kept")
+    _, run = exercised_clean(STORE, families, tmp_path, kept="tp2", steps=STEPS)
     kinds = copies_started(run.log)
     assert kinds["store"] > 0 and kinds["load"] > 0, kinds
 
@@ -83,15 +81,11 @@ def test_a_worker_that_never_reports_its_stores_is_caught(
     """The lens sees the store jobs: when no worker reports them, the connector keeps
     their blocks pinned for ever (vLLM runs out of blocks: its requests never drain, or
     the blocks leak) and the stores stay open (unreported)."""
-    step = MooncakeStorePlay.step
 
-    def forgets_stores(self: MooncakeStorePlay, out: Any, n: int, delay: Any) -> list[Any]:
-        outputs = step(self, out, n, delay)
-        self.stores.clear()
-        return outputs
+    def forgets_stores(play: MooncakeStorePlay) -> None:
+        play.stores.clear()
 
-    monkeypatch.setattr(MooncakeStorePlay, "step", forgets_stores)
-    run = run_one(STORE, FAMILIES["basic"], 0, STEPS, tmp_path)
+    run = run_with_step(monkeypatch, MooncakeStorePlay, STORE, tmp_path, after=forgets_stores)
     assert run.undrained or run.leaked_blocks, run.describe()
     assert "unreported" in run.verdicts, run.describe()
 
@@ -108,11 +102,7 @@ def test_mooncake_store_alone_fails_when_an_id_comes_again_right_after_its_reque
     scheduler = make_scheduler("MooncakeStoreConnector", None, {"enable_lookup": False})
     inner = scheduler.connector.connector_scheduler
     try:
-        scheduler.add_request(make_request("x", prompt=40, max_tokens=1, first=1000))
-        out = scheduler.schedule()  # x prefills and samples its one token
-        scheduler.update_from_output(out, model_output(out))  # x finished
-        assert "x" not in scheduler.requests
-        scheduler.add_request(make_request("x", prompt=40, max_tokens=4, first=2000))
+        finished_then_again(scheduler, "x")
         with pytest.raises(AssertionError):
             scheduler.schedule()
         assert "x" not in inner._unfinished_requests  # the new x's state, dropped

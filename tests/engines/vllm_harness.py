@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import zlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else configs fail validation on CPU
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest
 import torch
 from vllm import SamplingParams
 from vllm.config import (
@@ -138,6 +140,60 @@ def copies_started(log: str) -> Counter[str]:
         for record in AuditReader(log)
         if isinstance(record, AuditRecord) and record.trigger == "start_offload"
     )
+
+
+def exercised_clean(
+    config: dict[str, Any], families: Iterable[str], tmp_path: Path, *, kept: str, steps: int = 80
+) -> tuple[list[Any], Any]:
+    """``kvlife vllm exercise`` of the connector ``config`` in ``families`` (seeds 0 and 1,
+    both runners), every report checked clean with copies; then one run of family ``kept``
+    (seed 0) whose log stays under ``tmp_path / "kept"``. Returns the reports and that run
+    (``copies_started(run.log)`` tells its copies)."""
+    from kvlife.offload.watch.vllm.exercise import FAMILIES, exercise, run_one  # noqa: PLC0415
+
+    reports, _ = exercise(config, list(families), range(2), steps, tmp_path)
+    for report in reports:
+        assert report.failed == 0 and report.copies > 0, report.lines()
+    return reports, run_one(config, FAMILIES[kept], 0, steps, tmp_path / "kept")
+
+
+def run_with_step(
+    monkeypatch: pytest.MonkeyPatch,
+    play: type,
+    config: dict[str, Any],
+    tmp_path: Path,
+    *,
+    before: Callable[[Any, Any], None] | None = None,
+    after: Callable[[Any], None] | None = None,
+    steps: int = 80,
+) -> Any:
+    """One exercise run of ``config`` (family ``basic``, seed 0) whose played workers
+    (``play``) misbehave: ``before(play, out)`` runs before each of their steps (it may
+    change the step's scheduler output), ``after(play)`` after each. Returns the run."""
+    from kvlife.offload.watch.vllm.exercise import FAMILIES, run_one  # noqa: PLC0415
+
+    step = play.step  # type: ignore[attr-defined]
+
+    def changed(self: Any, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
+        if before is not None:
+            before(self, out)
+        outputs: list[Any] = step(self, out, n, delay)
+        if after is not None:
+            after(self)
+        return outputs
+
+    monkeypatch.setattr(play, "step", changed)
+    return run_one(config, FAMILIES["basic"], 0, steps, tmp_path)
+
+
+def finished_then_again(scheduler: Scheduler, rid: str = "x") -> None:
+    """``rid`` finishes in one step (one token), and a new request with the same id comes
+    right after it, before the next step: a client reusing an id at once."""
+    scheduler.add_request(make_request(rid, prompt=40, max_tokens=1, first=1000))
+    out = scheduler.schedule()  # it prefills and samples its one token
+    scheduler.update_from_output(out, model_output(out))  # finished
+    assert rid not in scheduler.requests
+    scheduler.add_request(make_request(rid, prompt=40, max_tokens=4, first=2000))
 
 
 def make_request(rid: str, *, prompt: int = 40, max_tokens: int = 8, first: int = 1000) -> Request:
