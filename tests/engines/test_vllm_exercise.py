@@ -172,11 +172,16 @@ def test_a_drain_that_moves_is_never_cut_short_and_one_that_stalls_ends(
     assert f"after {stuck.drain_steps} drain steps" in stuck.describe()
 
 
-def test_nixl_pull_loads_and_delays_frees_and_passes_every_family(tmp_path: Path) -> None:
-    """vLLM's NixlConnector (pull): decode requests load from the played prefill engine,
-    prefill requests' frees wait for the played decode engine's read, in every family,
-    under both runners."""
-    _, run = exercised_clean(NIXL, FAMILIES, tmp_path, kept="abort", steps=STEPS)
+@pytest.mark.parametrize("config", [NIXL, NIXL_PUSH], ids=["pull", "push"])
+def test_nixl_loads_and_delays_frees_and_passes_every_family(
+    config: dict[str, Any], tmp_path: Path
+) -> None:
+    """vLLM's NixlConnector (pull: decode requests load from the played prefill engine,
+    prefill requests' frees wait for the played decode engine's read) and
+    NixlPushConnector (push: decode requests' blocks registered with the played prefill
+    engine and written by it, prefill requests' frees delayed until written to the played
+    decode engine), in every family, under both runners."""
+    _, run = exercised_clean(config, FAMILIES, tmp_path, kept="abort", steps=STEPS)
     kinds = copies_started(run.log)
     assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
 
@@ -195,19 +200,9 @@ def test_a_nixl_worker_that_never_reports_a_send_is_caught(
     assert run.undrained and "unreported" in run.verdicts, run.describe()
 
 
-def test_nixl_push_writes_both_ways_and_passes_every_family(tmp_path: Path) -> None:
-    """vLLM's NixlPushConnector: decode requests' blocks registered with the played prefill
-    engine and written by it, prefill requests' frees delayed until written to the played
-    decode engine, in every family, under both runners."""
-    _, run = exercised_clean(NIXL_PUSH, FAMILIES, tmp_path, kept="abort", steps=STEPS)
-    kinds = copies_started(run.log)
-    assert kinds["load"] > 0 and kinds["delayed_free"] > 0 and run.aborts > 0, kinds
-
-
 def test_a_nixl_push_worker_that_never_writes_a_finished_prefill_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-
     def never_writes(play: NixlPushPlay, out: Any) -> None:
         out.kv_connector_metadata.push_finished_blocks = {}
 
