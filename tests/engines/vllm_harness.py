@@ -52,7 +52,13 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvlife.fsm import AuditReader, AuditRecord
 from kvlife.offload.engines.vllm import KVLifeConnector
-from kvlife.offload.watch.vllm.exercise import model_dir, per_layer_kv_cache_config
+from kvlife.offload.watch.vllm.exercise import (
+    FAMILIES,
+    exercise,
+    model_dir,
+    per_layer_kv_cache_config,
+    run_one,
+)
 
 BLOCK = 16
 #: The token every scheduled request samples.
@@ -149,8 +155,6 @@ def exercised_clean(
     both runners), every report checked clean with copies; then one run of family ``kept``
     (seed 0) whose log stays under ``tmp_path / "kept"``. Returns the reports and that run
     (``copies_started(run.log)`` tells its copies)."""
-    from kvlife.offload.watch.vllm.exercise import FAMILIES, exercise, run_one  # noqa: PLC0415
-
     reports, _ = exercise(config, list(families), range(2), steps, tmp_path)
     for report in reports:
         assert report.failed == 0 and report.copies > 0, report.lines()
@@ -170,8 +174,6 @@ def run_with_step(
     """One exercise run of ``config`` (family ``basic``, seed 0) whose played workers
     (``play``) misbehave: ``before(play, out)`` runs before each of their steps (it may
     change the step's scheduler output), ``after(play)`` after each. Returns the run."""
-    from kvlife.offload.watch.vllm.exercise import FAMILIES, run_one  # noqa: PLC0415
-
     step = play.step  # type: ignore[attr-defined]
 
     def changed(self: Any, out: Any, n: int, delay: Callable[[], int]) -> list[Any]:
