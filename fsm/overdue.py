@@ -11,13 +11,15 @@ limit since the last check and is still open, once per ticket.
 
 The limit is one number for every ticket, so deadlines come in the order tickets were
 opened: the queue is a FIFO (a deque), and a check looks only at its head. A check with
-nothing due costs one clock read and one comparison; completed tickets are dropped when
-they reach the head, and the queue is compacted when it holds more than twice the open
-tickets it held at the last compaction (amortized O(1) per ticket). The queue is four
-deques side by side (deadline, opening time, ticket, kind) rather than one of tuples: a
-watched ticket adds no object the garbage collector tracks (a tuple per ticket, kept until
-its deadline or a compaction, made the young collections of a serving engine's scheduler
-come more often).
+nothing due costs one clock read and one comparison, and the completed tickets at the
+head are dropped then; the queue is compacted when it holds more than twice the open
+tickets it held at the last compaction, and at least 256 (completed tickets behind one
+that stays open), amortized O(1) per ticket. The queue is four deques side by side
+(deadline, opening time, ticket, kind) rather than one of tuples, and completed tickets
+leave it at the next check rather than at their deadline: a watched ticket adds no object
+the garbage collector tracks, and keeps none (nor its lifecycle) alive for long (a tuple
+per ticket, and tickets kept until their deadline, made the young collections of a
+serving engine's scheduler come more often).
 
 In the log, ``overdue`` is a protocol reason: a refused record that changes nothing. The
 checker counts it as a violation only if the ticket never completed afterwards (or with
@@ -41,7 +43,7 @@ up on it (vLLM 0.32's NIXL frees an unread prefill after a 30 s lease instead: s
 below it to hear of those); far above what a healthy store or load to host memory takes
 (milliseconds) or a delayed free waits for a decode server under load (seconds)."""
 
-_COMPACT_MIN: Final = 4096
+_COMPACT_MIN: Final = 256
 _T = TypeVar("_T")
 
 
@@ -139,7 +141,9 @@ class OverdueWatch:
             WrongThreadError: called from a thread other than the registry's owner
                 (nothing written).
         """
-        deadlines = self._deadlines
+        deadlines, tickets = self._deadlines, self._tickets
+        while tickets and tickets[0].done:  # completed: dropped as they reach the head
+            self._pop()
         if not deadlines:
             return 0
         if now is None:

@@ -860,6 +860,52 @@ class LifecycleRegistry:
         self.complete(ticket, ok, **detail)
         return None
 
+    def refuse_spent(self, rid: str, serial: int, op: int, ok: bool = True) -> Reason:
+        """A completion reported again for copy ``op`` of lifecycle ``serial`` (rid
+        ``rid``), whose ticket was delivered already and which the caller no longer keeps:
+        refused, counted and audited as ``deliver`` refuses a spent ticket, and its reason
+        returned: ``duplicate_ack`` on the lifecycle while it is unreleased,
+        ``stale_instance`` once it was released. For a component that remembers many
+        ended copies (a planner refusing late worker reports) without keeping their
+        tickets, and so their lifecycles, alive.
+
+        The caller vouches that ``op`` was a copy of that lifecycle and was delivered;
+        the registry checks that both numbers were handed out by it.
+
+        Raises:
+            TypeError: ``rid`` is not a str, ``serial`` or ``op`` not an int, or ``ok`` not
+                a bool. Nothing written.
+            ValueError: this registry never made lifecycle ``serial`` or copy ``op``.
+                Nothing written.
+            WrongThreadError: called from a thread other than the owner.
+        """
+        if _get_ident() != self._owner:
+            self._wrong_thread("refuse_spent")
+        if type(rid) is not str:
+            raise TypeError(f"rid must be a str, got {type(rid).__name__}; nothing written")
+        for name, number in (("serial", serial), ("op", op)):
+            if type(number) is not int:
+                raise TypeError(f"{name} must be an int, got {number!r:.80}; nothing written")
+        if ok is not True and ok is not False:
+            raise TypeError(f"ok must be True or False, got {ok!r:.80}; nothing written")
+        if not 0 <= serial < self._next_serial or not 0 <= op < self._next_op:
+            raise ValueError(
+                f"lifecycle {serial} / copy {op}: this registry made lifecycles "
+                f"0-{self._next_serial - 1} and copies 0-{self._next_op - 1}; nothing written"
+            )
+        trigger = "ack" if ok else "fail"
+        lc = self._by_rid.get(rid)
+        while lc is not None and lc._serial > serial:
+            lc = lc._older
+        if lc is not None and lc._serial == serial and lc._s != _RELEASED:
+            message = f"<Ticket op={op} serial={serial} rid={rid!r}> was already delivered"
+            try:
+                self._refuse(DuplicateAckError, lc, trigger, message, op=op)
+            except DuplicateAckError as exc:
+                return exc.reason
+        self._count_refusal(StaleInstanceError.reason, serial, rid, trigger, "released", op, 0)
+        return StaleInstanceError.reason
+
     def finish(self, target: object, **detail: DetailValue) -> Lifecycle:
         """The request finished: its host copies are kept (published) on release.
 

@@ -99,8 +99,9 @@ _NO_REPORTS: Mapping[int, int] = MappingProxyType({})
 _STORABLE = tuple(state for state in State if LIFECYCLE.permits(state, Trigger.START_OFFLOAD))
 
 MAX_REMEMBERED_ORDERS = 65536
-"""Orders over whose tickets are kept, so that a late or repeated report of one is
-delivered (and refused, counted and audited by the registry) rather than dropped."""
+"""Orders over that are remembered (copy number, lifecycle serial and rid; no ticket), so
+that a late or repeated report of one is refused, counted and audited by the registry
+(``LifecycleRegistry.refuse_spent``) rather than raised as unknown."""
 
 
 class CacheEvent(NamedTuple):
@@ -352,7 +353,11 @@ class OffloadPlanner:
         # Invariant: a hash is in _storing while exactly that order writes its page.
         self._storing: dict[Hashable, int] = {}
         self._storing_pages = 0
-        self._over: OrderedDict[int, Ticket] = OrderedDict()  # newest last
+        # the orders over, newest last: copy number -> its lifecycle's serial and rid (two
+        # dicts of ints and strs: remembering one keeps no object alive, and adds none the
+        # garbage collector tracks)
+        self._over: OrderedDict[int, int] = OrderedDict()
+        self._over_rids: dict[int, str] = {}
         # device block of a finished request -> the stores in flight that read it
         self._fences: dict[int, set[int]] = {}
         self.registry.on_release(self._released)
@@ -798,8 +803,12 @@ class OffloadPlanner:
         this planner never ordered (those changed nothing)."""
         unknown: list[UnknownOrderError] = []
         deliveries: list[tuple[Ticket, bool, int]] = []
+        orders = self._orders
         for reports, ok in ((done, True), (failed, False)):
             for op, count in reports.items():
+                if deliveries and op not in orders:  # refused after the deliveries before it
+                    self._deliver(deliveries)
+                    deliveries = []
                 try:
                     delivery = self._take_report(op, ok, count, False)
                 except UnknownOrderError as exc:
@@ -807,6 +816,12 @@ class OffloadPlanner:
                     continue
                 if delivery is not None:
                     deliveries.append((delivery[0], delivery[1], op))
+        if deliveries:
+            self._deliver(deliveries)
+        return unknown
+
+    def _deliver(self, deliveries: list[tuple[Ticket, bool, int]]) -> None:
+        """Deliver ``(ticket, ok, op)`` in one registry batch, in order."""
         registry, audited = self.registry, self.registry.audited
         if len(deliveries) == 1:  # a batch of one costs more than the single call
             ticket, ok, op = deliveries[0]
@@ -814,28 +829,26 @@ class OffloadPlanner:
                 registry.deliver(ticket, ok, job=op)
             else:
                 registry.deliver(ticket, ok)
-        elif deliveries:
-            groups: list[tuple[Trigger, list[Ticket], list[dict[str, int] | None]]] = []
-            for ticket, ok, op in deliveries:
-                trigger = _ACK if ok else _FAIL
-                if not groups or groups[-1][0] is not trigger:
-                    groups.append((trigger, [], []))
-                groups[-1][1].append(ticket)
-                groups[-1][2].append({"job": op} if audited else None)
-            registry.apply(groups)  # refusals are counted and audited there
-        return unknown
+            return
+        groups: list[tuple[Trigger, list[Ticket], list[dict[str, int] | None]]] = []
+        for ticket, ok, op in deliveries:
+            trigger = _ACK if ok else _FAIL
+            if not groups or groups[-1][0] is not trigger:
+                groups.append((trigger, [], []))
+            groups[-1][1].append(ticket)
+            groups[-1][2].append({"job": op} if audited else None)
+        registry.apply(groups)  # refusals are counted and audited there
 
     def _take_report(
         self, op: int, ok: bool, count: int, taken: bool
     ) -> tuple[Ticket, bool, bool] | None:
         """``report``'s bookkeeping: returns the ticket to deliver, whether as done, and
-        whether the order ended now (``None``: nothing to deliver yet)."""
+        whether the order ended now (``None``: nothing to deliver yet, or a report for an
+        order over, refused here: see ``_refuse_over``)."""
         order = self._orders.get(op)
         if order is None:
-            ticket = self._over.get(op)
-            if ticket is None:
-                raise UnknownOrderError(op)
-            return ticket, ok, False  # delivered again: refused, counted, audited
+            self._refuse_over(op, ok)
+            return None
         if ok:
             order.reported += count
         else:
@@ -843,11 +856,27 @@ class OffloadPlanner:
         if order.reported + order.failed < self.reporters:
             return None
         del self._orders[op]
-        self._over[op] = order.ticket
-        if len(self._over) > MAX_REMEMBERED_ORDERS:
-            self._over.popitem(last=False)
+        ticket = order.ticket
+        over = self._over
+        over[op] = ticket.serial
+        self._over_rids[op] = ticket.rid
+        if len(over) > MAX_REMEMBERED_ORDERS:
+            del self._over_rids[over.popitem(last=False)[0]]
         self._ended(op, order, taken)
-        return order.ticket, order.failed == 0, True
+        return ticket, order.failed == 0, True
+
+    def _refuse_over(self, op: int, ok: bool) -> None:
+        """A report for order ``op``, which is over: delivered again, the registry refuses,
+        counts and audits it (``duplicate_ack`` while its lifecycle lives,
+        ``stale_instance`` after).
+
+        Raises:
+            UnknownOrderError: no order ``op`` was made, or it was forgotten.
+        """
+        serial = self._over.get(op)
+        if serial is None:
+            raise UnknownOrderError(op)
+        self.registry.refuse_spent(self._over_rids[op], serial, op, ok)
 
     def order(self, op: int) -> Order:
         """The order ``op`` in flight (read it, never change it).

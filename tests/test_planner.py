@@ -490,6 +490,47 @@ def test_store_and_load_records_speak_the_one_ticket_vocabulary() -> None:
     assert all(set(detail) <= set(TICKET_DETAIL) for detail in started)
 
 
+def test_a_late_report_after_a_release_and_an_id_reuse_is_refused_on_the_old_lifecycle() -> None:
+    sink = MemorySink()
+    planner = OffloadPlanner(8, registry=LifecycleRegistry(sinks=[sink]))
+    old = _admitted(planner, "a", 2)
+    (order,) = planner.store(old, 2, _hashes("p", 2))
+    planner.end(old)
+    assert planner.report(order.op) is True and old.state is State.RELEASED
+    new = _admitted(planner, "a", 2, first_slot=4)  # the id reused
+    before = planner.account()
+    assert planner.report(order.op) is False  # late: refused, counted, audited
+    assert planner.report_many({order.op: 1}, {order.op: 1}) == []  # twice more
+    refused = [(r.serial, r.trigger, r.reason, r.op) for r in sink.records() if not r.ok]
+    assert refused == [
+        (old.serial, "ack", "stale_instance", order.op),
+        (old.serial, "ack", "stale_instance", order.op),
+        (old.serial, "fail", "stale_instance", order.op),
+    ]
+    assert new.state is State.ALLOCATED and planner.account() == before
+
+
+def test_orders_remembered_after_they_end_keep_no_ticket_or_lifecycle_alive() -> None:
+    """A late report is refused on the right lifecycle by its serial and rid: the planner
+    keeps no ticket for it (a scheduler step's young collections came more often while
+    every ended copy's ticket and lifecycle stayed alive)."""
+    planner = OffloadPlanner(4096)
+
+    def alive() -> int:
+        gc.collect()
+        return sum(type(o) is Lifecycle or type(o).__name__ == "Ticket" for o in gc.get_objects())
+
+    before = alive()
+    for i in range(300):
+        lc = _admitted(planner, f"r{i}", 2, first_slot=2 * i)
+        (order,) = planner.store(lc, 2, _hashes(f"r{i}", 2))
+        planner.end(lc)
+        assert planner.report(order.op) is True
+        del lc, order
+    assert alive() - before < 5  # not 600
+    assert planner.report(0) is False and planner.registry.refusals["stale_instance"] == 1
+
+
 def _reported_run(
     plan: list[tuple[int, bool, int]], many: bool
 ) -> tuple[OffloadPlanner, MemorySink, list[int]]:

@@ -443,6 +443,72 @@ def test_deliver_counts_instead_of_raising() -> None:
         registry.complete(object())  # type: ignore[arg-type]
 
 
+def test_refuse_spent_writes_what_delivering_the_spent_ticket_writes() -> None:
+    """A planner remembers ended copies by number, not by ticket: refusing a report of one
+    must read in the log and the counters as delivering the ticket again would."""
+    records = []
+    for by_number in (False, True):
+        sink = MemorySink()
+        registry = LifecycleRegistry(sinks=[sink])
+        old_req = Req("a")
+        old = registry.register(old_req)
+        ticket = registry.start_offload(old)
+        registry.complete(ticket)
+        open_one = registry.start_offload(old)
+
+        def again(
+            ok: bool,
+            registry: LifecycleRegistry = registry,
+            ticket: Ticket = ticket,
+            by_number: bool = by_number,
+        ) -> object:
+            if by_number:
+                return registry.refuse_spent("a", ticket.serial, ticket.op, ok)
+            return registry.deliver(ticket, ok)
+
+        assert again(True) == "duplicate_ack"  # its lifecycle lives, a copy in flight
+        registry.finish(old_req)
+        registry.complete(open_one)  # released
+        newer = registry.register(Req("a"))  # the rid reused by another request
+        assert again(False) == "stale_instance"
+        assert newer.state is State.ALLOCATED and newer.inflight == 0  # untouched
+        assert {k: v for k, v in registry.refusals.items() if v} == {
+            "duplicate_ack": 1,
+            "stale_instance": 1,
+        }
+        records.append(
+            [(r.rid, r.serial, r.trigger, r.src, r.reason, r.op) for r in sink.records()]
+        )
+    assert records[0] == records[1]
+
+
+def test_refuse_spent_refuses_numbers_it_never_made_and_bad_types_writing_nothing() -> None:
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    registry.complete(registry.start_offload(registry.register(Req("a"))))
+    written = len(sink.records())
+    with pytest.raises(ValueError, match="made lifecycles 0-0 and copies 0-0"):
+        registry.refuse_spent("a", 1, 0)
+    with pytest.raises(ValueError, match="nothing written"):
+        registry.refuse_spent("a", 0, 7)
+    for bad in ((1, 0, 0, True), ("a", "0", 0, True), ("a", 0, 0.0, True), ("a", 0, 0, 1)):
+        with pytest.raises(TypeError):
+            registry.refuse_spent(*bad)  # type: ignore[arg-type]
+    assert len(sink.records()) == written and not any(registry.refusals.values())
+    errors: list[BaseException] = []
+    worker = threading.Thread(target=lambda: _catch(errors, registry.refuse_spent, "a", 0, 0))
+    worker.start()
+    worker.join()
+    assert [type(e) for e in errors] == [WrongThreadError] and len(sink.records()) == written
+
+
+def _catch(errors: list[BaseException], call: Callable[..., object], *args: object) -> None:
+    try:
+        call(*args)
+    except BaseException as exc:  # the test reads it
+        errors.append(exc)
+
+
 def test_lifecycle_and_ticket_have_no_public_constructor_and_no_subclasses() -> None:
     registry = LifecycleRegistry()
     lc = registry.register(Req("a"))
