@@ -894,10 +894,8 @@ class LifecycleRegistry:
                 f"0-{self._next_serial - 1} and copies 0-{self._next_op - 1}; nothing written"
             )
         trigger = "ack" if ok else "fail"
-        lc = self._by_rid.get(rid)
-        while lc is not None and lc._serial > serial:
-            lc = lc._older
-        if lc is not None and lc._serial == serial and lc._s != _RELEASED:
+        lc = self._unreleased(rid, serial)
+        if lc is not None:
             message = f"<Ticket op={op} serial={serial} rid={rid!r}> was already delivered"
             try:
                 self._refuse(DuplicateAckError, lc, trigger, message, op=op)
@@ -905,6 +903,16 @@ class LifecycleRegistry:
                 return exc.reason
         self._count_refusal(StaleInstanceError.reason, serial, rid, trigger, "released", op, 0)
         return StaleInstanceError.reason
+
+    def _unreleased(self, rid: str, serial: int) -> Lifecycle | None:
+        """Lifecycle ``serial`` of ``rid`` while it is unreleased, else ``None`` (its rid
+        chain holds every unreleased lifecycle of the rid, newest first)."""
+        lc = self._by_rid.get(rid)
+        while lc is not None and lc._serial > serial:
+            lc = lc._older
+        if lc is not None and lc._serial == serial and lc._s != _RELEASED:
+            return lc
+        return None
 
     def finish(self, target: object, **detail: DetailValue) -> Lifecycle:
         """The request finished: its host copies are kept (published) on release.
@@ -1259,6 +1267,7 @@ class LifecycleRegistry:
         lifecycle: Lifecycle | None = None,
         rid: str | None = None,
         op: int | None = None,
+        serial: int | None = None,
         **detail: DetailValue,
     ) -> ProtocolViolationError:
         """Write down that a component this registry watches broke its protocol: a refused
@@ -1269,12 +1278,18 @@ class LifecycleRegistry:
         would have been (``ack`` for a completion report); ``detail`` says what was
         reported. ``kvlife audit check`` counts such a record as a violation.
 
+        ``serial`` (with ``rid``, instead of ``lifecycle``) names the lifecycle by number,
+        for a watcher that remembers released lifecycles without keeping them alive: the
+        record is the one ``lifecycle=`` writes, whether it still lives or was released.
+
         Returns the error (not raised: a watcher decides whether the call goes on).
         Changes nothing but the refusal counter and the audit log.
 
         Raises:
-            ValueError: ``reason`` is not a protocol reason. Nothing written.
-            TypeError: a ``detail`` value is not a scalar. Nothing written.
+            ValueError: ``reason`` is not a protocol reason; ``serial`` given with
+                ``lifecycle``, without ``rid``, or never made here. Nothing written.
+            TypeError: a ``detail`` value is not a scalar, or ``serial`` not an int.
+                Nothing written.
             WrongThreadError: called from a thread other than the owner.
         """
         self._check_thread(trigger.value)
@@ -1285,8 +1300,18 @@ class LifecycleRegistry:
             )
         if detail:
             _check_detail(detail)
-        serial = state = None
+        state = None
         inflight = 0
+        if serial is not None:
+            if type(serial) is not int:
+                raise TypeError(f"serial must be an int, got {serial!r:.80}; nothing written")
+            if lifecycle is not None or rid is None or not 0 <= serial < self._next_serial:
+                raise ValueError(
+                    f"serial {serial!r} names a lifecycle this registry made, with its rid "
+                    "and without lifecycle=; nothing written"
+                )
+            lifecycle = self._unreleased(rid, serial)
+            state = _NAMES[_RELEASED]  # unless it lives: below
         if lifecycle is not None:
             serial, state, inflight = lifecycle._serial, _NAMES[lifecycle._s], lifecycle._inflight
             rid = lifecycle._rid if rid is None else rid

@@ -1159,6 +1159,48 @@ def test_a_recorded_protocol_violation_changes_nothing_but_the_log() -> None:
     assert len(sink) == written and registry.statistics().refusals["stray_report"] == 1
 
 
+def test_a_violation_on_a_lifecycle_named_by_serial_reads_as_one_named_by_object() -> None:
+    """A watcher remembers released lifecycles by serial (keeping them alive made a
+    scheduler's young collections come more often): the record must be the same."""
+    records = []
+    for by_serial in (False, True):
+        sink = MemorySink()
+        registry = LifecycleRegistry(sinks=[sink])
+        req = Req("a")
+        old = registry.register(req)
+        ticket = registry.start_offload(old)
+
+        def told(
+            lc: Lifecycle, registry: LifecycleRegistry = registry, on: bool = by_serial
+        ) -> None:
+            where: dict[str, Any] = (
+                {"rid": lc.rid, "serial": lc.serial} if on else {"lifecycle": lc}
+            )
+            registry.record_violation("stray_report", Trigger.ACK, "x", report="r", **where)
+
+        told(old)  # it lives, a copy in flight
+        registry.finish(req)
+        registry.complete(ticket)  # released
+        newer = registry.register(Req("a"))  # its rid reused
+        told(old)
+        told(newer)
+        records.append([(r.rid, r.serial, r.src, r.inflight, r.reason, r.detail) for r in sink])
+    assert records[0] == records[1]
+    told = [r[1:4] for r in records[0] if r[4] == "stray_report"]
+    assert told == [(0, "offloading", 1), (0, "released", 0), (1, "allocated", 0)]
+    written = len(sink)
+    for bad in (
+        {"serial": 0},
+        {"serial": 2, "rid": "a"},
+        {"serial": 0, "rid": "a", "lifecycle": old},
+    ):
+        with pytest.raises(ValueError, match="nothing written"):
+            registry.record_violation("stray_report", Trigger.ACK, "x", **bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        registry.record_violation("stray_report", Trigger.ACK, "x", rid="a", serial="0")  # type: ignore[arg-type]
+    assert len(sink) == written
+
+
 # ---------------------------------------------------------------------- batches (apply)
 
 _BATCH_KINDS = ("start", "ack", "fail", "finish", "abort", "register")

@@ -6,6 +6,7 @@ played by the test, which reports what each connector waits for after random del
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-from kvlife.fsm import check_audit, read_audit
+from kvlife.fsm import Lifecycle, check_audit, read_audit
 from kvlife.fsm.audit import AuditReport
 from kvlife.offload.engines.vllm import KVLifeAuditConnector
 from kvlife.offload.watch.vllm.audit import WrappedConnectorStats
@@ -185,6 +186,7 @@ def _check(path: Path) -> AuditReport:
 def test_with_the_wrapper_vllm_schedules_exactly_as_with_the_connector_alone(
     tmp_path: Path, seed: int, hma: bool
 ) -> None:
+    lifecycles_alive_before = _lifecycles_alive()
     alone = Play(_scheduler(_play_config(hma), alone=True), seed)
     wrapped = Play(_scheduler(_play_config(hma), tmp_path / "a.jsonl", hma=hma), seed)
     for play in (alone, wrapped):
@@ -192,11 +194,19 @@ def test_with_the_wrapper_vllm_schedules_exactly_as_with_the_connector_alone(
         play.drain()
         assert not play.scheduler.requests and not play.pending
     assert wrapped.trace == alone.trace
+    # the wrapper remembers released lifecycles (to tell late reports on them) by serial:
+    # none is kept alive but by the tickets completed since the last step's overdue check
+    assert _lifecycles_alive() - lifecycles_alive_before <= 2
     wrapped.scheduler.shutdown()
     report = _check(tmp_path / "a.jsonl")
     assert report.ok, report.violations[:3]
     assert report.transitions["start_offload"] > 10  # delayed frees and loads were tickets
     assert report.lifecycles == report.released and report.reused_while_unreleased >= 0
+
+
+def _lifecycles_alive() -> int:
+    gc.collect()
+    return sum(type(o) is Lifecycle for o in gc.get_objects())
 
 
 def _handed(scheduler: Any) -> list[dict[str, Any]]:

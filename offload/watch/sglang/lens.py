@@ -206,7 +206,7 @@ class HiCacheLens:
         lc = None if node is None else self._lifecycle(node)
         rid = None if node is None else f"node{node}"
         self.registry.record_violation(
-            reason, trigger, message, lifecycle=lc, rid=rid, op=op, **detail
+            reason, trigger, message, lifecycle=lc, rid=rid, op=op, serial=None, **detail
         )
         self.counts.verdicts[reason] = self.counts.verdicts.get(reason, 0) + 1
         logger.warning("kvlife: %s: %s", self.witness, message)

@@ -129,7 +129,9 @@ class Watch:
         self.load_blocks: dict[int, set[int]] = {}  # ticket op -> device blocks it fills
         self.failed: set[int] = set()  # ops of open loads reported failed
         self.claims: set[int] = set()  # id() of requests whose last answer was load_async
-        self.recent: OrderedDict[str, Lifecycle] = OrderedDict()  # rid -> released lifecycle
+        # rid -> the serial of the lifecycle that released last under it (a number: a
+        # remembered lifecycle is not kept alive)
+        self.recent: OrderedDict[str, int] = OrderedDict()
         self.reported: OrderedDict[tuple[str, str], None] = OrderedDict()  # (report, rid) done
         # (report, rid) of tickets cut short when vLLM freed their request at another report
         self.cut: set[tuple[str, str]] = set()
@@ -164,16 +166,26 @@ class Watch:
             return None
 
     def _released(self, lc: Lifecycle, request: Any) -> None:
-        self.recent[lc.rid] = lc
+        self.recent[lc.rid] = lc.serial
         self.recent.move_to_end(lc.rid)
         if len(self.recent) > _RECENT:
             self.recent.popitem(last=False)
         self.indexed.pop(lc.serial, None)
 
-    def holder(self, rid: str) -> Lifecycle | None:
-        """The lifecycle a report about ``rid`` is told in: the live one holding it, or
-        the one that released last."""
-        return self.registry.live(rid) or self.recent.get(rid)
+    def known(self, rid: str) -> bool:
+        """Whether a lifecycle holds ``rid`` now or released under it lately."""
+        return rid in self.recent or self.registry.live(rid) is not None
+
+    def told_on(self, rid: str | None) -> dict[str, Any]:
+        """``record_violation``'s arguments naming the lifecycle a report about ``rid`` is
+        told in: the live one holding it, or the one that released last (by serial)."""
+        if rid is None:
+            return {"rid": None}
+        lc = self.registry.live(rid)
+        if lc is not None:
+            return {"rid": rid, "lifecycle": lc}
+        serial = self.recent.get(rid)
+        return {"rid": rid} if serial is None else {"rid": rid, "serial": serial}
 
     def open_ticket(self, request: Request, kind: str, **detail: Any) -> Ticket | None:
         """A ticket of ``kind`` on ``request``'s lifecycle (``load`` and ``delayed_free``
@@ -290,13 +302,13 @@ class Watch:
                 del tickets_of[rid]
 
     def stray(self, output: KVConnectorOutput, name: str, rid: str) -> None:
-        lc = self.holder(rid)
+        told_on = self.told_on(rid)
         if (name, rid) in self.cut:
             self.cut.discard((name, rid))
             why = "already_freed"
         elif (name, rid) in self.reported:
             why = "repeated"
-        elif lc is None:
+        elif len(told_on) == 1:  # no lifecycle holds it or released under it lately
             why = "unknown_request"
         elif name == "finished_sending":
             why = "free_not_delayed"
@@ -306,8 +318,7 @@ class Watch:
             "stray_report",
             Trigger.FAIL if name == "failed_recving" else Trigger.ACK,
             f"{self.witness} reported {name} for {rid!r} ({why})",
-            lifecycle=lc,
-            rid=rid,
+            **told_on,
             report=name,
             why=why,
             refused=self.refuse,
@@ -334,7 +345,7 @@ class Watch:
         named = _rids(args)
         if call == "update_connector_output":  # the lensed jobs it was completing
             named = list(dict.fromkeys([*named, *self.completing]))
-        known = [a for a in exc.args if isinstance(a, str) and self.holder(a) is not None]
+        known = [a for a in exc.args if isinstance(a, str) and self.known(a)]
         concerned = _named_in(exc, [*known, *named])
         rids: list[str | None] = list(concerned or named) or [None]
         for rid in rids[:64]:
@@ -342,8 +353,7 @@ class Watch:
                 "connector_raised",
                 trigger,
                 f"{self.witness}.{call} raised {error}",
-                lifecycle=self.holder(rid) if rid is not None else None,
-                rid=rid,
+                **self.told_on(rid),
                 call=call,
                 error=error,
             )
@@ -557,13 +567,11 @@ class Watch:
             parent = key
 
     def _mismatch(self, rid: str | None, event: str, key: Any, why: str) -> None:
-        lc = self.holder(rid) if rid is not None else None
         self.registry.record_violation(
             "event_mismatch",
             Trigger.ACK,
             f"{self.witness} published {event} for block hash {key} ({why})",
-            lifecycle=lc,
-            rid=rid,
+            **self.told_on(rid),
             event=event,
             why=why,
             block_hash=str(key)[:40],
