@@ -1098,8 +1098,26 @@ def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
     assert len(steps) == 1 and steps.pop() > 40  # one workload, one schedule, every config
     for config in CONFIGS[1:]:
         assert result[config]["median_us"] > 0 and result[config]["p99_ratio"] > 0
+    assert all(result[config]["young_gcs"] >= 0 for config in CONFIGS)
     speed = copy_speed(layers=2, blocks=64, copied=8, reps=3)
     assert speed["store_gbs"] > 0 and speed["load_gbs"] > 0 and speed["mib"] == 1.0
+
+
+def test_the_scheduler_benchmark_counts_only_the_collections_inside_timed_steps() -> None:
+    import gc  # noqa: PLC0415
+
+    from tests.engines.vllm_bench import Collections  # noqa: PLC0415
+
+    with Collections() as seen:
+        gc.collect(0)  # outside a step: not counted
+        seen.on = True
+        gc.collect(0)
+        gc.collect(1)
+        seen.on = False
+        gc.collect(0)
+    gc.collect(0)  # uninstalled
+    assert [generation for generation, _ in seen.seen] == [0, 1]
+    assert all(seconds > 0 for _, seconds in seen.seen) and seen not in gc.callbacks
 
 
 def test_the_benchmarks_source_config_runs_the_scheduler_side_from_its_source() -> None:

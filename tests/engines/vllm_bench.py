@@ -178,6 +178,31 @@ def _timed(connector: Any, spent: dict[str, float]) -> None:
         setattr(connector, name, timed)
 
 
+class Collections:
+    """CPython's garbage collections that run inside timed steps (``on``): the generation
+    and seconds of each, through ``gc.callbacks`` while installed (a ``with`` block)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seen: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seen.append((info["generation"], time.perf_counter() - self._started))
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def run(
     config: str,
     *,
@@ -187,10 +212,11 @@ def run(
     host_blocks: int,
     audit: str,
     spent: dict[str, float] | None = None,
+    collections: Collections | None = None,
 ) -> list[float]:
     """Seconds per step of ``schedule()`` + ``update_from_output()``; with ``spent``, each
     scheduler-side connector call is timed into it (a clock around each: not the timed
-    rounds)."""
+    rounds); with ``collections``, the garbage collections inside the steps go there."""
     rng = random.Random(seed)
     scheduler = _scheduler(config, host_blocks, audit)
     if spent is not None and scheduler.connector is not None:
@@ -213,11 +239,14 @@ def run(
     times: list[float] = []
     pending: list[int] = []  # stores to report done in the next step
     gc.collect()
+    watched = collections if collections is not None else Collections()
     while scheduler.requests:
+        watched.on = True
         started = time.perf_counter()
         out = scheduler.schedule()
         scheduler.update_from_output(out, model_output(out, _worker_meta(config, pending)))
         times.append(time.perf_counter() - started)
+        watched.on = False
         pending = _new_jobs(config, out)
         while admitted < requests and len(scheduler.requests) < concurrent:
             admit()
@@ -300,14 +329,16 @@ def _interleaved(
     requests: int,
     concurrent: int,
     timed: bool = False,
-) -> Iterator[tuple[str, list[float], dict[str, float] | None]]:
+) -> Iterator[tuple[str, list[float], dict[str, float] | None, list[tuple[int, float]]]]:
     """``run`` every config ``rounds`` times, the order reversed every other round (the
     first run of a process is slower), each round on its own seed; yields each run's
-    config, step times and (``timed``) the seconds each scheduler-side call took."""
-    with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp:
+    config, step times, (``timed``) the seconds each scheduler-side call took, and the
+    garbage collections inside its steps (generation, seconds)."""
+    with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp, Collections() as seen:
         for r in range(rounds):
             for config in configs if r % 2 == 0 else tuple(reversed(configs)):
                 spent = dict.fromkeys(SCHEDULER_CALLS, 0.0) if timed else None
+                seen.seen = []
                 steps = run(
                     config,
                     seed=seed + r,
@@ -316,8 +347,9 @@ def _interleaved(
                     host_blocks=1024,
                     audit=f"{tmp}/{config}-{r}.jsonl",
                     spent=spent,
+                    collections=seen,
                 )
-                yield config, steps, spent
+                yield config, steps, spent, seen.seen
 
 
 def breakdown(
@@ -332,7 +364,7 @@ def breakdown(
     clock around every call), the median over ``rounds`` runs per config, in alternating
     order (the first run of a process is slower), and their sum (``total``)."""
     spent_per_run: dict[str, list[dict[str, float]]] = {config: [] for config in configs}
-    for config, steps, spent in _interleaved(
+    for config, steps, spent, _ in _interleaved(
         configs, rounds=rounds, seed=seed, requests=requests, concurrent=concurrent, timed=True
     ):
         assert spent is not None
@@ -356,19 +388,25 @@ def measure(
     configs: tuple[str, ...] = CONFIGS,
 ) -> dict[str, dict[str, float]]:
     """Median and p99 step time (microseconds) of each config over ``rounds``
-    interleaved runs (each run's steps pooled), and the ratios to no connector."""
+    interleaved runs (each run's steps pooled), the ratios to no connector, and the
+    young-generation garbage collections inside the steps (how many a run, the median
+    one's microseconds)."""
     configs = ("none", *(c for c in configs if c != "none"))
     steps: dict[str, list[float]] = {config: [] for config in configs}
-    for config, times, _ in _interleaved(
+    young: dict[str, list[float]] = {config: [] for config in configs}
+    for config, times, _, collected in _interleaved(
         configs, rounds=rounds, seed=seed, requests=requests, concurrent=concurrent
     ):
         steps[config] += times
+        young[config] += [seconds for generation, seconds in collected if generation == 0]
     result = {
         config: {
             "median_us": statistics.median(times) * 1e6,
             "p99_us": _p99(times) * 1e6,
             "max_us": max(times) * 1e6,
             "steps": float(len(times)),
+            "young_gcs": len(young[config]) / rounds,
+            "young_gc_us": statistics.median(young[config]) * 1e6 if young[config] else 0.0,
         }
         for config, times in steps.items()
     }
@@ -440,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(
             f"  {config:17s} median {row['median_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
-            f"max {row['max_us']:8.1f} us  ({int(row['steps'])} steps){ratios}"
+            f"max {row['max_us']:8.1f} us  ({int(row['steps'])} steps; young GCs "
+            f"{row['young_gcs']:.1f} a run, {row['young_gc_us']:.0f} us){ratios}"
         )
     ours = tuple(c for c in configs if c.startswith("kvlife"))
     if ours:
