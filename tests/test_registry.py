@@ -443,16 +443,21 @@ def test_deliver_counts_instead_of_raising() -> None:
         registry.complete(object())  # type: ignore[arg-type]
 
 
+def _one_copy_logged() -> tuple[MemorySink, LifecycleRegistry, Req, Lifecycle, Ticket]:
+    """A registry logging to memory, with request ``a`` registered and one copy started."""
+    sink = MemorySink()
+    registry = LifecycleRegistry(sinks=[sink])
+    req = Req("a")
+    lc = registry.register(req)
+    return sink, registry, req, lc, registry.start_offload(lc)
+
+
 def test_refuse_spent_writes_what_delivering_the_spent_ticket_writes() -> None:
     """A planner remembers ended copies by number, not by ticket: refusing a report of one
     must read in the log and the counters as delivering the ticket again would."""
     records = []
     for by_number in (False, True):
-        sink = MemorySink()
-        registry = LifecycleRegistry(sinks=[sink])
-        old_req = Req("a")
-        old = registry.register(old_req)
-        ticket = registry.start_offload(old)
+        sink, registry, old_req, old, ticket = _one_copy_logged()
         registry.complete(ticket)
         open_one = registry.start_offload(old)
 
@@ -1164,11 +1169,7 @@ def test_a_violation_on_a_lifecycle_named_by_serial_reads_as_one_named_by_object
     scheduler's young collections come more often): the record must be the same."""
     records = []
     for by_serial in (False, True):
-        sink = MemorySink()
-        registry = LifecycleRegistry(sinks=[sink])
-        req = Req("a")
-        old = registry.register(req)
-        ticket = registry.start_offload(old)
+        sink, registry, req, old, ticket = _one_copy_logged()
 
         def told(
             lc: Lifecycle, registry: LifecycleRegistry = registry, on: bool = by_serial
