@@ -206,13 +206,17 @@ def test_host_pages_freed_under_a_load_back_are_host_freed_in_flight(
     hc, _, path = lensed(tmp_path, core)
     written_and_evicted(hc)
     assert hc.load_back(TOKENS)
-    hc.cache.cache_controller.mem_pool_host.free(_load_host_pages(hc))
+    freed = _load_host_pages(hc)  # host slots (tokens), whole pages of H.PAGE
+    hc.cache.cache_controller.mem_pool_host.free(freed)
     hc.poll()
     report = checked(hc, path)
     found = kinds(report)
     assert found == {"host_freed_in_flight": 1}, found
     (v,) = report.violations
     assert "load_back" in v.message and v.rid == f"node{hc.match(TOKENS).best_match_node}"
+    # the lens follows pages, not tokens: the verdict counts the pages freed
+    assert len(freed) > H.PAGE > 1
+    assert v.message.endswith(f"slots={len(freed) // H.PAGE}"), v.message
 
 
 # ---------------------------------------------------------------- a failed write backed

@@ -152,9 +152,17 @@ class _Prefetches(dict[Any, Any]):
         return dict.pop(self, request, *default)
 
 
-def _slots(indices: Any) -> list[int]:
-    """A tensor of host page indices as Python ints (``tolist`` makes them so)."""
-    return [] if indices is None else list(indices.tolist())
+def _pages(indices: Any, page: int) -> list[int]:
+    """The host pages a tensor of host slot indices covers, as Python ints: SGLang's host
+    pool hands out and takes back whole pages of ``page`` slots (tokens), page-aligned, so
+    the lens follows pages, not tokens (a copy of a 4k-token node with 64-token pages is
+    64 entries, not 4,096)."""
+    if indices is None:
+        return []
+    slots: list[int] = indices.tolist()
+    if page == 1:
+        return slots
+    return [slot // page for slot in slots[::page]]  # each page's first slot
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -181,6 +189,7 @@ def install(cache: Any, lens: HiCacheLens) -> None:
     from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: PLC0415
 
     host_pool = cache.host_pool_group.get_entry(PoolName.KV).host_pool
+    page = int(getattr(host_pool, "page_size", 1) or 1)
     refuse = lens.mode == "refuse"
     storage_node: list[int] = []  # the node write_backup_storage is backing up now
 
@@ -189,7 +198,7 @@ def install(cache: Any, lens: HiCacheLens) -> None:
             result = original(*args, **kwargs)
             node = kwargs.get("node_id", -1)
             if node != -1:
-                lens.write_submitted(node, None if result is None else _slots(result))
+                lens.write_submitted(node, None if result is None else _pages(result, page))
             return result
 
         return call
@@ -200,7 +209,7 @@ def install(cache: Any, lens: HiCacheLens) -> None:
             node = kwargs.get("node_id", -1)
             if result is not None and node != -1:
                 host = kwargs.get("host_indices", args[0] if args else None)
-                lens.copy_started("load_back", node, node, _slots(host), tokens=len(result))
+                lens.copy_started("load_back", node, node, _pages(host, page), tokens=len(result))
             return result
 
         return call
@@ -303,14 +312,14 @@ def install(cache: Any, lens: HiCacheLens) -> None:
         def call(host_indices: Any, *args: Any, **kwargs: Any) -> Any:
             op = original(host_indices, *args, **kwargs)
             node = storage_node[-1] if storage_node else -1
-            lens.copy_started("storage_backup", node, op, _slots(host_indices))
+            lens.copy_started("storage_backup", node, op, _pages(host_indices, page))
             return op
 
         return call
 
     def free(original: Callable[..., Any]) -> Callable[..., Any]:
         def call(indices: Any, *args: Any, **kwargs: Any) -> Any:
-            lens.host_freed(_slots(indices))
+            lens.host_freed(_pages(indices, page))
             return original(indices, *args, **kwargs)
 
         return call
