@@ -132,6 +132,12 @@ class OverdueWatch:
         self._tickets.popleft()
         self._kinds.popleft()
 
+    def _drop_done(self) -> None:
+        """Drop the completed tickets at the head of the queue."""
+        tickets = self._tickets
+        while tickets and tickets[0].done:
+            self._pop()
+
     def check(self, now: float | None = None) -> int:
         """Write an ``overdue`` record for each open ticket that crossed the limit since
         the last check; return how many. Call it from the registry's owner thread (a
@@ -141,9 +147,8 @@ class OverdueWatch:
             WrongThreadError: called from a thread other than the registry's owner
                 (nothing written).
         """
-        deadlines, tickets = self._deadlines, self._tickets
-        while tickets and tickets[0].done:  # completed: dropped as they reach the head
-            self._pop()
+        self._drop_done()
+        deadlines = self._deadlines
         if not deadlines:
             return 0
         if now is None:
@@ -191,10 +196,8 @@ class OverdueWatch:
         late = self._late_open()
         if late:
             return now - late[0][0]
-        tickets = self._tickets
-        while tickets and tickets[0].done:
-            self._pop()
-        return now - self._opened[0] if tickets else 0.0
+        self._drop_done()
+        return now - self._opened[0] if self._tickets else 0.0
 
     def __len__(self) -> int:
         """Tickets watched (open ones, and completed ones not yet dropped)."""

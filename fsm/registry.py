@@ -893,16 +893,13 @@ class LifecycleRegistry:
                 f"lifecycle {serial} / copy {op}: this registry made lifecycles "
                 f"0-{self._next_serial - 1} and copies 0-{self._next_op - 1}; nothing written"
             )
-        trigger = "ack" if ok else "fail"
         lc = self._unreleased(rid, serial)
-        if lc is not None:
-            message = f"<Ticket op={op} serial={serial} rid={rid!r}> was already delivered"
-            try:
-                self._refuse(DuplicateAckError, lc, trigger, message, op=op)
-            except DuplicateAckError as exc:
-                return exc.reason
-        self._count_refusal(StaleInstanceError.reason, serial, rid, trigger, "released", op, 0)
-        return StaleInstanceError.reason
+        if lc is None:
+            reason, state, inflight = StaleInstanceError.reason, _NAMES[_RELEASED], 0
+        else:
+            reason, state, inflight = DuplicateAckError.reason, _NAMES[lc._s], lc._inflight
+        self._count_refusal(reason, serial, rid, "ack" if ok else "fail", state, op, inflight)
+        return reason
 
     def _unreleased(self, rid: str, serial: int) -> Lifecycle | None:
         """Lifecycle ``serial`` of ``rid`` while it is unreleased, else ``None`` (its rid

@@ -308,7 +308,7 @@ class Watch:
             why = "already_freed"
         elif (name, rid) in self.reported:
             why = "repeated"
-        elif len(told_on) == 1:  # no lifecycle holds it or released under it lately
+        elif told_on.keys() == {"rid"}:  # no lifecycle holds it or released under it lately
             why = "unknown_request"
         elif name == "finished_sending":
             why = "free_not_delayed"
