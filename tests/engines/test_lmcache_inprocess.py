@@ -119,6 +119,35 @@ def test_a_reused_id_loses_its_state_and_lmcache_raises_named_on_that_id(tmp_pat
     assert where.startswith("ValueError at lmcache/integration/vllm/vllm_v1_adapter.py:")
 
 
+def test_a_run_leaves_none_of_lmcaches_socket_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every ``ipc://`` socket LMCache's servers bind makes a file (under vLLM's
+    ``VLLM_RPC_BASE_PATH``) that libzmq leaves when the socket closes: the exercise removes
+    those its run made (two a worker: the lookup and the offload server), and no other."""
+    import zmq  # noqa: PLC0415
+
+    bound: list[str] = []
+    bind = zmq.Socket.bind
+
+    def recorded(self: zmq.Socket[Any], addr: str) -> Any:
+        result = bind(self, addr)
+        endpoint = self.getsockopt_string(zmq.LAST_ENDPOINT)
+        if endpoint.startswith("ipc://"):
+            bound.append(endpoint.removeprefix("ipc://"))
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "bind", recorded)
+    bystander = tmp_path / "engine_other_service_lookup_lmcache_rpc_port_0"
+    bystander.touch()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    exercise(CONFIG, ["basic", "tp2"], range(1), 20, tmp_path / "log", runners=["v1"])
+    assert len(bound) == 2 * 3  # basic: one worker; tp2: two
+    assert all(Path(path).parent == tmp_path for path in bound)
+    assert [path for path in bound if Path(path).exists()] == []
+    assert bystander.exists()
+
+
 def _outcome(run: RunResult) -> tuple[Any, ...]:
     return (run.raised, run.raised_at, run.undrained, run.leaked_blocks, run.verdicts, run.steps)
 

@@ -27,7 +27,11 @@ What LMCache's worker needs that a vLLM worker process would have given it, all 
   smaller answer);
 * at the end of a run, LMCache's services closed from the thread that made them and its
   engine destroyed, but not through LMCache's ``stop_services``, which closes a ZMQ socket
-  another thread is blocked on and aborts the process in libzmq.
+  another thread is blocked on and aborts the process in libzmq; the socket files its
+  lookup and offload servers bound (``engine_<id>_service_*`` under vLLM's
+  ``VLLM_RPC_BASE_PATH``, the temporary directory by default) removed, which neither
+  LMCache nor libzmq does when a bound ``ipc://`` socket closes (each run would leave
+  two a worker).
 
 vLLM's wrapper makes every load of this connector synchronous (``get_num_new_matched_tokens``
 answers ``load_async=False``): a load runs inside ``start_load_kv`` of the step that
@@ -201,24 +205,44 @@ def _stopped(server: Any, socket: Any, request: list[bytes]) -> bool:
     return not server.thread.is_alive()
 
 
+def _socket_file(socket: Any) -> str | None:
+    """The file a socket bound to an ``ipc://`` endpoint made (``None`` for another
+    transport): libzmq leaves it when the socket closes."""
+    import zmq  # noqa: PLC0415
+
+    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    return endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def _stop_lookup_server(server: Any) -> None:
     """A lookup of nothing (LMCache answers it 0), then LMCache's own close, which joins
-    the thread and closes the socket; then the server's own ZMQ context."""
+    the thread and closes the socket; then the server's own ZMQ context, and the socket's
+    file."""
     import msgspec  # noqa: PLC0415
 
     frames: tuple[Any, ...] = ([], [], "kvlife-close", "")  # hashes, offsets, id, configs
     nothing = [msgspec.msgpack.encode(frame) for frame in frames]
+    path = _socket_file(server.transport.socket)
     _stopped(server, server.transport.socket, nothing)
     server.close()
     server.transport.ctx.term()
+    _remove(path)
 
 
 def _stop_offload_server(server: Any) -> None:
     """Closing its socket under its blocked ``recv`` aborts the process: an empty request
     first (LMCache logs it as an error it could not decode), the socket closed once its
-    thread is gone. Its context is the process's shared one: left open."""
+    thread is gone, then its file. Its context is the process's shared one: left open."""
+    path = _socket_file(server.socket)
     if _stopped(server, server.socket, [b""]):
         server.socket.close(linger=0)
+        _remove(path)
 
 
 __all__ = ["SETTINGS", "LMCacheInProcessWorkers", "distributed", "settings"]
