@@ -631,3 +631,21 @@ def test_a_prefetch_entry_removed_that_was_never_registered_is_a_stray_report(
     with pytest.raises(KeyError):  # with it: the same KeyError, written down first
         del hc.cache.ongoing_prefetch[ghost]
     assert kinds(checked(hc, path)) == {"stray_report": 1}
+
+
+def test_the_lens_benchmark_alternates_after_a_round_not_kept(tmp_path: Path) -> None:
+    """The first runs of a process are slower: the bench's round -1 is not kept, and the
+    run with the lens goes first every other round."""
+    from tests.engines import hicache_bench  # noqa: PLC0415
+
+    assert list(hicache_bench.turns(2)) == [
+        (-1, True),
+        (-1, False),
+        (0, False),
+        (0, True),
+        (1, True),
+        (1, False),
+    ]
+    out = hicache_bench.measure("python", rounds=2, calls=3, tmp=tmp_path)
+    assert set(out) == {"match_prefix", "insert (cached)", "check_hicache_events", "workload step"}
+    assert all(alone > 0 and lensed > 0 for alone, lensed in out.values())

@@ -1103,6 +1103,39 @@ def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
     assert speed["store_gbs"] > 0 and speed["load_gbs"] > 0 and speed["mib"] == 1.0
 
 
+def test_the_scheduler_benchmark_runs_every_config_once_unkept_before_its_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first runs of a process are slower: a run of every config that is not kept
+    comes first, so that the config that runs first in the rounds does not pay for them."""
+    from tests.engines import vllm_bench  # noqa: PLC0415
+
+    ran: list[tuple[str, int, int]] = []
+
+    def run(config: str, *, seed: int, requests: int, **_: Any) -> list[float]:
+        ran.append((config, seed, requests))
+        return [float(len(ran))]
+
+    monkeypatch.setattr(vllm_bench, "run", run)
+    kept = list(
+        vllm_bench._interleaved(("none", "kvlife"), rounds=2, seed=5, requests=40, concurrent=8)
+    )
+    assert ran == [
+        ("none", 7, 8),  # not kept: concurrent requests, a seed no round uses
+        ("kvlife", 7, 8),
+        ("none", 5, 40),
+        ("kvlife", 5, 40),
+        ("kvlife", 6, 40),  # every other round reversed
+        ("none", 6, 40),
+    ]
+    assert [(config, steps) for config, steps, _, _ in kept] == [
+        ("none", [3.0]),
+        ("kvlife", [4.0]),
+        ("kvlife", [5.0]),
+        ("none", [6.0]),
+    ]
+
+
 def test_the_scheduler_benchmark_counts_only_the_collections_inside_timed_steps() -> None:
     import gc  # noqa: PLC0415
 

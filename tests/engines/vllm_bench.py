@@ -330,11 +330,22 @@ def _interleaved(
     concurrent: int,
     timed: bool = False,
 ) -> Iterator[tuple[str, list[float], dict[str, float] | None, list[tuple[int, float]]]]:
-    """``run`` every config ``rounds`` times, the order reversed every other round (the
-    first run of a process is slower), each round on its own seed; yields each run's
-    config, step times, (``timed``) the seconds each scheduler-side call took, and the
-    garbage collections inside its steps (generation, seconds)."""
+    """``run`` every config ``rounds`` times, the order reversed every other round, each
+    round on its own seed, after a run of every config that is not kept (``concurrent``
+    requests: the first runs of a process are slower, and the config that ran first would
+    pay for it); yields each kept run's config, step times, (``timed``) the seconds each
+    scheduler-side call took, and the garbage collections inside its steps (generation,
+    seconds)."""
     with tempfile.TemporaryDirectory(prefix="kvlife-vllm-bench-") as tmp, Collections() as seen:
+        for config in configs:
+            run(
+                config,
+                seed=seed + rounds,
+                requests=min(requests, concurrent),
+                concurrent=concurrent,
+                host_blocks=1024,
+                audit=f"{tmp}/{config}-warm-up.jsonl",
+            )
         for r in range(rounds):
             for config in configs if r % 2 == 0 else tuple(reversed(configs)):
                 spent = dict.fromkeys(SCHEDULER_CALLS, 0.0) if timed else None
