@@ -1103,6 +1103,22 @@ def test_the_scheduler_benchmark_runs_every_config_on_the_same_steps() -> None:
     assert speed["store_gbs"] > 0 and speed["load_gbs"] > 0 and speed["mib"] == 1.0
 
 
+def test_vllms_ipc_sockets_go_to_the_test_sessions_own_directory() -> None:
+    """vLLM leaves its ZMQ socket files behind: the engine tests' session directory
+    (``tests/engines/conftest.py``) takes them, not the temporary directory."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from vllm.utils.network_utils import get_open_zmq_ipc_path  # noqa: PLC0415
+
+    from tests.engines.conftest import RPC_PREFIX  # noqa: PLC0415
+
+    where = Path(get_open_zmq_ipc_path().removeprefix("ipc://")).parent
+    assert where == Path(os.environ["VLLM_RPC_BASE_PATH"]) and where.is_dir()
+    assert where.name.startswith(RPC_PREFIX) and where != Path(tempfile.gettempdir())
+
+
 def test_the_scheduler_benchmark_runs_every_config_once_unkept_before_its_rounds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
