@@ -64,6 +64,7 @@ if TYPE_CHECKING:
         LoadOrder,
         OffloadPlanner,
         PageAccount,
+        ReportCountError,
         StoreOrder,
         UnknownOrderError,
     )
@@ -103,6 +104,7 @@ _HOME = {
     "LoadOrder": "planner",
     "OffloadPlanner": "planner",
     "PageAccount": "planner",
+    "ReportCountError": "planner",
     "StoreOrder": "planner",
     "UnknownOrderError": "planner",
     "HostPrefixCache": "prefix_cache",
@@ -141,6 +143,7 @@ __all__ = [
     "PageHasher",
     "PrefixCacheError",
     "PrefixCacheStats",
+    "ReportCountError",
     "StoreOrder",
     "UnknownOrderError",
     "block_views",

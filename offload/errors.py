@@ -30,12 +30,28 @@ class UnknownOrderError(KeyError):
     [`MAX_REMEMBERED_ORDERS`][kvlife.offload.planner.MAX_REMEMBERED_ORDERS] ago). Nothing
     changed."""
 
-    def __init__(self, op: int) -> None:
+    def __init__(self, op: object) -> None:
         super().__init__(op)
         self.op = op
 
     def __str__(self) -> str:
-        return f"a report for copy {self.op}, which this planner never ordered"
+        return f"a report for copy {self.op!r}, which this planner never ordered"
+
+
+class ReportCountError(ValueError):
+    """A report's count of workers is not a positive int (one worker's report counts 1;
+    vLLM's worker metadata sums them). Nothing changed: the report was not taken."""
+
+    def __init__(self, op: object, count: object) -> None:
+        super().__init__(op, count)
+        self.op = op
+        self.count = count
+
+    def __str__(self) -> str:
+        return (
+            f"a report for copy {self.op!r} from {self.count!r} workers: a report counts a "
+            "positive int of workers"
+        )
 
 
 __all__ = [
@@ -43,5 +59,6 @@ __all__ = [
     "ForeignPageError",
     "HostPageError",
     "PrefixCacheError",
+    "ReportCountError",
     "UnknownOrderError",
 ]

@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 from kvlife.fsm.overdue import OverdueWatch
 from kvlife.fsm.registry import Lifecycle, LifecycleRegistry, Ticket
 from kvlife.fsm.table import LIFECYCLE, State, Trigger
-from kvlife.offload.errors import UnknownOrderError
+from kvlife.offload.errors import ReportCountError, UnknownOrderError
 from kvlife.offload.pages import PageAllocator, page_runs
 from kvlife.offload.prefix_cache import HostPrefixCache
 
@@ -772,7 +772,9 @@ class OffloadPlanner:
         worker reported it, its ticket is delivered (failed if any worker failed) and the
         order's pages go where they belong. Returns whether the order ended now. A report
         for an order already over is delivered again: the registry refuses, counts and
-        audits it, and nothing else changes.
+        audits it, and nothing else changes. So is the rest of a ``count`` larger than the
+        workers the order still waits for (a worker that reported twice), after the order
+        ended with the reports it waited for.
 
         ``taken`` (owner mode): the caller took the pages of the store that ends now
         (a copy hook that backs them up); the lifecycle does not keep them.
@@ -780,45 +782,65 @@ class OffloadPlanner:
         Raises:
             UnknownOrderError: no order ``op`` was made (or it was forgotten). Nothing
                 changed.
+            ReportCountError: ``count`` is not a positive int. Nothing changed.
         """
+        if type(count) is not int or count <= 0:
+            raise ReportCountError(op, count)
         delivery = self._take_report(op, ok, count, taken)
         if delivery is None:
             return False
-        ticket, delivered_ok, ended = delivery
+        ticket, delivered_ok, excess = delivery
         if self.registry.audited:
             self.registry.deliver(ticket, delivered_ok, job=op)
         else:
             self.registry.deliver(ticket, delivered_ok)
-        return ended
+        if excess:
+            self._refuse_over(op, ok)
+        return True
 
     def report_many(
         self, done: Mapping[int, int], failed: Mapping[int, int] = _NO_REPORTS
-    ) -> list[UnknownOrderError]:
+    ) -> list[UnknownOrderError | ReportCountError]:
         """A step's reports at once: ``done`` and ``failed`` map copy numbers to how many
         workers reported them so (vLLM's worker metadata), taken in that order as
         ``report`` takes each, with every ticket they end delivered in one registry batch
         ([`apply()`][kvlife.fsm.registry.LifecycleRegistry.apply]): the same records and
-        refusals as one ``report`` after another. Returns an
+        refusals as one ``report`` after another. Never raises for a report: returns an
         [`UnknownOrderError`][kvlife.offload.planner.UnknownOrderError] per copy number
-        this planner never ordered (those changed nothing)."""
-        unknown: list[UnknownOrderError] = []
+        this planner never ordered and a
+        [`ReportCountError`][kvlife.offload.planner.ReportCountError] per count that is
+        not a positive int (neither report changed anything; the others were taken)."""
+        problems: list[UnknownOrderError | ReportCountError] = []
         deliveries: list[tuple[Ticket, bool, int]] = []
         orders = self._orders
-        for reports, ok in ((done, True), (failed, False)):
+        pairs: tuple[tuple[Mapping[Any, object], bool], ...] = ((done, True), (failed, False))
+        for reports, ok in pairs:
             for op, count in reports.items():
+                # checked here, not by the call's types: a bad one is returned, never
+                # raised between a batch's reports
+                if type(count) is not int or count <= 0:
+                    problems.append(ReportCountError(op, count))
+                    continue
+                if type(op) is not int:
+                    problems.append(UnknownOrderError(op))
+                    continue
                 if deliveries and op not in orders:  # refused after the deliveries before it
                     self._deliver(deliveries)
                     deliveries = []
                 try:
                     delivery = self._take_report(op, ok, count, False)
                 except UnknownOrderError as exc:
-                    unknown.append(exc)
+                    problems.append(exc)
                     continue
                 if delivery is not None:
                     deliveries.append((delivery[0], delivery[1], op))
+                    if delivery[2]:  # more reports than workers: refused after the delivery
+                        self._deliver(deliveries)
+                        deliveries = []
+                        self._refuse_over(op, ok)
         if deliveries:
             self._deliver(deliveries)
-        return unknown
+        return problems
 
     def _deliver(self, deliveries: list[tuple[Ticket, bool, int]]) -> None:
         """Deliver ``(ticket, ok, op)`` in one registry batch, in order."""
@@ -842,19 +864,25 @@ class OffloadPlanner:
     def _take_report(
         self, op: int, ok: bool, count: int, taken: bool
     ) -> tuple[Ticket, bool, bool] | None:
-        """``report``'s bookkeeping: returns the ticket to deliver, whether as done, and
-        whether the order ended now (``None``: nothing to deliver yet, or a report for an
-        order over, refused here: see ``_refuse_over``)."""
+        """``report``'s bookkeeping (``count`` is a positive int): returns the ticket to
+        deliver, whether as done, and whether more workers reported than the order
+        waited for (``None``: the order waits for more reports, or it was over: that
+        report is refused here, see ``_refuse_over``)."""
         order = self._orders.get(op)
         if order is None:
             self._refuse_over(op, ok)
             return None
-        if ok:
-            order.reported += count
-        else:
-            order.failed += count
-        if order.reported + order.failed < self.reporters:
+        waited = self.reporters - order.reported - order.failed
+        if count < waited:
+            if ok:
+                order.reported += count
+            else:
+                order.failed += count
             return None
+        if ok:
+            order.reported += waited
+        else:
+            order.failed += waited
         del self._orders[op]
         ticket = order.ticket
         over = self._over
@@ -863,7 +891,7 @@ class OffloadPlanner:
         if len(over) > MAX_REMEMBERED_ORDERS:
             del self._over_rids[over.popitem(last=False)[0]]
         self._ended(op, order, taken)
-        return ticket, order.failed == 0, True
+        return ticket, order.failed == 0, count > waited
 
     def _refuse_over(self, op: int, ok: bool) -> None:
         """A report for order ``op``, which is over: delivered again, the registry refuses,
@@ -1085,6 +1113,7 @@ __all__ = [
     "Order",
     "PageAccount",
     "Progress",
+    "ReportCountError",
     "StoreOrder",
     "UnknownOrderError",
     "block_ids",

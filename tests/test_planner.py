@@ -21,6 +21,7 @@ from kvlife.offload.planner import (
     LoadOrder,
     OffloadPlanner,
     PageAccount,
+    ReportCountError,
     StoreOrder,
     UnknownOrderError,
 )
@@ -138,6 +139,50 @@ def test_a_repeated_report_is_refused_by_the_registry_and_changes_nothing() -> N
     with pytest.raises(UnknownOrderError, match="copy 99, which this planner never ordered"):
         planner.report(99)
     assert planner.account() == before and planner.counters()["stores"] == 1
+
+
+def test_a_count_of_workers_that_is_not_positive_is_refused_and_changes_nothing() -> None:
+    planner = OffloadPlanner(8, reporters=2)
+    lc = _admitted(planner, "a", 4)
+    first, second = planner.store(lc, 2, _hashes("p", 2)) + planner.store(lc, 4, _hashes("p", 4))
+    before = planner.account()
+    for count in (0, -1):
+        with pytest.raises(ReportCountError, match=f"from {count} workers"):
+            planner.report(first.op, True, count)
+    # in one batch: the bad ones are returned (never raised between its reports), the
+    # others taken
+    reports = {first.op: -2, second.op: 1, 10_000: None, "x": 1}  # type: ignore[dict-item]
+    problems = planner.report_many(reports, {first.op: 1.5})  # type: ignore[dict-item]
+    assert [(type(p), p.op) for p in problems] == [
+        (ReportCountError, first.op),
+        (ReportCountError, 10_000),
+        (UnknownOrderError, "x"),
+        (ReportCountError, first.op),
+    ]
+    assert planner.order(first.op).reported == 0 and planner.order(second.op).reported == 1
+    assert planner.account() == before and lc.inflight == 2
+    assert planner.registry.refusals.get("duplicate_ack", 0) == 0
+    assert planner.report(first.op, True, 2) is True  # it still ends when both report
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_more_reports_than_workers_end_the_order_and_the_rest_is_refused(many: bool) -> None:
+    """A worker that reported twice: the order ends with the reports it waited for, and
+    the rest is refused as a repeated report (counted and audited), after the delivery."""
+    sink = MemorySink()
+    planner = OffloadPlanner(8, registry=LifecycleRegistry(sinks=[sink]), reporters=2)
+    lc = _admitted(planner, "a", 2)
+    (order,) = planner.store(lc, 2, _hashes("p", 2))
+    assert planner.report(order.op, True) is False
+    if many:
+        assert planner.report_many({}, {order.op: 2}) == []
+    else:
+        assert planner.report(order.op, False, 2) is True
+    assert planner.counters()["store_failures"] == 1 and lc.inflight == 0
+    assert planner.account() == PageAccount(capacity=8, free=8, cached=0, pinned=0, storing=0)
+    assert planner.registry.refusals["duplicate_ack"] == 1
+    last = [(r.trigger, r.ok, r.reason) for r in sink.records()][-2:]
+    assert last == [("fail", True, None), ("fail", False, "duplicate_ack")]
 
 
 def test_without_pages_a_store_waits_and_nothing_changes() -> None:
@@ -533,24 +578,25 @@ def test_orders_remembered_after_they_end_keep_no_ticket_or_lifecycle_alive() ->
 
 def _reported_run(
     plan: list[tuple[int, bool, int]], many: bool
-) -> tuple[OffloadPlanner, MemorySink, list[int]]:
+) -> tuple[OffloadPlanner, MemorySink, list[object]]:
     """Six requests with one store each (two workers report every order), then ``plan``'s
-    reports (order index, ok, workers; index 6 names a copy never ordered): one at a
-    time, or (``many``) in one ``report_many`` per three reports."""
+    reports (order index, ok, workers; index 6 names a copy never ordered, a count below
+    1 is refused, one above what the order waits for ends it and is refused for the
+    rest): one at a time, or (``many``) in one ``report_many`` per three reports."""
     sink = MemorySink()
     planner = OffloadPlanner(64, registry=LifecycleRegistry(sinks=[sink]), reporters=2)
     ops = []
     for i in range(6):
         lc = _admitted(planner, f"r{i}", 4, first_slot=4 * i)
         ops += [order.op for order in planner.store(lc, 4, _hashes(f"r{i}", 4))]
-    unknown: list[int] = []
+    unknown: list[object] = []
     chunk: tuple[dict[int, int], dict[int, int]] = ({}, {})
     for index, (which, ok, count) in enumerate(plan):
         op = ops[which] if which < len(ops) else 10_000
         if not many:
             try:
                 planner.report(op, ok, count)
-            except UnknownOrderError as exc:
+            except (UnknownOrderError, ReportCountError) as exc:
                 unknown.append(exc.op)
             continue
         reports = chunk[0 if ok else 1]
@@ -566,7 +612,7 @@ def _reported_run(
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 6), st.booleans(), st.integers(1, 2)), max_size=30))
+@given(st.lists(st.tuples(st.integers(0, 6), st.booleans(), st.integers(-1, 3)), max_size=30))
 def test_report_many_gives_what_one_report_after_another_gives(
     plan: list[tuple[int, bool, int]],
 ) -> None:

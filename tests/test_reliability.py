@@ -39,6 +39,7 @@ from kvlife.offload import (
     HostPages,
     KVLayout,
     LayoutError,
+    ReportCountError,
 )
 from tests.builds import refused
 from tests.crash import kill_midway
@@ -75,7 +76,12 @@ class World:
     def fingerprint(self) -> tuple[Any, ...]:
         reg = self.registry
         stats = reg.statistics()
+        planner = self.engine.manager.planner
+        reports = [
+            (op, planner.order(op).reported, planner.order(op).failed) for op in planner.ops()
+        ]
         return (
+            tuple(reports),
             len(reg),
             stats.registered,
             stats.released,
@@ -155,6 +161,8 @@ BAD_INPUTS: list[tuple[str, Callable[[World], object], type[BaseException]]] = [
     ("pages of another pool for a copy", lambda w: w.engine.copier.launch([0, 1, 2, 3], w.foreign_pages), ValueError),
     ("layout with negative layers", lambda w: KVLayout("per_layer", -1, 8, 1, 1, torch.float32), LayoutError),
     ("KV tensors of the wrong dtype", lambda w: SMALL.component_views([t.double() for t in SMALL.allocate()]), LayoutError),
+    ("a report from no worker", lambda w: w.engine.manager.planner.report(w.live_ticket.op, True, 0), ReportCountError),
+    ("a negative count of workers", lambda w: w.engine.manager.planner.report(w.live_ticket.op, False, -1), ReportCountError),
     ("completion queue with no streams", lambda w: CompletionQueue(streams=0), ValueError),
     ("copy engine for another layout", lambda w: CopyEngine(KVLayout.mla(1, 8, 4, torch.float32), [torch.zeros(8, 4)], w.engine.host), ValueError),
 ]  # fmt: skip

@@ -10,6 +10,7 @@ xfail: if vLLM fixes it, the test says so.
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any, ClassVar
 
@@ -223,6 +224,40 @@ def test_every_worker_must_report_a_store() -> None:
     assert lc.inflight == 1
     engine.step(release=[store.op])  # the other, a step later
     assert lc.inflight == 0
+
+
+def test_a_report_from_too_many_workers_or_none_is_told_and_never_raised_into_vllm() -> None:
+    """Worker metadata that names a store from three workers of two (one reported twice)
+    and a copy from -1 workers: the store ends once, the extra report is refused (counted
+    as a repeated report), the bad count is logged, and vLLM's step goes on."""
+    engine = Engine(tensor_parallel=2)
+    store = engine.prefill_holding_its_store(make_request("a", max_tokens=3))
+    engine.hold_all = False
+    lc = engine.connector.registry.lifecycles()[0]
+    engine.held[store.op], engine.held[424242] = 3, -1  # the counts the step reports
+    told = _Told()
+    logger = logging.getLogger("vllm.kvlife")
+    logger.addHandler(told)
+    try:
+        engine.step(release=[store.op, 424242])
+    finally:
+        logger.removeHandler(told)
+    assert lc.inflight == 0 and lc.copies_started == 1
+    assert engine.connector.registry.statistics().refusals["duplicate_ack"] == 1
+    assert told.lines == ["kvlife: a report for copy 424242 from -1 workers: a report counts a "
+                          "positive int of workers"]  # fmt: skip
+    engine.run_until_idle()
+
+
+class _Told(logging.Handler):
+    """The lines a logger wrote (vLLM's loggers do not propagate to pytest's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])

@@ -283,7 +283,8 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVLifeWorkerMetadata):
             return
-        # one registry batch for the step's reports; an unknown one is never raised
+        # one registry batch for the step's reports; an unknown or malformed one (a copy
+        # number never ordered, a count of workers that is not positive) is never raised
         for exc in self.planner.report_many(meta.done, meta.failed):
             logger.warning("kvlife: %s", exc)
 
