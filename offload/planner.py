@@ -496,7 +496,10 @@ class OffloadPlanner:
 
         Raises:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+            ValueError: ``stride`` is below 1. Nothing changed.
         """
+        if stride < 1:
+            raise ValueError(f"stride must be a positive int, got {stride!r}")
         runs = self._plan_store(lc, full, hashes, stride, retry, hold=False)
         return [
             self._order_store(lc, progress, start, pages, keys, offset)
@@ -520,7 +523,10 @@ class OffloadPlanner:
                 before it were planned and started, none after it.
             WrongThreadError: called from a thread other than the registry's owner.
                 Nothing changed.
+            ValueError: ``stride`` is below 1. Nothing changed.
         """
+        if stride < 1:
+            raise ValueError(f"stride must be a positive int, got {stride!r}")
         registry = self.registry
         if get_ident() != registry.owner_thread:
             registry.apply(())  # raises WrongThreadError before any page is taken
@@ -721,8 +727,11 @@ class OffloadPlanner:
 
         Raises:
             KeyError: ``lc`` is not a live lifecycle of this planner. Nothing changed.
+            ValueError: ``first`` is negative. Nothing changed.
         """
         progress = self._progress[lc.serial]
+        if first < 0:
+            raise ValueError(f"a lookup from block {first} of {lc!r}: blocks count from 0")
         pages = self.cache.lookup(hashes) if hashes else []
         progress.hit = (first, pages)
         self._counts["hit_blocks"] += len(pages)
@@ -737,15 +746,15 @@ class OffloadPlanner:
         when ``count`` is 0 (the lookup's note is dropped then too).
 
         Raises:
-            ValueError: ``count`` exceeds the lookup's blocks, or ``blocks`` ends before
-                them. Nothing changed.
+            ValueError: ``count`` is negative or exceeds the lookup's blocks, or ``blocks``
+                ends before them. Nothing changed.
             InvalidTransitionError: the state refuses a copy (the registry's refusal,
                 counted and audited). Nothing else changed.
         """
         progress = self._progress[lc.serial]
         first, pages = progress.hit or (0, [])
         slots = tuple(blocks[first : first + count])
-        if count > len(pages) or len(slots) < count:
+        if count < 0 or count > len(pages) or len(slots) < count:
             raise ValueError(
                 f"a load of {count} blocks from block {first} for {lc!r}: the lookup found "
                 f"{len(pages)}, the request has {len(blocks)} device blocks"

@@ -252,6 +252,45 @@ def test_a_load_larger_than_the_lookup_is_refused_and_changes_nothing() -> None:
     assert planner.load(b, 1, [4]) is not None  # the lookup's note is still there
 
 
+def test_a_load_of_a_negative_count_is_refused_and_changes_nothing() -> None:
+    """Before: ``count=-1`` made an order of every device block but the last onto every
+    page but the last (three slots, two pages)."""
+    planner = OffloadPlanner(8)
+    a = _admitted(planner, "a", 3)
+    _done(planner, planner.store(a, 3, _hashes("p", 3)))
+    b = planner.admit(Req("b"), "b")
+    assert planner.lookup(b, 0, _hashes("p", 3)) == 3
+    before = planner.account()
+    with pytest.raises(ValueError, match="a load of -1 blocks from block 0"):
+        planner.load(b, -1, [5, 6, 7, 8])
+    assert planner.account() == before and b.copies_started == 0 and planner.ops() == []
+    order = planner.load(b, 3, [5, 6, 7, 8])  # the lookup's note is still there
+    assert order is not None and (order.slots, order.pages) == ((5, 6, 7), (0, 1, 2))
+
+
+def test_a_lookup_from_a_negative_block_is_refused_and_changes_nothing() -> None:
+    planner = OffloadPlanner(8)
+    a = _admitted(planner, "a", 2)
+    _done(planner, planner.store(a, 2, _hashes("p", 2)))
+    b = planner.admit(Req("b"), "b")
+    with pytest.raises(ValueError, match=r"a lookup from block -2 .* blocks count from 0"):
+        planner.lookup(b, -2, _hashes("p", 2))
+    assert planner.counters()["hit_blocks"] == 0
+    assert planner.load(b, 0, []) is None  # no lookup was noted
+
+
+@pytest.mark.parametrize("stride", [0, -1])
+def test_a_stride_below_one_is_refused_and_changes_nothing(stride: int) -> None:
+    planner = OffloadPlanner(8)
+    a = _admitted(planner, "a", 2)
+    with pytest.raises(ValueError, match=f"stride must be a positive int, got {stride}"):
+        planner.store(a, 2, _hashes("p", 2), stride=stride)
+    with pytest.raises(ValueError, match=f"stride must be a positive int, got {stride}"):
+        planner.store_many([(a, 2, _hashes("p", 2))], stride=stride)
+    assert planner.account().free == 8 and a.copies_started == 0
+    assert len(planner.store(a, 2, _hashes("p", 2))) == 1  # nothing was marked covered
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="reporters must be a positive int"):
         OffloadPlanner(4, reporters=0)
