@@ -171,11 +171,25 @@ class HostPagePool:
         self._pages.free(pages.indices)
 
     def is_allocated(self, index: int) -> bool:
-        """Whether page ``index`` is handed out."""
+        """Whether page ``index`` is handed out.
+
+        Raises:
+            ForeignPageError: ``index`` is not a page of this pool.
+        """
         return self._pages.is_allocated(index)
 
     def page_view(self, first: int, count: int) -> torch.Tensor:
-        """The pool's tensor for pages ``first .. first+count-1`` (one contiguous block)."""
+        """The pool's tensor for pages ``first .. first+count-1`` (one contiguous block).
+
+        Raises:
+            ForeignPageError: those are not all pages of this pool (a view never comes
+                back shorter than asked).
+        """
+        capacity = self._pages.capacity
+        if first < 0 or count < 0 or first + count > capacity:
+            raise ForeignPageError(
+                f"pages {first}..{first + count - 1} are not pages of this pool (0..{capacity - 1})"
+            )
         return self.tensor[first : first + count]
 
     def read_tokens(self, pages: Sequence[int] | HostPages, tokens: int) -> torch.Tensor:

@@ -87,8 +87,15 @@ class PageAllocator:
         self._free.extend(sorted(indices, reverse=True))
 
     def is_allocated(self, index: int) -> bool:
-        """Whether page ``index`` is handed out."""
-        return bool(self._allocated[index])
+        """Whether page ``index`` is handed out.
+
+        Raises:
+            ForeignPageError: ``index`` is out of range (a negative one included).
+        """
+        allocated = self._allocated
+        if not 0 <= index < len(allocated):
+            raise ForeignPageError(f"page {index} is out of range (0..{len(allocated) - 1})")
+        return bool(allocated[index])
 
 
 __all__ = ["DoubleFreeError", "ForeignPageError", "HostPageError", "PageAllocator", "page_runs"]

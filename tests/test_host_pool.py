@@ -98,6 +98,17 @@ def test_a_page_allocator_is_the_pools_accounting_without_memory() -> None:
     assert pages.alloc(2) == (0, 1)  # freed pages come back first, in order
     with pytest.raises(ValueError, match="positive"):
         PageAllocator(0)
+    for index in (4, -1):  # before: -1 answered for the last page, 4 raised IndexError
+        with pytest.raises(ForeignPageError, match=rf"page {index} is out of range \(0..3\)"):
+            pages.is_allocated(index)
+
+
+@pytest.mark.parametrize(("first", "count"), [(-1, 2), (7, 2), (0, -1), (9, 0)])
+def test_a_view_of_pages_outside_the_pool_is_refused(first: int, count: int) -> None:
+    pool = HostPagePool(LAYOUT, 8, pin_memory=False)
+    with pytest.raises(ForeignPageError, match="are not pages of this pool"):
+        pool.page_view(first, count)  # before: a shorter view, or an empty one
+    assert pool.page_view(6, 2).shape[0] == 2 and pool.page_view(8, 0).shape[0] == 0
 
 
 def test_host_pages_are_made_by_their_pool_only() -> None:
