@@ -163,6 +163,10 @@ def test_a_count_of_workers_that_is_not_positive_is_refused_and_changes_nothing(
     assert planner.account() == before and lc.inflight == 2
     assert planner.registry.refusals.get("duplicate_ack", 0) == 0
     assert planner.report(first.op, True, 2) is True  # it still ends when both report
+    # a bad count after a report that ends its order: that order's ticket is delivered
+    # (before: the TypeError left the order ended and its ticket open for good)
+    (problem,) = planner.report_many({second.op: 1, 10_001: None})  # type: ignore[dict-item]
+    assert isinstance(problem, ReportCountError) and lc.inflight == 0
 
 
 @pytest.mark.parametrize("many", [False, True])
