@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -36,6 +36,8 @@ from kvlife.offload.layout import KVLayout
 from kvlife.offload.planner import LoadOrder, StoreOrder, block_ids
 
 logger = logging.getLogger(__name__)
+
+_O = TypeVar("_O", StoreOrder, LoadOrder)
 
 
 def _blocks(order: StoreOrder | LoadOrder) -> Sequence[int]:
@@ -95,10 +97,13 @@ class OffloadWorker:
         """Launch each order's copy of device blocks into host pages. An order that cannot
         be launched is reported failed by the next ``poll`` (logged with its reason).
         ``checked``: each order's ``slots`` is the tensor the copy engine's ``check``
-        returned for it (not checked again)."""
+        returned for it (not checked again). An order whose copy number is in flight
+        already (or listed twice) is not copied: logged, and the first one's report
+        stands for it."""
         copier, host, queue = self.copier, self.host, self.queue
+        orders = self._new(orders, "store")
         if copier.cuda and copier.path == "direct":  # one batch of every order's runs
-            self._store_together(list(orders))
+            self._store_together(orders)
             return
         for order in orders:
             op = order.op
@@ -138,8 +143,10 @@ class OffloadWorker:
     def load(self, orders: Iterable[LoadOrder]) -> None:
         """Copy each order's host pages into its device blocks, ordered before whatever
         the current stream runs next. A load that fails is reported failed by the next
-        ``poll`` and its blocks by ``take_load_errors`` (the engine recomputes them)."""
-        orders = list(orders)
+        ``poll`` and its blocks by ``take_load_errors`` (the engine recomputes them). An
+        order whose copy number is in flight already (or listed twice) is not copied:
+        logged, and the first one's report stands for it."""
+        orders = self._new(orders, "load")
         for order, made in zip(orders, self._launch_loads(orders), strict=True):
             error = made if isinstance(made, BaseException) else made.error
             if error is not None:
@@ -151,6 +158,26 @@ class OffloadWorker:
             if job.event is not None:  # the forward pass reads the blocks after the copy
                 torch.cuda.current_stream(job.event.device).wait_event(job.event)
             self._loads[order.op] = job
+
+    def _new(self, orders: Iterable[_O], kind: str) -> list[_O]:
+        """``orders`` but those whose copy number is in flight here already or came
+        earlier in the list (logged): a second job under one number would take the
+        first one's place, and its completion would find no job."""
+        stores, loads = self._stores, self._loads
+        seen: set[int] = set()
+        kept = []
+        for order in orders:
+            op = order.op
+            if op in stores or op in loads or op in seen:
+                logger.error(
+                    "kvlife: %s %d: a copy under that number is in flight already; not copied",
+                    kind,
+                    op,
+                )
+                continue
+            seen.add(op)
+            kept.append(order)
+        return kept
 
     def _launch_loads(self, orders: list[LoadOrder]) -> list[CopyJob | BaseException]:
         """Each order's load launched, or why it was refused (``launch_many``: on the

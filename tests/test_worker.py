@@ -50,6 +50,24 @@ def test_a_store_then_a_load_moves_blocks_byte_for_byte() -> None:
         assert torch.equal(cache[0], torch.full((2, 4, 3), 100.0 * layer))  # untouched
 
 
+def test_a_second_order_under_a_copy_number_in_flight_is_not_copied() -> None:
+    """Before: the second job took the first one's place, and the second completion
+    raised ``KeyError`` inside the poll."""
+    caches = _caches()
+    worker = _worker(caches)
+    worker.host.tensor.fill_(-1)
+    worker.store([StoreOrder(1, (1,), (0,), 0), StoreOrder(1, (2,), (1,), 0)])  # listed twice
+    worker.store([StoreOrder(1, (3,), (2,), 0)])  # in flight already
+    worker.load([LoadOrder(1, (4,), (0,), 0)])
+    assert worker.inflight == 1
+    assert worker.poll() == ([1], []) and worker.poll() == ([], [])
+    assert worker.host.tensor[0].unique().tolist() == [1, 101]  # block 1, the first order
+    assert worker.host.tensor[1:3].eq(-1).all()  # the others wrote nothing
+    assert caches["layer.0"][4].eq(4).all()  # and the load none
+    worker.store([StoreOrder(1, (3,), (2,), 0)])  # over: the number may come again
+    assert worker.poll() == ([1], [])
+
+
 def test_an_order_the_copy_engine_refuses_is_reported_failed() -> None:
     caches = _caches()
     worker = _worker(caches)
