@@ -279,7 +279,13 @@ class HostPrefixCache:
     def evict(self, count: int) -> list[int] | None:
         """Take ``count`` least recently used pages that no load reads out of the cache
         and return them (the caller frees them), or ``None`` (nothing evicted) when fewer
-        are evictable."""
+        are evictable.
+
+        Raises:
+            PrefixCacheError: ``count`` is negative. Nothing evicted.
+        """
+        if count < 0:
+            raise PrefixCacheError(f"evict needs a page count >= 0, got {count}; nothing evicted")
         if count > self._linked:
             return None
         page_of, key_of, prev, after = self._page, self._key, self._prev, self._next

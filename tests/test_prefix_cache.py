@@ -47,6 +47,14 @@ def test_eviction_is_least_recently_used_and_never_takes_a_pinned_page() -> None
     assert cache.pinned == {1} and cache.pins(1) == 1
 
 
+def test_an_eviction_of_a_negative_count_is_refused_and_changes_nothing() -> None:
+    cache, _ = _filled()
+    with pytest.raises(PrefixCacheError, match="evict needs a page count >= 0, got -1"):
+        cache.evict(-1)  # before: [] (nothing changed, nothing said)
+    assert len(cache) == 4 and cache.evictable == 4 and cache.stats.evictions == 0
+    assert cache.evict(0) == []
+
+
 def test_pins_count_and_refusals_change_nothing() -> None:
     cache, _ = _filled(2)
     cache.pin([0])
