@@ -12,7 +12,7 @@ from typing import get_args
 
 import pytest
 
-from kvlife.fsm import LIFECYCLE, LifecycleRegistry, MemorySink, Trigger
+from kvlife.fsm import LIFECYCLE, JsonLinesSink, LifecycleRegistry, MemorySink, Trigger
 from kvlife.fsm.audit import (
     MAX_VIOLATIONS,
     AuditChecker,
@@ -343,6 +343,57 @@ def test_expect_released_does_not_call_a_cut_log_a_leak() -> None:
     for event in _ended("", closes=True, closing="close"):
         checker.feed(event)  # type: ignore[arg-type]
     assert [v.kind for v in checker.finish().violations] == ["leaked"]
+
+
+def _closed_file(path: Path, *, max_bytes: int | None = None) -> Path:
+    """Three lifecycles offloaded and released, logged by a ``JsonLinesSink`` that closed
+    its segment (rotating files past ``max_bytes``)."""
+    with JsonLinesSink(path, max_bytes=max_bytes, backups=50, batch_records=1) as sink:
+        registry = LifecycleRegistry(sinks=[sink])
+        for i in range(3):
+            req = Req(f"r{i}")
+            ticket = registry.start_offload(registry.register(req))
+            registry.finish(req)
+            registry.complete(ticket)
+    return path
+
+
+def test_lines_missing_before_a_closing_record_are_a_gap_not_a_leak(tmp_path: Path) -> None:
+    log = _closed_file(tmp_path / "audit.jsonl")
+    assert check_audit(read_audit(log), expect_released=True).ok
+    lines = log.read_text().splitlines()  # header, 12 records, closing record
+    log.write_text("\n".join([*lines[:-3], lines[-1]]) + "\n")  # r2's finish and ack gone
+    report = check_audit(read_audit(log), expect_released=True)
+    [gap] = report.violations  # before: "leaked" for r2, in a log that read as complete
+    assert (gap.kind, gap.seq, gap.serial) == ("seq_gap", 10, None)
+    assert "closed segment 0 after 12 line(s), 10 were read: the last 2" in gap.message
+    assert [e.status for e in report.endings] == ["closed"]
+    assert [(i.rid, i.state, i.uncertain) for i in report.live] == [("r2", "offloading", True)]
+
+
+def test_a_lost_records_marker_is_one_of_the_lines_its_writer_counted() -> None:
+    records = _records(3)
+    kept = [r for r in records if r.seq not in (4, 5)]
+    marker = LostRecords(2, 4, 5, "disk full")
+    events: list[object] = [Segment(0, make_header(closes=True), ""), *kept[:4], marker]
+    events += kept[4:]
+    report = _check([*events, make_closing("close", len(kept) + 1, (0, 0))])
+    assert report.violations == [] and report.endings[0].status == "closed"
+    report = _check([*events, make_closing("close", len(kept) + 2, (0, 0))])
+    assert [v.kind for v in report.violations] == ["seq_gap"]
+
+
+def test_a_closed_segment_whose_first_files_were_rotated_out_is_not_a_gap(
+    tmp_path: Path,
+) -> None:
+    log = _closed_file(tmp_path / "audit.jsonl", max_bytes=700)
+    backups = sorted(tmp_path.glob("audit.jsonl.*"), key=lambda p: int(p.suffix[1:]))
+    assert len(backups) >= 2
+    assert check_audit(read_audit(log), expect_released=True).ok
+    backups[-1].unlink()  # the oldest file of the segment, with its first records
+    report = check_audit(read_audit(log))
+    assert report.endings[0].status == "closed" and report.endings[0].begins_mid_way
+    assert "seq_gap" not in report.violation_kinds
 
 
 def test_several_writers_are_counted_by_how_they_ended() -> None:

@@ -175,9 +175,12 @@ UNRECORDED = frozenset({"leaked", "unreported"})
 def edited_log(clean: Path, kind: str, path: Path) -> Path:
     """``clean`` with the edit that makes a ``kind`` violation, written to ``path``."""
     lines = [json.loads(text) for text in clean.read_text().splitlines()]
-    # the edits work on the records; the writer's closing record stays the last line
-    closing = [line for line in lines if "kvlife_closed" in line]
-    edited = EDITS[kind]([line for line in lines if "kvlife_closed" not in line]) + closing
+    # the edits work on the records; the writer's closing record stays the last line,
+    # counting the lines the edit left, as the writer of such a log would have (else
+    # records cut from the end read as missing, not as what the edit means)
+    edited = EDITS[kind]([line for line in lines if "kvlife_closed" not in line])
+    count = sum("seq" in line or "kvlife_lost" in line for line in edited)
+    edited += [line | {"records": count} for line in lines if "kvlife_closed" in line]
     path.write_text("".join(json.dumps(line) + "\n" for line in edited))
     return path
 

@@ -17,7 +17,9 @@ are counted in ``report.overdue_completed``.
 
 Rules, per segment (each segment is its own serial and ``seq`` space): ``seq`` is
 gap-free, except where a [`LostRecords`][kvlife.fsm.audit.records.LostRecords] marker says a failing
-sink lost records (reported as lost, not as tampering); every accepted transition is
+sink lost records (reported as lost, not as tampering), and a closed segment holds as
+many lines as its closing record counts (fewer: its last lines are missing, a
+``seq_gap``, and the lifecycles live at its end get no verdict); every accepted transition is
 legal from the instance's previous state with its in-flight count; a refusal leaves its
 instance as it was; every ``ack``/``fail`` completes a copy that the same instance
 started and that was not completed before; serials are never reused; nothing happens to
@@ -936,6 +938,8 @@ class AuditChecker:
             self._bad("overdue", seq, serial, f"{message}; never completed", rid=rid)
         ending = self._ending(seg)
         self.report.endings.append(ending)
+        if ending.closing is not None:
+            self._missing_tail(seg, ending.closing)
         if ending.stopping is not None:  # in flight when the writer stopped: no verdict
             self._open_at_end(seg, ending.stopping)
         elif seg.witness:
@@ -960,6 +964,28 @@ class AuditChecker:
                 self.report.instances[(seg.index, serial)] = summary
             self._left(inst.rid, serial)
         self._segment = None
+
+    def _missing_tail(self, seg: _SegmentState, closing: ClosingRecord) -> None:
+        """A closed segment whose writer wrote more lines than were read: the last ones
+        before its closing record are missing, which no gap in ``seq`` can show. The
+        lifecycles live at the end may have lost their last records: no verdict on them."""
+        if seg.began_mid_way:  # its first files were rotated out: the count cannot tell
+            return
+        read = seg.records + len(seg.lost)  # a sink counts its lost-records markers too
+        missing = closing.records - read
+        if missing <= 0:
+            return
+        first = 0 if seg.previous_seq is None else seg.previous_seq + 1
+        self._bad(
+            "seq_gap",
+            first,
+            None,
+            f"its writer closed segment {seg.index} after {closing.records} line(s), "
+            f"{read} were read: the last {missing} before the closing record are missing",
+            segment=seg.index,
+        )
+        for inst in seg.live.values():
+            inst.resync = inst.uncertain = True
 
     def _ending(self, seg: _SegmentState) -> SegmentEnding:
         header = seg.header
