@@ -55,6 +55,21 @@ from kvlife.offload.layout import KVLayout, LayoutError
 _PENDING = RuntimeError("not launched")  # a slot in launch_many's results, filled before return
 
 
+def slot_index(slots: torch.Tensor | Sequence[int], device: str | None = None) -> torch.Tensor:
+    """``slots`` as a ``long`` index tensor (on ``device`` when given).
+
+    Raises:
+        TypeError: the slots are not integers (floats or bools would be truncated into
+            slots nobody named).
+    """
+    index = slots if isinstance(slots, torch.Tensor) else torch.as_tensor(slots)
+    if not index.numel():
+        return torch.empty(index.shape, dtype=torch.long, device=device)
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise TypeError(f"slots must be integers, got {index.dtype}")
+    return index.to(dtype=torch.long, device=device)
+
+
 class CopyError(RuntimeError):
     """A copy could not be launched or failed while running."""
 
@@ -526,12 +541,13 @@ class CopyEngine:
         Raises:
             ValueError: the slots do not fill the pages, are not one-dimensional, or are
                 out of range.
+            TypeError: the slots are not integers.
         """
         n = len(slots)
         page_size = self.layout.page_size
         if n == 0 or n > pages * page_size or n <= (pages - 1) * page_size:
             raise ValueError(f"{n} tokens do not fill {pages} pages of {page_size}")
-        index = torch.as_tensor(slots, dtype=torch.long)
+        index = slot_index(slots)
         if index.dim() != 1:
             raise ValueError("slots must be one-dimensional")
         # Range-checking a device tensor would synchronize with the compute stream (a
@@ -725,14 +741,15 @@ class CopyEngine:
         host first, which waits for the device).
 
         Raises ``ValueError`` (before anything is copied) for slots that are not whole
-        aligned pages, out of range, or not as many pages as ``pages``. A copy that
+        aligned pages, out of range, or not as many pages as ``pages``, and
+        ``TypeError`` for slots that are not integers. A copy that
         fails while running is returned as a finished job with ``error`` set; device
         pages it had not reached are unchanged, the others may be partly written.
         """
         page = self.layout.page_size
         if pages.pool is not self.host:
             raise ValueError("the pages belong to another pool")
-        index = torch.as_tensor(slots, dtype=torch.long, device="cpu")
+        index = slot_index(slots, "cpu")
         if index.dim() != 1 or len(index) != len(pages) * page:
             raise ValueError(f"{len(index)} slots are not {len(pages)} whole pages of {page}")
         if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.layout.slots):

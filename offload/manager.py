@@ -63,11 +63,12 @@ class KVSource(Protocol):
         ...
 
     def token_ids(self, req: Any, start: int, end: int) -> Sequence[int] | torch.Tensor:
-        """Token ids of ``req`` in ``[start, end)``."""
+        """Token ids of ``req`` in ``[start, end)``: ``end - start`` integers."""
         ...
 
     def slots(self, req: Any, start: int, end: int) -> Sequence[int] | torch.Tensor:
-        """Device slot indices holding the KV of tokens ``[start, end)``."""
+        """Device slot indices holding the KV of tokens ``[start, end)``: ``end - start``
+        integers (a list, or an integer tensor), each in the pool's range."""
         ...
 
     def release_slots(self, req: Any, lifecycle: Lifecycle) -> None:
@@ -302,8 +303,9 @@ class OffloadManager:
             UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
                 as a refused ``start_offload``).
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
-            ValueError: the engine's answers (slots, token ids) do not fit the copy.
-                Nothing changed.
+            ValueError: the engine's answers (slots, token ids) do not fit the copy
+                (as many of each as tokens, slots in range). Nothing changed.
+            TypeError: the engine's slots or token ids are not integers. Nothing changed.
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.START_OFFLOAD)
         if lc.outcome is not None:  # finished or aborted: refused, audited, nothing changes
@@ -329,6 +331,7 @@ class OffloadManager:
                 as a refused ``finish``).
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
             ValueError: the engine's answers do not fit the flush. Nothing changed.
+            TypeError: the engine's slots or token ids are not integers. Nothing changed.
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.FINISH)
         self.registry.require(lc, Trigger.FINISH)
@@ -393,7 +396,10 @@ class OffloadManager:
         req = progress.req
         # everything the copy needs, read and checked before it is ordered: a bad answer
         # from the engine raises here and changes nothing
-        slots = self.copier.check(self.source.slots(req, start, end), n_pages)
+        given = self.source.slots(req, start, end)
+        if len(given) != tokens:  # check() takes any count that fills the pages
+            raise ValueError(f"slots gave {len(given)} slots for {tokens} tokens")
+        slots = self.copier.check(given, n_pages)
         ids = self.source.token_ids(req, start, end)
         if len(ids) != tokens:
             raise ValueError(f"token_ids gave {len(ids)} ids for {tokens} tokens")

@@ -193,6 +193,35 @@ def test_bad_launches_are_refused_before_anything_runs(
     assert torch.equal(host.tensor, before)
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [float(s) for s in range(16)],
+        torch.arange(16, dtype=torch.float16),
+        [True] * 16,
+        torch.zeros(16, dtype=torch.bool),
+    ],
+    ids=["floats", "float-tensor", "bools", "bool-tensor"],
+)
+def test_slots_that_are_not_integers_are_refused_before_anything_runs(slots: object) -> None:
+    layout = LAYOUTS["per_layer"]
+    host = HostPagePool(layout, 4, pin_memory=False)
+    kv = _filled(layout)
+    engine = CopyEngine(layout, kv, host)
+    pages = host.alloc(1)
+    assert pages is not None
+    host.tensor.zero_()
+    before = [t.clone() for t in kv]
+    with pytest.raises(TypeError, match="slots must be integers"):
+        engine.launch(slots, pages)  # type: ignore[arg-type]
+    assert not host.tensor.any()
+    host.tensor.fill_(1)
+    with pytest.raises(TypeError, match="slots must be integers"):
+        engine.load(pages, slots)  # type: ignore[arg-type]
+    assert all(torch.equal(t, b) for t, b in zip(kv, before, strict=True))
+    assert engine.launch(torch.arange(16, dtype=torch.int32), pages).error is None
+
+
 def test_pages_of_another_pool_are_refused() -> None:
     layout = LAYOUTS["per_layer"]
     host, other = (HostPagePool(layout, 4, pin_memory=False) for _ in range(2))

@@ -247,6 +247,51 @@ def test_bad_engine_answers_change_nothing() -> None:
         type(engine.manager)(engine, engine.copier, stride_pages=0)
 
 
+def _fingerprint(engine: FakeEngine, lc: Any) -> tuple[object, ...]:
+    manager = engine.manager
+    return (
+        lc.state,
+        lc.inflight,
+        manager.planner.account(),
+        manager.planner.progress(lc).covered,
+        manager.stats.copies_launched,
+        len(engine.jobs),
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "edit"),
+    [
+        ("step", lambda slots: slots[:-1]),  # 7 slots fill 2 pages too: token 8 uncopied
+        ("finish", lambda slots: [*slots, 0]),  # slot 0 is another request's
+        ("step", lambda slots: [float(s) for s in slots]),
+        ("step", lambda slots: torch.tensor(slots, dtype=torch.float32) + 0.5),
+        ("finish", lambda slots: [True] * len(slots)),
+    ],
+    ids=["one-short", "one-more", "floats", "float-tensor", "bools"],
+)
+def test_slots_that_are_not_one_int_per_token_are_refused(call: str, edit: Any) -> None:
+    engine = FakeEngine(SMALL, stride_pages=1, host_pages=16)
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 9)
+    honest = engine.slots
+
+    def slots(req: Any, start: int, end: int) -> Any:
+        return edit(list(honest(req, start, end)))
+
+    engine.slots = slots  # type: ignore[method-assign]
+    before = _fingerprint(engine, lc)
+    with pytest.raises((ValueError, TypeError), match="slots"):
+        getattr(engine.manager, call)(req)
+    assert _fingerprint(engine, lc) == before and lc.state is A
+    engine.slots = honest  # type: ignore[method-assign]
+    engine.manager.finish(req)
+    engine.manager.drain()
+    [(_, result)] = engine.results
+    assert result.tokens == 9 and host_matches(engine, result, engine.admissions[lc.serial])
+
+
 # --- tensor parallelism over gloo -------------------------------------------------------
 
 
