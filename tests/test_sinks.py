@@ -160,6 +160,30 @@ def test_rotation_with_no_backups_starts_over(tmp_path: Path) -> None:
     assert check_audit(read_audit(path)).ok
 
 
+def test_a_log_cut_short_in_place_goes_on_as_the_next_part_of_its_segment(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "a.jsonl"
+    memory = MemorySink()
+    sink = JsonLinesSink(path, fsync="never", batch_records=8)
+    registry = LifecycleRegistry(sinks=[memory, sink])
+    _lifecycles(registry, 10)
+    sink.flush()
+    path.with_name("a.jsonl.1").write_bytes(path.read_bytes())  # logrotate's copytruncate
+    os.truncate(path, 0)
+    _lifecycles(registry, 10)
+    sink.close()
+    assert sink.truncations == 1 and "cut short by another process" in caplog.text
+    alone = read_audit(path, rotated=False)  # before: "not a kvlife audit log"
+    [header] = [s.header for s in alone.segments]
+    assert header is not None and (header.segment, header.part) == (sink.segment, 1)
+    assert check_audit(alone).ok and alone.records == memory.records()[-len(alone.records) :]
+    whole = read_audit(path)  # the copy, then the log: one segment, every record
+    assert len(whole.segments) == 1 and whole.records == memory.records()
+    report = check_audit(whole, expect_released=True)
+    assert report.ok and report.endings[0].status == "closed"
+
+
 def test_sink_arguments_for_rotation_are_checked(tmp_path: Path) -> None:
     for bad in ({"max_bytes": 0}, {"max_bytes": 1.5}, {"backups": -1}, {"backups": True}):
         with pytest.raises(ValueError, match=r"max_bytes|backups"):

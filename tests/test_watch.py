@@ -214,6 +214,51 @@ def test_a_log_that_rotates_while_followed_is_read_whole(tmp_path: Path) -> None
     assert sum(watch.violations().values()) == 0
 
 
+def _copytruncate(log: Path) -> None:
+    """What logrotate's ``copytruncate`` does: copy the log to ``.1``, cut it to 0."""
+    log.with_name(f"{log.name}.1").write_bytes(log.read_bytes())
+    with log.open("r+b") as file:
+        file.truncate(0)
+
+
+@pytest.mark.parametrize("after", [3, 40], ids=["shorter", "longer-than-read"])
+def test_a_log_cut_short_in_place_while_followed_is_read_whole(tmp_path: Path, after: int) -> None:
+    """``after``: lifecycles written after the cut, before the next poll (40: the file
+    is longer again than what was read before the cut, only its first line tells)."""
+    log = tmp_path / "engine.jsonl"
+    sink = JsonLinesSink(log)
+    registry = LifecycleRegistry(sinks=[sink])
+    watch = AuditWatch([log], clock=Clock())
+
+    def lifecycles(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            req = Req(f"r-{i}")
+            ticket = registry.start_offload(registry.register(req), tokens=16)
+            registry.finish(req)
+            registry.complete(ticket)
+        sink.flush()
+
+    lifecycles(0, 10)
+    watch.poll()
+    lifecycles(10, 2)  # written before the copy, not read by the watch yet
+    _copytruncate(log)
+    lifecycles(12, after)
+    watch.poll()
+    lifecycles(12 + after, 5)
+    sink.close()
+    watch.poll()
+    watch.close()
+    total = 17 + after
+    assert sink.truncations == 1
+    (followed,) = watch.logs.values()
+    report = followed.checker.report
+    assert (report.records, report.lifecycles, report.released) == (4 * total, total, total)
+    assert report.segments == 1 and followed.reader.problem_count == 0
+    assert sum(watch.violations().values()) == 0 and followed.failed is None
+    whole = check_audit(AuditReader(log))  # the copy and the log, one segment
+    assert (whole.records, whole.segments, whole.ok) == (4 * total, 1, True)
+
+
 def test_a_log_already_rotated_when_the_watch_starts_is_read_from_its_oldest_file(
     tmp_path: Path,
 ) -> None:

@@ -193,6 +193,7 @@ class _JsonFile:
         self.records_written = 0
         self.in_file = 0  # records in the current file: a file with none is not rotated
         self.rotations = 0
+        self.truncations = 0
         # (live lifecycles, copies in flight) of the registry the sink is attached to,
         # for the closing record; weak, so that the sink keeps no registry alive
         self.state: weakref.WeakMethod[Callable[[], tuple[int, int]]] | None = None
@@ -235,6 +236,8 @@ class _JsonFile:
         fd = self.fd
         if fd is None:
             raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+        if os.fstat(fd).st_size < self.size:  # cut short under us: a copytruncate
+            self._cut_short(fd)
         limit = self.max_bytes
         if limit is not None and self.size + len(data) > limit and self.in_file:
             fd = self._rotate(fd)
@@ -262,6 +265,27 @@ class _JsonFile:
         self.rotations += 1
         self.in_file = 0
         return new_fd
+
+    def _cut_short(self, fd: int) -> None:
+        """Another process cut the file short in place (logrotate's ``copytruncate``,
+        which copied it to ``PATH.1`` first): go on in it as the segment's next part,
+        under a header of its own, so that it reads as a log again and the copy and it
+        read as one segment."""
+        header = make_header(
+            self.header.segment, self.header.part + 1, self.header.witness, closes=True
+        )
+        size = os.fstat(fd).st_size
+        self.size = size + self._write_all(fd, size, encode_lines((header,)))
+        self.header = header
+        self.in_file = 0
+        self.truncations += 1
+        _log.warning(
+            "audit log %s was cut short by another process (logrotate's copytruncate?); "
+            "it goes on as part %d of its segment. Lines written between the copy and the "
+            "cut are lost; kvlife's own rotation (max_bytes) loses none",
+            self.path,
+            header.part,
+        )
 
     def flush(self, sync: bool = True) -> None:
         buffer = self.buffer
@@ -395,6 +419,10 @@ class JsonLinesSink:
     outside (a wrapped vLLM connector); it goes into every header (see
     [`AuditHeader`][kvlife.fsm.audit.records.AuditHeader]).
 
+    Rotation by another process: when the file was cut short in place (logrotate's
+    ``copytruncate``), the next write first puts a header of the segment's next part in
+    it, so that it reads as a log again (``truncations`` counts it, and it is logged).
+
     Errors: a write that fails (disk full, file size limit, I/O error) raises
     [`AuditSinkError`][kvlife.fsm.audit.sinks.AuditSinkError] or ``OSError`` and leaves the file
     ending at a complete line; the record given to that `write()` was not taken (the
@@ -484,6 +512,12 @@ class JsonLinesSink:
     def rotations(self) -> int:
         """How many times the file was rotated."""
         return self._file.rotations
+
+    @property
+    def truncations(self) -> int:
+        """How many times another process cut the file short in place (logrotate's
+        ``copytruncate``); each time the sink went on in it under a new part's header."""
+        return self._file.truncations
 
     @property
     def segment(self) -> str:

@@ -111,6 +111,7 @@ class FollowedLog:
         self.failed: str | None = None
         self._file: BinaryIO | None = None  # PATH, open between polls
         self._inode: int | None = None
+        self._head = b""  # PATH's first line when it was opened or last cut short
         self._name = path
         self._position = (0, 0)
         self._started = False
@@ -164,7 +165,39 @@ class FollowedLog:
             return None
         self._file, self._inode = file, os.fstat(file.fileno()).st_ino
         self._name, self._position = self.path, (0, 0)
+        self._head = _first_line(file)
         return file
+
+    def _cut_short(self, file: BinaryIO) -> bool:
+        """Whether ``PATH`` was cut short in place since it was read (logrotate's
+        ``copytruncate``): it is shorter than what was read, or begins otherwise."""
+        offset = self._position[1]
+        if not offset:
+            return False
+        if os.fstat(file.fileno()).st_size < offset:
+            return True
+        head = _first_line(file)
+        known = min(len(head), len(self._head))  # either may be written only in part
+        return head[:known] != self._head[:known]
+
+    def _after_cut(self, file: BinaryIO) -> None:
+        """Read the rest of what ``PATH`` held from its copy (the backup that begins
+        with the same line), then ``PATH`` again from its start (kvlife's sink goes on in
+        it as the segment's next part)."""
+        for name in audit_files(self.path):
+            if name == self.path:
+                continue
+            try:
+                copy: BinaryIO = open(name, "rb")  # noqa: SIM115 - closed below
+            except FileNotFoundError:
+                continue
+            with copy:
+                if _first_line(copy) == self._head:
+                    self._feed(copy, name, follow=False)
+                    break
+        self._read.add(self._head)
+        self._name, self._position = self.path, (0, 0)
+        self._head = _first_line(file)
 
     def _replaced(self) -> bool:
         """Whether ``PATH`` is another file than the one open (the writer rotated it)."""
@@ -186,7 +219,11 @@ class FollowedLog:
             file = self._file if self._file is not None else self._open_current()
             if file is None:
                 return self._found()
+            if self._cut_short(file):
+                self._after_cut(file)
             self._feed(file, self._name, follow=True)
+            if not self._head.endswith(b"\n"):  # opened (or cut) before it was written
+                self._head = _first_line(file)
             while self._replaced():  # the writer rotated it: its last lines, the backups
                 self._feed(file, self._name, follow=False)  # written since, then PATH
                 self._read.add(_first_line(file))
