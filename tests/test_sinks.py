@@ -20,6 +20,7 @@ import pytest
 
 from kvlife.fsm import LifecycleRegistry, MemorySink
 from kvlife.fsm.audit import (
+    AuditLogBusyError,
     AuditRecord,
     AuditSinkClosedError,
     JsonLinesSink,
@@ -323,14 +324,42 @@ def test_an_open_marker_tells_the_next_writer_of_an_unclean_stop(
     assert not marker.exists()  # closed: nothing to say next time
     clean = JsonLinesSink(path, open_marker=True)
     assert clean.previous_unclean is None
+    clean.close()
     # a writer that never closes (killed outright) leaves its marker behind
     marker.write_text("pid 4242, opened 2026-12-01T00:00:00+0000")
     with caplog.at_level("WARNING", logger="kvlife.fsm.sinks"):
         after = JsonLinesSink(tmp_path / "a.jsonl", open_marker=True)
     assert after.previous_unclean == "pid 4242, opened 2026-12-01T00:00:00+0000"
     assert "pid 4242" in caplog.text and "stopped without closing" in caplog.text
-    clean.close()
     after.close()
+
+
+def test_a_second_writer_of_a_file_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    first = JsonLinesSink(path, open_marker=True)
+    _lifecycles(LifecycleRegistry(sinks=[first]), 2)
+    first.flush()
+    with path.open("ab") as file:
+        file.write(b'{"seq": 8, "t_ns"')  # a line the first writer is writing now
+    written, marker = path.read_bytes(), Path(f"{path}.open").read_text()
+    with pytest.raises(AuditLogBusyError, match=r"another writer \(its marker a.jsonl.open: pid"):
+        JsonLinesSink(path, open_marker=True)  # before: interleaved, and trimmed that line
+    assert path.read_bytes() == written and Path(f"{path}.open").read_text() == marker
+    other = _run(  # another process: the same
+        """
+        import sys
+        from kvlife.fsm.audit import AuditLogBusyError, JsonLinesSink
+        try:
+            JsonLinesSink(sys.argv[1])
+        except AuditLogBusyError as exc:
+            print("busy:", exc)
+        """,
+        str(path),
+    )
+    assert other.stdout.startswith("busy: audit log"), other.stderr
+    assert path.read_bytes() == written
+    first.close()
+    JsonLinesSink(path).close()  # the first writer closed: the file is free again
 
 
 def test_write_out_puts_the_records_in_the_file_and_the_thread_syncs_them(

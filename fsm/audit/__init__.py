@@ -40,6 +40,7 @@ from kvlife.fsm.audit.records import (
     record_from_dict,
 )
 from kvlife.fsm.audit.sinks import (
+    AuditLogBusyError,
     AuditSinkClosedError,
     AuditSinkError,
     FsyncPolicy,
@@ -141,6 +142,7 @@ __all__ = [
     "AuditFormatError",
     "AuditHeader",
     "AuditLog",
+    "AuditLogBusyError",
     "AuditProblem",
     "AuditReader",
     "AuditRecord",

@@ -22,6 +22,7 @@ from failing is ``guard``'s.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -50,6 +51,41 @@ _log: Final = logging.getLogger("kvlife.fsm.sinks")
 
 class AuditSinkError(OSError):
     """A sink could not take a record. The record was not written, and nothing half."""
+
+
+class AuditLogBusyError(AuditSinkError):
+    """Another writer holds the audit log file (another process, or another sink of this
+    one): two writers would interleave their segments in one file, which reads as records
+    missing and serials reused. Nothing was written, trimmed or marked; give each writer
+    (each server, each data-parallel rank) a path of its own."""
+
+
+def _claim(path: Path) -> int:
+    """Open ``path`` for appending (created owner-only) and take the writer's lock on it
+    (``flock``: released when the writer closes it or dies, so a crash leaves none).
+
+    Raises:
+        AuditLogBusyError: another writer holds it. Nothing was changed.
+    """
+    # Owner-only: rids can identify users. An existing file keeps its mode.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        marker = Path(f"{path}.open")
+        try:
+            said = f" (its marker {marker.name}: {marker.read_text(errors='replace').strip()})"
+        except OSError:
+            said = ""
+        raise AuditLogBusyError(
+            f"audit log {path} is being written by another writer{said}; two writers "
+            f"would interleave their records in one file: give each its own path. "
+            f"Nothing was written"
+        ) from None
+    except OSError:  # a file system without locks: written unguarded, as before
+        pass
+    return fd
 
 
 class AuditSinkClosedError(AuditSinkError, ValueError):
@@ -179,6 +215,7 @@ class _JsonFile:
         backups: int,
         marker: Path | None = None,
         witness: str = "",
+        fd: int | None = None,
     ) -> None:
         self.path = path
         self.marker = marker
@@ -200,11 +237,12 @@ class _JsonFile:
         self.header = make_header(witness=witness, closes=True)
         self.fd: int | None = None
         self.size = 0
-        self.fd, self.size = self._open(self.header)
+        self.fd, self.size = self._open(self.header, fd)
 
-    def _open(self, header: AuditHeader) -> tuple[int, int]:
-        # Owner-only: rids can identify users. An existing file keeps its mode.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    def _open(self, header: AuditHeader, fd: int | None = None) -> tuple[int, int]:
+        """Write ``header`` to the path (claimed now unless ``fd`` holds it already)."""
+        if fd is None:
+            fd = _claim(self.path)
         try:
             size = os.fstat(fd).st_size
             size += self._write_all(fd, size, encode_lines((header,)))
@@ -423,6 +461,13 @@ class JsonLinesSink:
     ``copytruncate``), the next write first puts a header of the segment's next part in
     it, so that it reads as a log again (``truncations`` counts it, and it is logged).
 
+    One writer per file: the sink holds a lock on its file (``flock``) while it is open,
+    and a second sink opened on it, in this process or another, raises
+    [`AuditLogBusyError`][kvlife.fsm.audit.sinks.AuditLogBusyError] and changes nothing
+    (two writers would interleave their records). The lock goes with the writer: a
+    writer that was killed leaves none (a child process forked while the sink is open
+    holds it too, until it exits).
+
     Errors: a write that fails (disk full, file size limit, I/O error) raises
     [`AuditSinkError`][kvlife.fsm.audit.sinks.AuditSinkError] or ``OSError`` and leaves the file
     ending at a complete line; the record given to that `write()` was not taken (the
@@ -473,16 +518,21 @@ class JsonLinesSink:
         #: (its pid and opening time), or ``None``.
         self.previous_unclean: str | None = None
         marker = Path(f"{self.path}.open") if open_marker else None
-        if marker is not None and marker.exists():
-            self.previous_unclean = marker.read_text(errors="replace").strip() or "unknown"
-            _log.warning(
-                "audit log %s: its previous writer (%s) stopped without closing it; the "
-                "records of its last flush interval may be missing",
-                self.path,
-                self.previous_unclean,
-            )
-        self.trimmed_bytes = trim_torn_tail(self.path)
-        self._file = _JsonFile(self.path, fsync, max_bytes, backups, marker, witness)
+        fd = _claim(self.path)  # first: the marker and a torn tail are the writer's
+        try:
+            if marker is not None and marker.exists():
+                self.previous_unclean = marker.read_text(errors="replace").strip() or "unknown"
+                _log.warning(
+                    "audit log %s: its previous writer (%s) stopped without closing it; "
+                    "the records of its last flush interval may be missing",
+                    self.path,
+                    self.previous_unclean,
+                )
+            self.trimmed_bytes = trim_torn_tail(self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._file = _JsonFile(self.path, fsync, max_bytes, backups, marker, witness, fd)
         if marker is not None:
             marker.write_text(f"pid {os.getpid()}, opened {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
         self._stop = threading.Event()

@@ -1304,6 +1304,20 @@ def test_a_signal_that_lands_during_a_write_is_settled_at_the_next_write_out(
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_second_engine_given_the_first_ones_audit_log_refuses_to_start(tmp_path: Any) -> None:
+    from kvlife.fsm.audit import AuditLogBusyError  # noqa: PLC0415
+
+    audit = tmp_path / "kvlife.jsonl"
+    first = Engine(audit_log=str(audit))
+    written = audit.read_bytes()
+    with pytest.raises(AuditLogBusyError, match=r"kvlife\.jsonl is being written by another"):
+        Engine(audit_log=str(audit))  # before: both wrote, interleaved, in one file
+    assert audit.read_bytes() == written
+    first.connector.shutdown()
+    Engine(audit_log=str(audit)).connector.shutdown()  # the file is free once it is closed
+    assert check_audit(AuditReader(str(audit))).ok
+
+
 def test_outside_an_engine_core_process_no_signal_handler_changes(tmp_path: Any) -> None:
     import signal  # noqa: PLC0415
 
