@@ -410,6 +410,43 @@ def test_a_writer_killed_outright_loses_at_most_its_last_interval_and_is_named(
     sink.close()
 
 
+def test_a_sink_nobody_holds_any_more_does_not_keep_its_file_from_the_next(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "a.jsonl"
+    registry = LifecycleRegistry(sinks=[JsonLinesSink(path)])
+    _lifecycles(registry, 1)
+    del registry  # never closed; its sink waits for the garbage collector
+    sink = JsonLinesSink(path)  # collected first: its records and closing are written
+    sink.close()
+    log = read_audit(path)
+    assert [s.closing.kvlife_closed for s in log.segments if s.closing] == ["exit", "close"]
+    assert check_audit(log, expect_released=True).lifecycles == 1
+
+
+def test_a_second_writer_waits_for_the_first_to_close_when_told_to(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "a.jsonl"
+    first = JsonLinesSink(path, open_marker=True)
+    closing = threading.Timer(0.3, first.close)  # a restarted server's old process
+    closing.start()
+    with caplog.at_level("WARNING", logger="kvlife.fsm.sinks"):
+        second = JsonLinesSink(path, open_marker=True, lock_wait_s=30)
+    closing.join()
+    assert "held by another writer (its marker a.jsonl.open: pid" in caplog.text
+    assert second.previous_unclean is None  # the first one closed cleanly
+    began = time.monotonic()
+    with pytest.raises(AuditLogBusyError):
+        JsonLinesSink(path, lock_wait_s=0.2)
+    assert time.monotonic() - began >= 0.2
+    second.close()
+    assert check_audit(read_audit(path)).ok and len(read_audit(path).segments) == 2
+    for bad in (-1, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="lock_wait_s"):
+            JsonLinesSink(path, lock_wait_s=bad)  # type: ignore[arg-type]
+
+
 def test_settle_writes_out_and_drops_the_marker_but_keeps_writing(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
     sink = JsonLinesSink(path, flush_interval_s=3600, open_marker=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import gc
 import logging
 import os
 import threading
@@ -60,32 +61,62 @@ class AuditLogBusyError(AuditSinkError):
     (each server, each data-parallel rank) a path of its own."""
 
 
-def _claim(path: Path) -> int:
+SERVER_LOCK_WAIT_S: Final = 10.0
+"""How long kvlife's engine adapters (the vLLM connectors, SGLang's manager, the HiCache
+lens) wait for another writer to close their audit log before they refuse to start: a
+server restarted while its old process is still stopping."""
+
+
+def _holder(path: Path) -> str:
+    """What the ``.open`` marker beside ``path`` says of its writer, for a message."""
+    marker = Path(f"{path}.open")
+    try:
+        return f" (its marker {marker.name}: {marker.read_text(errors='replace').strip()})"
+    except OSError:
+        return ""
+
+
+def _claim(path: Path, wait_s: float = 0.0) -> int:
     """Open ``path`` for appending (created owner-only) and take the writer's lock on it
-    (``flock``: released when the writer closes it or dies, so a crash leaves none).
+    (``flock``: released when the writer closes it or dies, so a crash leaves none),
+    waiting up to ``wait_s`` seconds for a writer that holds it.
 
     Raises:
-        AuditLogBusyError: another writer holds it. Nothing was changed.
+        AuditLogBusyError: another writer still holds it. Nothing was changed.
     """
     # Owner-only: rids can identify users. An existing file keeps its mode.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        marker = Path(f"{path}.open")
+    deadline = time.monotonic() + wait_s
+    told = collected = False
+    while True:
         try:
-            said = f" (its marker {marker.name}: {marker.read_text(errors='replace').strip()})"
-        except OSError:
-            said = ""
-        raise AuditLogBusyError(
-            f"audit log {path} is being written by another writer{said}; two writers "
-            f"would interleave their records in one file: give each its own path. "
-            f"Nothing was written"
-        ) from None
-    except OSError:  # a file system without locks: written unguarded, as before
-        pass
-    return fd
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not collected:  # a sink nobody holds any more closes when it is collected
+                collected = True
+                gc.collect()
+                continue
+            if time.monotonic() < deadline:
+                if not told:
+                    told = True
+                    _log.warning(
+                        "audit log %s is held by another writer%s; waiting up to %.0f s "
+                        "for it to close",
+                        path,
+                        _holder(path),
+                        wait_s,
+                    )
+                time.sleep(0.05)
+                continue
+            os.close(fd)
+            raise AuditLogBusyError(
+                f"audit log {path} is being written by another writer{_holder(path)}; "
+                f"two writers would interleave their records in one file: give each its "
+                f"own path. Nothing was written"
+            ) from None
+        except OSError:  # a file system without locks: written unguarded
+            pass
+        return fd
 
 
 class AuditSinkClosedError(AuditSinkError, ValueError):
@@ -462,7 +493,10 @@ class JsonLinesSink:
     it, so that it reads as a log again (``truncations`` counts it, and it is logged).
 
     One writer per file: the sink holds a lock on its file (``flock``) while it is open,
-    and a second sink opened on it, in this process or another, raises
+    and a second sink opened on it, in this process or another, waits up to
+    ``lock_wait_s`` seconds (0: not at all; a restarted server whose old process is still
+    stopping) for the holder to close (a sink nobody holds any more is collected first),
+    then raises
     [`AuditLogBusyError`][kvlife.fsm.audit.sinks.AuditLogBusyError] and changes nothing
     (two writers would interleave their records). The lock goes with the writer: a
     writer that was killed leaves none (a child process forked while the sink is open
@@ -487,6 +521,7 @@ class JsonLinesSink:
         flush_interval_s: float | None = None,
         open_marker: bool = False,
         witness: str = "",
+        lock_wait_s: float = 0.0,
     ) -> None:
         if not isinstance(witness, str):
             raise TypeError(f"witness must be a str, got {type(witness).__name__}")
@@ -498,6 +533,12 @@ class JsonLinesSink:
             raise ValueError(
                 f"flush_interval_s must be a positive number or None, got {flush_interval_s!r}"
             )
+        if (
+            not isinstance(lock_wait_s, (int, float))
+            or isinstance(lock_wait_s, bool)
+            or not 0 <= lock_wait_s < float("inf")
+        ):
+            raise ValueError(f"lock_wait_s must be a number >= 0, got {lock_wait_s!r}")
         if fsync not in ("never", "batch", "record"):
             raise ValueError(f"fsync must be 'never', 'batch' or 'record', got {fsync!r}")
         if not _is_int(batch_records) or batch_records <= 0:
@@ -518,7 +559,7 @@ class JsonLinesSink:
         #: (its pid and opening time), or ``None``.
         self.previous_unclean: str | None = None
         marker = Path(f"{self.path}.open") if open_marker else None
-        fd = _claim(self.path)  # first: the marker and a torn tail are the writer's
+        fd = _claim(self.path, lock_wait_s)  # first: the marker and torn tail are its
         try:
             if marker is not None and marker.exists():
                 self.previous_unclean = marker.read_text(errors="replace").strip() or "unknown"

@@ -62,6 +62,7 @@ from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, g
 
 from kvlife.fsm import JsonLinesSink, Lifecycle, LifecycleRegistry, UnknownRequestError
 from kvlife.fsm import __version__ as KVLIFE_VERSION
+from kvlife.fsm.audit.sinks import SERVER_LOCK_WAIT_S
 from kvlife.fsm.table import Trigger
 from kvlife.offload.copy_engine import CopyEngine
 from kvlife.offload.engines.sglang_plugin import PluginSettings, audit_log_path, rank_name
@@ -643,7 +644,10 @@ class ServerDecodeOffloadManager(KVLifeDecodeOffloadManager):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.sink = JsonLinesSink(
-                path, flush_interval_s=settings.flush_interval_s, open_marker=True
+                path,
+                flush_interval_s=settings.flush_interval_s,
+                open_marker=True,
+                lock_wait_s=SERVER_LOCK_WAIT_S,
             )
         except BaseException:
             self._backup_thread.shutdown(wait=True)

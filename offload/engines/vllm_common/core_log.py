@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlife.fsm import JsonLinesSink, LifecycleRegistry, OverdueWatch
+from kvlife.fsm.audit.sinks import SERVER_LOCK_WAIT_S
 from kvlife.offload.engines.vllm_common.config import ConnectorConfig
 
 logger = logging.getLogger("vllm.kvlife")
@@ -83,6 +84,7 @@ class CoreLog:
                 flush_interval_s=config.audit_flush_s,
                 open_marker=True,
                 witness=witness,
+                lock_wait_s=SERVER_LOCK_WAIT_S,
             )
         #: A termination signal came: vLLM is stopping this engine core (see ``written``).
         self.stopping = False

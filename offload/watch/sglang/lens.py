@@ -36,6 +36,7 @@ from kvlife.fsm import (
     Trigger,
 )
 from kvlife.fsm.audit.records import DetailValue
+from kvlife.fsm.audit.sinks import SERVER_LOCK_WAIT_S
 from kvlife.fsm.errors import Reason
 
 logger = logging.getLogger("sglang.kvlife")
@@ -147,7 +148,11 @@ class HiCacheLens:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.sink = JsonLinesSink(
-                str(path), flush_interval_s=flush_interval_s, open_marker=True, witness=witness
+                str(path),
+                flush_interval_s=flush_interval_s,
+                open_marker=True,
+                witness=witness,
+                lock_wait_s=SERVER_LOCK_WAIT_S,
             )
         all_sinks = [*sinks] + ([self.sink] if self.sink is not None else [])
         self.registry = LifecycleRegistry(sinks=all_sinks)
