@@ -185,6 +185,56 @@ def test_a_log_cut_short_in_place_goes_on_as_the_next_part_of_its_segment(
     assert report.ok and report.endings[0].status == "closed"
 
 
+@pytest.mark.parametrize("how", ["rename-create", "rename", "rm"])
+def test_a_log_moved_away_under_its_writer_goes_on_at_its_path(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What logrotate does by default (rename, then create an empty file), a rename with no
+    new file, and an ``rm``: before, every later record went to the file moved away (or
+    to one nobody could open) and the path stayed empty or absent."""
+    path = tmp_path / "a.jsonl"
+    memory = MemorySink()
+    sink = JsonLinesSink(path, fsync="never", batch_records=8)
+    registry = LifecycleRegistry(sinks=[memory, sink])
+    _lifecycles(registry, 5)
+    sink.flush()
+    if how == "rm":
+        path.unlink()
+    else:
+        path.rename(tmp_path / "a.jsonl.1")
+        if how == "rename-create":
+            path.touch()
+    _lifecycles(registry, 5)
+    sink.close()
+    assert sink.reopened == 1 and "removed or renamed by another process" in caplog.text
+    alone = read_audit(path, rotated=False)
+    [header] = [s.header for s in alone.segments]
+    assert header is not None and (header.segment, header.part) == (sink.segment, 1)
+    assert alone.records == memory.records()[-len(alone.records) :]
+    assert len(alone.records) == 20 and check_audit(alone).ok
+    if how != "rm":
+        whole = read_audit(path)  # the moved file, then the new one: one segment
+        assert len(whole.segments) == 1 and whole.records == memory.records()
+        assert check_audit(whole, expect_released=True).ok
+
+
+def test_a_relative_path_keeps_naming_the_file_it_opened_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "here").mkdir()
+    (tmp_path / "there").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    sink = JsonLinesSink("a.jsonl", fsync="never", batch_records=4, max_bytes=2000, backups=50)
+    registry = LifecycleRegistry(sinks=[sink])
+    _lifecycles(registry, 2)
+    monkeypatch.chdir(tmp_path / "there")
+    _lifecycles(registry, 20)  # written, and rotated, where the sink was opened
+    sink.close()
+    assert not list((tmp_path / "there").iterdir()) and sink.reopened == 0
+    log = read_audit(tmp_path / "here" / "a.jsonl")
+    assert len(log.records) == 88 and check_audit(log, expect_released=True).ok
+
+
 def test_sink_arguments_for_rotation_are_checked(tmp_path: Path) -> None:
     for bad in ({"max_bytes": 0}, {"max_bytes": 1.5}, {"backups": -1}, {"backups": True}):
         with pytest.raises(ValueError, match=r"max_bytes|backups"):

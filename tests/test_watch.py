@@ -5,6 +5,7 @@ each verdict counted once and only when the whole logs would give it too."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -221,10 +222,22 @@ def _copytruncate(log: Path) -> None:
         file.truncate(0)
 
 
-@pytest.mark.parametrize("after", [3, 40], ids=["shorter", "longer-than-read"])
-def test_a_log_cut_short_in_place_while_followed_is_read_whole(tmp_path: Path, after: int) -> None:
-    """``after``: lifecycles written after the cut, before the next poll (40: the file
-    is longer again than what was read before the cut, only its first line tells)."""
+def _rename_create(log: Path) -> None:
+    """What logrotate does by default: rename the log to ``.1``, create an empty one."""
+    log.rename(log.with_name(f"{log.name}.1"))
+    log.touch()
+
+
+@pytest.mark.parametrize(
+    ("move", "after"),
+    [(_copytruncate, 3), (_copytruncate, 40), (_rename_create, 3), (Path.unlink, 3)],
+    ids=["copytruncate-shorter", "copytruncate-longer-than-read", "rename-create", "rm"],
+)
+def test_a_log_rotated_by_another_process_while_followed_is_read_whole(
+    tmp_path: Path, move: Callable[[Path], None], after: int
+) -> None:
+    """``after``: lifecycles written after the rotation, before the next poll (40: a file
+    cut short is longer again than what was read before, only its first line tells)."""
     log = tmp_path / "engine.jsonl"
     sink = JsonLinesSink(log)
     registry = LifecycleRegistry(sinks=[sink])
@@ -240,8 +253,8 @@ def test_a_log_cut_short_in_place_while_followed_is_read_whole(tmp_path: Path, a
 
     lifecycles(0, 10)
     watch.poll()
-    lifecycles(10, 2)  # written before the copy, not read by the watch yet
-    _copytruncate(log)
+    lifecycles(10, 2)  # written before the rotation, not read by the watch yet
+    move(log)
     lifecycles(12, after)
     watch.poll()
     lifecycles(12 + after, 5)
@@ -249,14 +262,15 @@ def test_a_log_cut_short_in_place_while_followed_is_read_whole(tmp_path: Path, a
     watch.poll()
     watch.close()
     total = 17 + after
-    assert sink.truncations == 1
+    assert sink.truncations + sink.reopened == 1
     (followed,) = watch.logs.values()
     report = followed.checker.report
     assert (report.records, report.lifecycles, report.released) == (4 * total, total, total)
     assert report.segments == 1 and followed.reader.problem_count == 0
     assert sum(watch.violations().values()) == 0 and followed.failed is None
-    whole = check_audit(AuditReader(log))  # the copy and the log, one segment
-    assert (whole.records, whole.segments, whole.ok) == (4 * total, 1, True)
+    if move is not Path.unlink:
+        whole = check_audit(AuditReader(log))  # the moved file and the log, one segment
+        assert (whole.records, whole.segments, whole.ok) == (4 * total, 1, True)
 
 
 def test_a_log_already_rotated_when_the_watch_starts_is_read_from_its_oldest_file(

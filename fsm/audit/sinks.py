@@ -262,6 +262,9 @@ class _JsonFile:
         self.in_file = 0  # records in the current file: a file with none is not rotated
         self.rotations = 0
         self.truncations = 0
+        self.reopened = 0
+        self.where = str(path)  # for the stat of every write
+        self.ident = (0, 0)  # (device, inode) of the file open
         # (live lifecycles, copies in flight) of the registry the sink is attached to,
         # for the closing record; weak, so that the sink keeps no registry alive
         self.state: weakref.WeakMethod[Callable[[], tuple[int, int]]] | None = None
@@ -275,11 +278,12 @@ class _JsonFile:
         if fd is None:
             fd = _claim(self.path)
         try:
-            size = os.fstat(fd).st_size
-            size += self._write_all(fd, size, encode_lines((header,)))
+            stat = os.fstat(fd)
+            size = stat.st_size + self._write_all(fd, stat.st_size, encode_lines((header,)))
         except BaseException:
             os.close(fd)
             raise
+        self.ident = (stat.st_dev, stat.st_ino)
         return fd, size
 
     def _write_all(self, fd: int, size: int, data: bytes, sync: bool = True) -> int:
@@ -305,7 +309,13 @@ class _JsonFile:
         fd = self.fd
         if fd is None:
             raise AuditSinkClosedError(f"audit sink {self.path} is closed")
-        if os.fstat(fd).st_size < self.size:  # cut short under us: a copytruncate
+        try:
+            at_path: os.stat_result | None = os.stat(self.where)
+        except FileNotFoundError:
+            at_path = None
+        if at_path is None or (at_path.st_dev, at_path.st_ino) != self.ident:
+            fd = self._moved(fd)  # removed or renamed under us: rm, logrotate
+        elif at_path.st_size < self.size:  # cut short under us: logrotate's copytruncate
             self._cut_short(fd)
         limit = self.max_bytes
         if limit is not None and self.size + len(data) > limit and self.in_file:
@@ -333,6 +343,31 @@ class _JsonFile:
         self.fd, self.size, self.header = new_fd, size, header
         self.rotations += 1
         self.in_file = 0
+        return new_fd
+
+    def _moved(self, fd: int) -> int:
+        """Another process removed the file (``rm``) or renamed it (logrotate without
+        ``copytruncate``, which may create a new one): go on in a file at the path again,
+        as the segment's next part, so that what is written from now on is where readers
+        look (not in a file nobody can open, filling the disk). A failure leaves the sink
+        writing where it was, to try again at the next write."""
+        header = make_header(
+            self.header.segment, self.header.part + 1, self.header.witness, closes=True
+        )
+        new_fd, size = self._open(header)
+        if self.sync:
+            with contextlib.suppress(OSError):
+                os.fsync(fd)
+        os.close(fd)
+        self.fd, self.size, self.header = new_fd, size, header
+        self.in_file = 0
+        self.reopened += 1
+        _log.warning(
+            "audit log %s was removed or renamed by another process; it goes on in a new "
+            "file at that path, as part %d of its segment",
+            self.path,
+            header.part,
+        )
         return new_fd
 
     def _cut_short(self, fd: int) -> None:
@@ -490,7 +525,9 @@ class JsonLinesSink:
 
     Rotation by another process: when the file was cut short in place (logrotate's
     ``copytruncate``), the next write first puts a header of the segment's next part in
-    it, so that it reads as a log again (``truncations`` counts it, and it is logged).
+    it, so that it reads as a log again (``truncations`` counts it, and it is logged);
+    when it was removed or renamed (``rm``, logrotate's default), the next write goes to
+    a file at the path again, under such a header (``reopened``).
 
     One writer per file: the sink holds a lock on its file (``flock``) while it is open,
     and a second sink opened on it, in this process or another, waits up to
@@ -558,8 +595,11 @@ class JsonLinesSink:
         #: What the ``PATH.open`` marker of a writer that did not close the log said
         #: (its pid and opening time), or ``None``.
         self.previous_unclean: str | None = None
-        marker = Path(f"{self.path}.open") if open_marker else None
-        fd = _claim(self.path, lock_wait_s)  # first: the marker and torn tail are its
+        # every file operation from now on by the absolute path: the process may change
+        # its working directory while the sink is open
+        where = Path(os.path.abspath(self.path))
+        marker = Path(f"{where}.open") if open_marker else None
+        fd = _claim(where, lock_wait_s)  # first: the marker and torn tail are its
         try:
             if marker is not None and marker.exists():
                 self.previous_unclean = marker.read_text(errors="replace").strip() or "unknown"
@@ -569,11 +609,11 @@ class JsonLinesSink:
                     self.path,
                     self.previous_unclean,
                 )
-            self.trimmed_bytes = trim_torn_tail(self.path)
+            self.trimmed_bytes = trim_torn_tail(where)
         except BaseException:
             os.close(fd)
             raise
-        self._file = _JsonFile(self.path, fsync, max_bytes, backups, marker, witness, fd)
+        self._file = _JsonFile(where, fsync, max_bytes, backups, marker, witness, fd)
         if marker is not None:
             marker.write_text(f"pid {os.getpid()}, opened {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
         self._stop = threading.Event()
@@ -603,6 +643,12 @@ class JsonLinesSink:
     def rotations(self) -> int:
         """How many times the file was rotated."""
         return self._file.rotations
+
+    @property
+    def reopened(self) -> int:
+        """How many times another process removed or renamed the file (``rm``, logrotate
+        without ``copytruncate``) and the sink went on in a new file at its path."""
+        return self._file.reopened
 
     @property
     def truncations(self) -> int:
