@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -216,6 +217,29 @@ def test_a_log_moved_away_under_its_writer_goes_on_at_its_path(
         whole = read_audit(path)  # the moved file, then the new one: one segment
         assert len(whole.segments) == 1 and whole.records == memory.records()
         assert check_audit(whole, expect_released=True).ok
+
+
+def test_a_log_whose_directory_is_gone_fails_its_writes_until_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """Not written into a file nobody can open: a failing sink, its records kept and
+    retried, and written once the directory is back."""
+    directory = tmp_path / "logs"
+    directory.mkdir()
+    memory = MemorySink()
+    sink = JsonLinesSink(directory / "a.jsonl", fsync="never", batch_records=1)
+    registry = LifecycleRegistry(sinks=[memory, sink], sink_retry_s=0)
+    _lifecycles(registry, 1)
+    shutil.rmtree(directory)
+    _lifecycles(registry, 2)
+    [stats] = [s for s in registry.sink_statistics() if "JsonLinesSink" in s.sink]
+    assert stats.errors >= 1 and stats.pending and "No such file" in stats.last_error
+    directory.mkdir()
+    _lifecycles(registry, 1)  # the next write retries the kept records first
+    sink.close()
+    log = read_audit(directory / "a.jsonl", rotated=False)
+    assert log.records == memory.records()[4:] and sink.reopened == 1
+    assert check_audit(log).ok
 
 
 def test_a_relative_path_keeps_naming_the_file_it_opened_after_a_chdir(

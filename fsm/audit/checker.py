@@ -642,6 +642,8 @@ class AuditChecker:
             )
         self._close_segment()
         self._segment = _SegmentState(self.report.segments, event.header, event.file)
+        if event.header.part:  # its earlier files are not read (rotated out, removed)
+            self._segment.partial = self._segment.began_mid_way = True
         self._join.segment(event.header, event.file, self.report.segments)
         self.report.segments += 1
 
