@@ -29,6 +29,7 @@ from kvlife.fsm.audit import (
     audit_files,
     check_audit,
     read_audit,
+    sinks,
 )
 from tests.crash import kill_midway
 from tests.strategies import Req
@@ -188,11 +189,13 @@ def test_a_log_cut_short_in_place_goes_on_as_the_next_part_of_its_segment(
 
 @pytest.mark.parametrize("how", ["rename-create", "rename", "rm"])
 def test_a_log_moved_away_under_its_writer_goes_on_at_its_path(
-    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What logrotate does by default (rename, then create an empty file), a rename with no
     new file, and an ``rm``: before, every later record went to the file moved away (or
-    to one nobody could open) and the path stayed empty or absent."""
+    to one nobody could open) and the path stayed empty or absent. (The sink looks at
+    every write here, not once a second.)"""
+    monkeypatch.setattr(sinks, "PATH_CHECK_S", 0.0)
     path = tmp_path / "a.jsonl"
     memory = MemorySink()
     sink = JsonLinesSink(path, fsync="never", batch_records=8)
@@ -219,11 +222,33 @@ def test_a_log_moved_away_under_its_writer_goes_on_at_its_path(
         assert check_audit(whole, expect_released=True).ok
 
 
-def test_a_log_whose_directory_is_gone_fails_its_writes_until_it_is_back(
+def test_a_rename_is_seen_within_a_second_and_what_came_before_is_in_the_moved_file(
     tmp_path: Path,
+) -> None:
+    path = tmp_path / "a.jsonl"
+    memory = MemorySink()
+    sink = JsonLinesSink(path, fsync="never", batch_records=4)
+    registry = LifecycleRegistry(sinks=[memory, sink])
+    _lifecycles(registry, 2)
+    path.rename(tmp_path / "a.jsonl.1")
+    path.touch()
+    _lifecycles(registry, 2)  # the sink looked less than a second ago: to the moved file
+    assert sink.reopened == 0
+    time.sleep(sinks.PATH_CHECK_S)
+    _lifecycles(registry, 2)
+    sink.close()
+    assert sink.reopened == 1
+    assert len(read_audit(path, rotated=False).records) == 8
+    whole = read_audit(path)
+    assert whole.records == memory.records() and check_audit(whole, expect_released=True).ok
+
+
+def test_a_log_whose_directory_is_gone_fails_its_writes_until_it_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not written into a file nobody can open: a failing sink, its records kept and
     retried, and written once the directory is back."""
+    monkeypatch.setattr(sinks, "PATH_CHECK_S", 0.0)
     directory = tmp_path / "logs"
     directory.mkdir()
     memory = MemorySink()

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvlife.diagrams.cli import main
 from kvlife.fsm import JsonLinesSink, LifecycleRegistry
-from kvlife.fsm.audit import AuditReader, check_audit
+from kvlife.fsm.audit import AuditReader, check_audit, sinks
 from kvlife.fsm.audit.handover import block_digest
 from kvlife.fsm.audit.watch import AuditWatch, WatchCollector
 from tests.strategies import Req
@@ -234,10 +234,12 @@ def _rename_create(log: Path) -> None:
     ids=["copytruncate-shorter", "copytruncate-longer-than-read", "rename-create", "rm"],
 )
 def test_a_log_rotated_by_another_process_while_followed_is_read_whole(
-    tmp_path: Path, move: Callable[[Path], None], after: int
+    tmp_path: Path, move: Callable[[Path], None], after: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``after``: lifecycles written after the rotation, before the next poll (40: a file
-    cut short is longer again than what was read before, only its first line tells)."""
+    cut short is longer again than what was read before, only its first line tells). The
+    sink looks at its path at every write here, not once a second."""
+    monkeypatch.setattr(sinks, "PATH_CHECK_S", 0.0)
     log = tmp_path / "engine.jsonl"
     sink = JsonLinesSink(log)
     registry = LifecycleRegistry(sinks=[sink])

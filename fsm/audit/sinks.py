@@ -61,6 +61,11 @@ class AuditLogBusyError(AuditSinkError):
     (each server, each data-parallel rank) a path of its own."""
 
 
+PATH_CHECK_S: Final = 1.0
+"""How often (seconds, at most) a [`JsonLinesSink`][kvlife.fsm.audit.sinks.JsonLinesSink]
+looks whether its file was removed or its path names another file (a rename by
+logrotate); a file cut short in place is seen at every write."""
+
 SERVER_LOCK_WAIT_S: Final = 10.0
 """How long kvlife's engine adapters (the vLLM connectors, SGLang's manager, the HiCache
 lens) wait for another writer to close their audit log before they refuse to start: a
@@ -263,8 +268,9 @@ class _JsonFile:
         self.rotations = 0
         self.truncations = 0
         self.reopened = 0
-        self.where = str(path)  # for the stat of every write
+        self.where = str(path)
         self.ident = (0, 0)  # (device, inode) of the file open
+        self.look_at = 0.0  # monotonic time of the next look at what the path names
         # (live lifecycles, copies in flight) of the registry the sink is attached to,
         # for the closing record; weak, so that the sink keeps no registry alive
         self.state: weakref.WeakMethod[Callable[[], tuple[int, int]]] | None = None
@@ -309,14 +315,10 @@ class _JsonFile:
         fd = self.fd
         if fd is None:
             raise AuditSinkClosedError(f"audit sink {self.path} is closed")
-        try:
-            at_path: os.stat_result | None = os.stat(self.where)
-        except FileNotFoundError:
-            at_path = None
-        if at_path is None or (at_path.st_dev, at_path.st_ino) != self.ident:
-            fd = self._moved(fd)  # removed or renamed under us: rm, logrotate
-        elif at_path.st_size < self.size:  # cut short under us: logrotate's copytruncate
+        if os.lseek(fd, 0, os.SEEK_END) < self.size:  # cut short: logrotate's copytruncate
             self._cut_short(fd)
+        elif self._moved_away(fd):  # removed or renamed: rm, logrotate's default
+            fd = self._moved(fd)
         limit = self.max_bytes
         if limit is not None and self.size + len(data) > limit and self.in_file:
             fd = self._rotate(fd)
@@ -344,6 +346,23 @@ class _JsonFile:
         self.rotations += 1
         self.in_file = 0
         return new_fd
+
+    def _moved_away(self, fd: int) -> bool:
+        """Whether the file open was removed, or the path names another file (or none),
+        looked at once every ``PATH_CHECK_S`` (the two ``stat`` calls cost ten times the
+        ``lseek`` of every write; what is written meanwhile went to the file moved away:
+        read with the rest after a rename)."""
+        now = time.monotonic()
+        if now < self.look_at:
+            return False
+        self.look_at = now + PATH_CHECK_S
+        if os.fstat(fd).st_nlink == 0:
+            return True
+        try:
+            at_path = os.stat(self.where)
+        except FileNotFoundError:
+            return True
+        return (at_path.st_dev, at_path.st_ino) != self.ident
 
     def _moved(self, fd: int) -> int:
         """Another process removed the file (``rm``) or renamed it (logrotate without
@@ -526,8 +545,9 @@ class JsonLinesSink:
     Rotation by another process: when the file was cut short in place (logrotate's
     ``copytruncate``), the next write first puts a header of the segment's next part in
     it, so that it reads as a log again (``truncations`` counts it, and it is logged);
-    when it was removed or renamed (``rm``, logrotate's default), the next write goes to
-    a file at the path again, under such a header (``reopened``).
+    when it was removed (``rm``) or renamed (logrotate's default), a write goes to a file
+    at the path again, under such a header (``reopened``): the first write at least
+    ``PATH_CHECK_S`` (1 s) after the sink last looked.
 
     One writer per file: the sink holds a lock on its file (``flock``) while it is open,
     and a second sink opened on it, in this process or another, waits up to
