@@ -315,8 +315,9 @@ class _JsonFile:
         fd = self.fd
         if fd is None:
             raise AuditSinkClosedError(f"audit sink {self.path} is closed")
-        if os.lseek(fd, 0, os.SEEK_END) < self.size:  # cut short: logrotate's copytruncate
-            self._cut_short(fd)
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end < self.size:  # cut short under us: logrotate's copytruncate
+            self._cut_short(fd, end)
         elif self._moved_away(fd):  # removed or renamed: rm, logrotate's default
             fd = self._moved(fd)
         limit = self.max_bytes
@@ -337,13 +338,23 @@ class _JsonFile:
                 older = rotated_name(self.path, index - 1)
                 if older.exists():
                     os.replace(older, rotated_name(self.path, index))
-        header = make_header(
-            self.header.segment, self.header.part + 1, self.header.witness, closes=True
-        )
+        new_fd = self._go_on_at_path(fd)
+        self.rotations += 1
+        return new_fd
+
+    def _next_part(self) -> AuditHeader:
+        """The header that goes on with this segment as its next part."""
+        header = self.header
+        return make_header(header.segment, header.part + 1, header.witness, closes=True)
+
+    def _go_on_at_path(self, fd: int) -> int:
+        """Go on in a file at the path (claimed, created if need be) under the next
+        part's header, and close ``fd``. A failure raises with the sink still writing
+        to ``fd``."""
+        header = self._next_part()
         new_fd, size = self._open(header)
         os.close(fd)
         self.fd, self.size, self.header = new_fd, size, header
-        self.rotations += 1
         self.in_file = 0
         return new_fd
 
@@ -370,34 +381,25 @@ class _JsonFile:
         as the segment's next part, so that what is written from now on is where readers
         look (not in a file nobody can open, filling the disk). A failure leaves the sink
         writing where it was, to try again at the next write."""
-        header = make_header(
-            self.header.segment, self.header.part + 1, self.header.witness, closes=True
-        )
-        new_fd, size = self._open(header)
         if self.sync:
             with contextlib.suppress(OSError):
                 os.fsync(fd)
-        os.close(fd)
-        self.fd, self.size, self.header = new_fd, size, header
-        self.in_file = 0
+        new_fd = self._go_on_at_path(fd)
         self.reopened += 1
         _log.warning(
             "audit log %s was removed or renamed by another process; it goes on in a new "
             "file at that path, as part %d of its segment",
             self.path,
-            header.part,
+            self.header.part,
         )
         return new_fd
 
-    def _cut_short(self, fd: int) -> None:
+    def _cut_short(self, fd: int, size: int) -> None:
         """Another process cut the file short in place (logrotate's ``copytruncate``,
         which copied it to ``PATH.1`` first): go on in it as the segment's next part,
         under a header of its own, so that it reads as a log again and the copy and it
-        read as one segment."""
-        header = make_header(
-            self.header.segment, self.header.part + 1, self.header.witness, closes=True
-        )
-        size = os.fstat(fd).st_size
+        read as one segment. ``size``: what the file holds now."""
+        header = self._next_part()
         self.size = size + self._write_all(fd, size, encode_lines((header,)))
         self.header = header
         self.in_file = 0
