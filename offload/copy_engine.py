@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from kvlife.offload.block_copy import BlockRuns, block_span
@@ -53,6 +54,26 @@ from kvlife.offload.index_ring import IndexRing
 from kvlife.offload.layout import KVLayout, LayoutError
 
 _PENDING = RuntimeError("not launched")  # a slot in launch_many's results, filled before return
+
+
+def _written_twice(device_pages: torch.Tensor) -> None:
+    """Refuse a load that lists a device page (a block) twice (a CPU tensor): two host
+    pages would race into it and the page the engine expects the other one in would keep
+    what it held before, wrong KV served with no error. An engine never allocates one
+    block twice to a request: the list is the caller's bug.
+
+    Raises:
+        ValueError: naming the first repeated page.
+    """
+    if len(device_pages) < 2:
+        return
+    ordered = np.sort(device_pages.numpy())
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeated):
+        raise ValueError(
+            f"a load lists device page {int(repeated[0])} twice "
+            f"({len(repeated)} repeat(s) in {len(device_pages)} pages)"
+        )
 
 
 def slot_index(slots: torch.Tensor | Sequence[int], device: str | None = None) -> torch.Tensor:
@@ -479,7 +500,10 @@ class CopyEngine:
         accepted: list[tuple[torch.Tensor, HostPages]] = []
         for slots, pages in items:
             try:
-                accepted.append((self._check_direct(slots, pages), pages))
+                blocks = self._check_direct(slots, pages)
+                if load:
+                    _written_twice(blocks)
+                accepted.append((blocks, pages))
                 results.append(_PENDING)
             except ValueError as exc:
                 results.append(exc)
@@ -741,7 +765,8 @@ class CopyEngine:
         host first, which waits for the device).
 
         Raises ``ValueError`` (before anything is copied) for slots that are not whole
-        aligned pages, out of range, or not as many pages as ``pages``, and
+        aligned pages, out of range, not as many pages as ``pages``, or that list one
+        device page twice (two host pages would race into it), and
         ``TypeError`` for slots that are not integers. A copy that
         fails while running is returned as a finished job with ``error`` set; device
         pages it had not reached are unchanged, the others may be partly written.
@@ -760,6 +785,7 @@ class CopyEngine:
             device_pages = self._aligned_pages(index)
         if device_pages is None:
             raise ValueError("a load writes whole aligned device pages only")
+        _written_twice(device_pages)
         if self._direct is not None and self.cuda:
             return self._submit_direct([(device_pages, pages)], load=True)[0]
         stream = self._next_stream

@@ -360,6 +360,38 @@ def test_bad_loads_are_refused_before_anything_is_written() -> None:
     assert torch.equal(buffer, before)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_load_that_lists_a_device_page_twice_is_refused_and_writes_nothing(
+    direct: bool,
+) -> None:
+    """Before: both host pages were written into block 5 (on CUDA in no set order) and
+    block 3, where the engine expects the second, kept its old KV: wrong KV, no error."""
+    layout, views, buffer = _strided_blocks()
+    host = HostPagePool(layout, 4, pin_memory=False)
+    engine = CopyEngine(layout, views, host, direct=direct)
+    pages = host.alloc(3)
+    assert pages is not None
+    assert engine.launch([0, 1, 2], pages).error is None
+    before = buffer.clone()
+    with pytest.raises(ValueError, match=r"lists device page 5 twice \(1 repeat\(s\) in 3"):
+        engine.load(pages, [5, 3, 5])
+    refused, loaded = engine.launch_many([([5, 3, 5], pages), ([7, 8, 9], pages)], load=True)
+    assert isinstance(refused, ValueError) and "page 5 twice" in str(refused)
+    assert isinstance(loaded, CopyJob) and loaded.error is None  # the other item is copied
+    changed = (buffer != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert changed == [7, 8, 9]
+    token_layout = LAYOUTS["per_layer"]
+    token_host = HostPagePool(token_layout, 2, pin_memory=False)
+    token_pages = token_host.alloc(2)
+    assert token_pages is not None
+    kv = _filled(token_layout)
+    token_engine = CopyEngine(token_layout, kv, token_host)
+    kept = [t.clone() for t in kv]
+    with pytest.raises(ValueError, match="device page 1 twice"):
+        token_engine.load(token_pages, [*range(16, 32), *range(16, 32)])
+    assert all(torch.equal(a, b) for a, b in zip(kv, kept, strict=True))
+
+
 @pytest.mark.cuda
 @cuda
 def test_cuda_a_block_layout_stores_and_loads_byte_for_byte() -> None:

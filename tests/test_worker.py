@@ -80,6 +80,19 @@ def test_an_order_the_copy_engine_refuses_is_reported_failed() -> None:
         assert torch.equal(cache, before[name])  # a refused load wrote nothing
 
 
+def test_a_load_into_one_block_twice_is_reported_failed_and_writes_nothing() -> None:
+    caches = _caches()
+    worker = _worker(caches)
+    worker.store([StoreOrder(1, (5, 2), (0, 1), 0)])
+    before = {name: cache.clone() for name, cache in caches.items()}
+    worker.load([LoadOrder(2, (6, 6), (0, 1), 0), LoadOrder(3, (7,), (1,), 0)])
+    assert worker.poll() == ([3, 1], [2])  # loads are reported before stores
+    assert worker.take_load_errors() == {6}  # the engine computes block 6 itself
+    for name, cache in caches.items():
+        assert torch.equal(cache[:7], before[name][:7])  # only block 7 was loaded
+        assert torch.equal(cache[7], before[name][2])
+
+
 def test_wait_and_shutdown_return_on_the_cpu_where_copies_are_done_at_launch() -> None:
     worker = _worker(_caches())
     worker.store([StoreOrder(1, (0,), (0,), 0)])
