@@ -546,6 +546,64 @@ def test_a_second_writer_waits_for_the_first_to_close_when_told_to(
             JsonLinesSink(path, lock_wait_s=bad)  # type: ignore[arg-type]
 
 
+def test_a_child_forked_while_a_sink_is_open_writes_nothing_and_holds_no_lock(
+    tmp_path: Path,
+) -> None:
+    """Before: a child that exited normally wrote the records its parent had buffered
+    (the parent wrote them too: ``seq_gap`` and ``serial_reused`` violations nobody
+    committed) and an ``exit`` closing record, removed the parent's ``.open`` marker, and
+    a child still running kept a restarted writer from the file."""
+    path = tmp_path / "a.jsonl"
+    child = _run(
+        """
+        import os, sys
+        from kvlife.fsm import JsonLinesSink, LifecycleRegistry
+        from tests.strategies import Req
+        path = sys.argv[1]
+        sink = JsonLinesSink(path, open_marker=True, flush_interval_s=3600)
+        registry = LifecycleRegistry(sinks=[sink])
+        held = [Req("parent-1")]
+        registry.register(held[0])  # buffered when the children are forked
+        print("parent:", os.getpid(), flush=True)
+        pid = os.fork()
+        if pid == 0:  # exits normally: interpreter exit, finalizers
+            registry.register(Req("child"))
+            print("child:", registry.statistics().sinks[0].last_error, flush=True)
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        print("marker after the child:", os.path.exists(path + ".open"), flush=True)
+        held.append(Req("parent-2"))
+        registry.register(held[1])
+        ready, go = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # still running while its parent closes and a new writer opens
+            os.read(ready, 1)
+            os._exit(0)
+        try:
+            sink.close()
+            JsonLinesSink(path).close()  # before: AuditLogBusyError, the child held the lock
+            print("reopened while the child ran", flush=True)
+        finally:
+            os.write(go, b"x")
+            os.waitpid(pid, 0)
+        """,
+        str(path),
+    )
+    assert child.returncode == 0, child.stderr
+    lines = child.stdout.splitlines()
+    parent = lines[0].removeprefix("parent: ")
+    assert lines[1:] == [
+        f"child: AuditSinkClosedError: audit sink {path} belongs to process {parent}: "
+        "a process forked from it writes nothing to its log",
+        "marker after the child: True",
+        "reopened while the child ran",
+    ], child.stdout
+    log = read_audit(path)
+    assert [r.rid for r in log.records] == ["parent-1", "parent-2"]
+    assert [s.closing.kvlife_closed for s in log.segments if s.closing] == ["close", "close"]
+    assert check_audit(log).ok
+
+
 def test_settle_writes_out_and_drops_the_marker_but_keeps_writing(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
     sink = JsonLinesSink(path, flush_interval_s=3600, open_marker=True)

@@ -126,8 +126,9 @@ def _claim(path: Path, wait_s: float = 0.0) -> int:
 
 class AuditSinkClosedError(AuditSinkError, ValueError):
     """A record was given to a sink after
-    [`JsonLinesSink.close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] (a ``ValueError`` too,
-    like writing to a closed file)."""
+    [`JsonLinesSink.close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close], or in a child
+    process forked while it was open (a ``ValueError`` too, like writing to a closed
+    file)."""
 
 
 def _is_int(value: object) -> bool:
@@ -275,9 +276,34 @@ class _JsonFile:
         # for the closing record; weak, so that the sink keeps no registry alive
         self.state: weakref.WeakMethod[Callable[[], tuple[int, int]]] | None = None
         self.header = make_header(witness=witness, closes=True)
+        self.owner = os.getpid()  # a child forked from it lets go of the file: forked()
         self.fd: int | None = None
         self.size = 0
         self.fd, self.size = self._open(self.header, fd)
+        _OPEN_FILES.add(self)
+
+    def closed_error(self) -> AuditSinkClosedError:
+        """Why nothing more is written: the sink was closed, or this is a forked child."""
+        if os.getpid() != self.owner:
+            return AuditSinkClosedError(
+                f"audit sink {self.path} belongs to process {self.owner}: a process forked "
+                f"from it writes nothing to its log"
+            )
+        return AuditSinkClosedError(f"audit sink {self.path} is closed")
+
+    def forked(self) -> None:
+        """In a child forked while the file was open: let go of it, writing nothing. The
+        parent writes what was buffered, holds the lock (the child's copy of the
+        descriptor is closed, not unlocked: ``flock`` locks belong to the open file, which
+        the parent keeps) and keeps its ``.open`` marker; the child's sink is closed."""
+        self.lock = threading.Lock()  # a thread of the parent may have held it at the fork
+        self.buffer = []
+        self.marker = None
+        self.state = None
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _open(self, header: AuditHeader, fd: int | None = None) -> tuple[int, int]:
         """Write ``header`` to the path (claimed now unless ``fd`` holds it already)."""
@@ -314,7 +340,7 @@ class _JsonFile:
     def write(self, data: bytes, sync: bool = True) -> None:
         fd = self.fd
         if fd is None:
-            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+            raise self.closed_error()
         end = os.lseek(fd, 0, os.SEEK_END)
         if end < self.size:  # cut short under us: logrotate's copytruncate
             self._cut_short(fd, end)
@@ -441,6 +467,7 @@ class _JsonFile:
             self.write_closing(how)
             os.close(self.fd)
             self.fd = None
+            _OPEN_FILES.discard(self)
             if self.marker is not None:
                 with contextlib.suppress(OSError):
                     self.marker.unlink()
@@ -466,6 +493,24 @@ class _JsonFile:
             fd, self.fd = self.fd, None
             if fd is not None:
                 os.close(fd)
+
+
+_OPEN_FILES: Final[weakref.WeakSet[_JsonFile]] = weakref.WeakSet()
+"""The JSON-lines files open in this process, which a child forked from it lets go of."""
+
+
+def _let_go_after_fork() -> None:
+    """A child was forked while files were open: left alone, its sinks would write the
+    records the parent had buffered (the parent writes them too: every checker reads the
+    second copy as serials reused), a closing record at its exit or collection (the
+    parent's records go on after it), remove the parent's ``.open`` marker, and hold the
+    parent's lock until the child exits (a restarted server is refused its log)."""
+    for file in list(_OPEN_FILES):
+        file.forked()
+    _OPEN_FILES.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_after_fork)
 
 
 def _flush_every(file: _JsonFile, stop: threading.Event, interval: float) -> None:
@@ -558,8 +603,10 @@ class JsonLinesSink:
     then raises
     [`AuditLogBusyError`][kvlife.fsm.audit.sinks.AuditLogBusyError] and changes nothing
     (two writers would interleave their records). The lock goes with the writer: a
-    writer that was killed leaves none (a child process forked while the sink is open
-    holds it too, until it exits).
+    writer that was killed leaves none. A child process forked while the sink is open
+    lets go of the file: it writes nothing to it (its sink is closed: a record given to it
+    raises [`AuditSinkClosedError`][kvlife.fsm.audit.sinks.AuditSinkClosedError]), holds
+    no lock on it, and leaves the ``.open`` marker and the records buffered to the parent.
 
     Errors: a write that fails (disk full, file size limit, I/O error) raises
     [`AuditSinkError`][kvlife.fsm.audit.sinks.AuditSinkError] or ``OSError`` and leaves the file
@@ -715,7 +762,7 @@ class JsonLinesSink:
     def _write_record(self, item: _Item) -> None:
         file = self._file
         if file.fd is None:
-            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+            raise file.closed_error()
         file.write(encode_lines((item,)))
         file.records_written += 1
         file.in_file += 1
@@ -723,7 +770,7 @@ class JsonLinesSink:
     def _buffer_record(self, item: _Item) -> None:
         file = self._file
         if file.fd is None:
-            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+            raise file.closed_error()
         buffer = file.buffer
         buffer.append(item)  # encoded in batches: one msgspec call per write
         if len(buffer) >= self._chunk:
@@ -746,7 +793,7 @@ class JsonLinesSink:
     def _write_records(self, items: list[AuditRecord]) -> None:
         file = self._file
         if file.fd is None:
-            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+            raise file.closed_error()
         file.write(encode_lines(items))  # one write: all of them or none
         file.records_written += len(items)
         file.in_file += len(items)
@@ -754,7 +801,7 @@ class JsonLinesSink:
     def _buffer_records(self, items: list[AuditRecord]) -> None:
         file = self._file
         if file.fd is None:
-            raise AuditSinkClosedError(f"audit sink {self.path} is closed")
+            raise file.closed_error()
         buffer = file.buffer
         buffer.extend(items)
         if len(buffer) >= self._chunk:
