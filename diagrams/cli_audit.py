@@ -448,6 +448,9 @@ def _print_check(args: argparse.Namespace, reader: AuditReader, report: AuditRep
         print(
             "the log was cut short: its writer stopped (a crash, a kill, a full disk) with "
             "the copies above in flight; they are not the watched component's fault"
+            if result.open_at_cut
+            else "the log was cut short: its writer stopped (a crash, a kill, a full disk) "
+            "with no copy in flight"
         )
     print(verdict)
     return result.exit_status

@@ -1001,6 +1001,26 @@ def test_a_log_cut_short_by_a_kill_says_so_and_exits_3(
     assert [o["rid"] for o in data["open_at_end"]] == ["bystander-1"]
 
 
+def test_a_log_cut_short_with_no_copy_in_flight_does_not_speak_of_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: "with the copies above in flight", of a cut with none."""
+    path = _log(tmp_path / "audit.jsonl")
+    lines = path.read_text().splitlines(keepends=True)[:-1]  # no closing record
+    with subprocess.Popen([sys.executable, "-c", ""]) as gone:  # a writer that stopped
+        gone.wait(timeout=60)
+    header = json.loads(lines[0]) | {"pid": gone.pid}
+    path.write_text("".join([json.dumps(header) + "\n", *lines[1:]]))
+    assert main(["audit", "check", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "no copy in flight at the cut" in out and "copies above" not in out
+    assert out.splitlines()[-2:] == [
+        "the log was cut short: its writer stopped (a crash, a kill, a full disk) with no "
+        "copy in flight",
+        "CUT SHORT",
+    ]
+
+
 @pytest.mark.parametrize("view", ["why", "report", "timeline", "diagram", "stats"])
 def test_every_view_says_first_that_the_log_was_cut_short(
     view: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
