@@ -3,6 +3,7 @@ owner-only files, rotation, writes after close; a full disk in a subprocess."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -602,6 +603,37 @@ def test_a_child_forked_while_a_sink_is_open_writes_nothing_and_holds_no_lock(
     assert [r.rid for r in log.records] == ["parent-1", "parent-2"]
     assert [s.closing.kvlife_closed for s in log.segments if s.closing] == ["close", "close"]
     assert check_audit(log).ok
+
+
+def test_a_sink_that_cannot_open_lets_go_of_its_file_and_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a marker that could not be written (here a link to nowhere) left the file
+    open, locked and begun (a header: a segment cut short), and every later sink of this
+    process on the path was refused with ``AuditLogBusyError``."""
+    path = tmp_path / "a.jsonl"
+    marker = Path(f"{path}.open")
+    marker.symlink_to(tmp_path / "nowhere" / "marker")
+    with pytest.raises(FileNotFoundError):
+        JsonLinesSink(path, open_marker=True)
+    assert path.read_bytes() == b""
+    JsonLinesSink(path).close()  # the file is free
+    written = path.read_bytes()
+    marker.unlink()
+    marker.write_text("pid 1, opened earlier")  # a writer that stopped without closing
+
+    def full(*_args: object, **_kwargs: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sinks._JsonFile, "_write_all", full)  # the header cannot be written
+    with pytest.raises(OSError, match="No space left"):
+        JsonLinesSink(path, open_marker=True)
+    monkeypatch.undo()
+    assert path.read_bytes() == written
+    assert marker.read_text() == "pid 1, opened earlier"  # as it was: the next one is told
+    sink = JsonLinesSink(path, open_marker=True)
+    assert sink.previous_unclean == "pid 1, opened earlier"
+    sink.close()
 
 
 def test_settle_writes_out_and_drops_the_marker_but_keeps_writing(tmp_path: Path) -> None:

@@ -613,7 +613,9 @@ class JsonLinesSink:
     ending at a complete line; the record given to that `write()` was not taken (the
     registry keeps it and offers it again) and records buffered before it stay buffered.
     `write()` after [`close()`][kvlife.fsm.audit.sinks.JsonLinesSink.close] raises
-    [`AuditSinkClosedError`][kvlife.fsm.audit.sinks.AuditSinkClosedError].
+    [`AuditSinkClosedError`][kvlife.fsm.audit.sinks.AuditSinkClosedError]. A sink that
+    cannot open (its marker or its header cannot be written) raises ``OSError`` and holds
+    nothing: no header written, the file unlocked, the marker as it was.
     """
 
     def __init__(
@@ -669,9 +671,11 @@ class JsonLinesSink:
         where = Path(os.path.abspath(self.path))
         marker = Path(f"{where}.open") if open_marker else None
         fd = _claim(where, lock_wait_s)  # first: the marker and torn tail are its
+        previous: str | None = None  # what the marker said before this writer's
         try:
             if marker is not None and marker.exists():
-                self.previous_unclean = marker.read_text(errors="replace").strip() or "unknown"
+                previous = marker.read_text(errors="replace")
+                self.previous_unclean = previous.strip() or "unknown"
                 _log.warning(
                     "audit log %s: its previous writer (%s) stopped without closing it; "
                     "the records of its last flush interval may be missing",
@@ -679,12 +683,23 @@ class JsonLinesSink:
                     self.previous_unclean,
                 )
             self.trimmed_bytes = trim_torn_tail(where)
+            if marker is not None:  # before the header: a failure leaves no segment begun
+                marker.write_text(
+                    f"pid {os.getpid()}, opened {time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
+                )
         except BaseException:
             os.close(fd)
             raise
-        self._file = _JsonFile(where, fsync, max_bytes, backups, marker, witness, fd)
-        if marker is not None:
-            marker.write_text(f"pid {os.getpid()}, opened {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
+        try:  # closes fd itself when the header cannot be written
+            self._file = _JsonFile(where, fsync, max_bytes, backups, marker, witness, fd)
+        except BaseException:
+            if marker is not None:  # as it was
+                with contextlib.suppress(OSError):
+                    if previous is None:
+                        marker.unlink()
+                    else:
+                        marker.write_text(previous)
+            raise
         self._stop = threading.Event()
         self._finalizer = weakref.finalize(self, self._file.close_at_exit, self._stop)
         if fsync == "record":
