@@ -193,8 +193,9 @@ def _parser() -> _Parser:
         description="Follow LOG(s) as their writers append to them and rotate them (a "
         "directory: every *.jsonl log in it, those that appear later too), check them as "
         "audit check does, join the prefill/decode hand-overs of all of them, print each "
-        "verdict as it is found and, with --port, serve the counts by log and kind on "
-        "/metrics (kvlife metrics rules --for watch pages on them). Runs until stopped.",
+        "verdict (and each unreadable line and lost record) as it is found and, with "
+        "--port, serve the counts by log and kind on /metrics (kvlife metrics rules --for "
+        "watch pages on them). Runs until stopped.",
     )
     watch.add_argument("log", nargs="+", metavar="LOG", help=_LOG_HELP)
     watch.add_argument(
@@ -221,7 +222,8 @@ def _parser() -> _Parser:
     watch.add_argument(
         "--once",
         action="store_true",
-        help="read what the logs hold, print the verdicts and exit (1 when any)",
+        help="read what the logs hold, print the verdicts, unreadable lines and lost "
+        "records and exit (1 when any, as audit check)",
     )
     watch.add_argument(
         "--overdue-fails",

@@ -13,10 +13,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvlife.diagrams.cli import main
 from kvlife.fsm import JsonLinesSink, LifecycleRegistry
-from kvlife.fsm.audit import AuditReader, check_audit, sinks
+from kvlife.fsm.audit import AuditReader, LostRecords, check_audit, sinks
 from kvlife.fsm.audit.handover import block_digest
+from kvlife.fsm.audit.reader import MAX_PROBLEMS
 from kvlife.fsm.audit.watch import AuditWatch, WatchCollector
 from tests.strategies import Req
+from tests.violations import clean_log
 
 ENGINE = "prefill-engine-1"
 BLOCKS = [3, 4, 5]
@@ -340,6 +342,62 @@ def test_a_file_that_is_not_a_log_is_not_followed_and_the_others_are(tmp_path: P
     registry.sinks[0].close()
     watch.close()
     watch.close()
+
+
+def test_a_log_that_cannot_be_read_is_not_followed_and_the_others_are(tmp_path: Path) -> None:
+    """Before: ``IsADirectoryError`` out of the poll, and the watch (of every log) died."""
+    gone, kept = tmp_path / "gone.jsonl", tmp_path / "kept.jsonl"
+    for path in (gone, kept):
+        with JsonLinesSink(path) as sink:
+            LifecycleRegistry(sinks=[sink]).register(Req(path.stem))
+    watch = AuditWatch([gone, kept], clock=Clock())
+    assert watch.poll() == []
+    gone.unlink()
+    gone.mkdir()  # something else at the path now
+    kept_sink = JsonLinesSink(kept)
+    registry = LifecycleRegistry(sinks=[kept_sink])
+    registry.register(Req("later"))
+    kept_sink.close()
+    assert watch.poll() == []
+    failed = watch.logs[gone].failed
+    assert failed == f"{gone} cannot be read: Is a directory"
+    assert watch.logs[kept].checker.report.records == 2  # still followed
+    watch.close()
+
+
+def test_the_watch_tells_unreadable_lines_and_lost_records_as_check_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: counted in ``/metrics`` only; ``--once`` exited 0 where ``check`` fails."""
+    path = clean_log(tmp_path / "a.jsonl")
+    watch = AuditWatch([path], clock=Clock())
+    watch.poll()
+    log = watch.logs[path]
+    assert log.incomplete() == []
+    with path.open("a") as file:
+        file.write("not json\n" + "".join(f"junk {i}\n" for i in range(MAX_PROBLEMS + 2)))
+    watch.poll()
+    told = log.incomplete()
+    assert told[0].startswith(f"{path}: unreadable line a.jsonl:11: ")
+    assert len(told) == MAX_PROBLEMS + 1 and told[-1] == f"{path}: 3 more unreadable line(s)"
+    assert log.incomplete() == []  # each told once
+    with path.open("a") as file:
+        file.write("junk again\n")
+    watch.poll()
+    assert log.incomplete() == [f"{path}: 1 more unreadable line(s)"]
+    watch.close()
+    assert main(["audit", "check", str(path)]) == 1
+    assert main(["audit", "watch", "--once", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"kvlife audit watch: {path}: unreadable line a.jsonl:11: " in out
+    lost = tmp_path / "lost.jsonl"
+    with JsonLinesSink(lost) as sink:
+        sink.write_lost(LostRecords(kvlife_lost=2, first_seq=3, last_seq=4, error="disk full"))
+    assert main(["audit", "watch", "--once", str(lost)]) == 1
+    assert (
+        f"kvlife audit watch: {lost}: records lost (sink error): seq 3-4 (2 records): disk full"
+        in capsys.readouterr().out
+    )
 
 
 def test_the_collector_serves_every_kind_from_zero_and_the_verdicts_found(

@@ -87,8 +87,11 @@ class FollowedLog:
     and rotates it. ``poll()`` reads what was written since the last poll.
 
     After a poll: ``failed`` says why the log cannot be followed (it is not a kvlife
-    audit log, or was written with another transition table), else ``None``;
-    ``checker.report`` holds the counts so far; ``reader`` the unreadable lines.
+    audit log, was written with another transition table, or cannot be read: a
+    directory at its path, a file the watch may not read, an I/O error), else ``None``;
+    ``checker.report`` holds the counts so far; ``reader`` the unreadable lines;
+    [`incomplete()`][kvlife.fsm.audit.watch.FollowedLog.incomplete] what the log lacks
+    that was read since it was last asked.
     """
 
     def __init__(
@@ -118,6 +121,8 @@ class FollowedLog:
         self._closed = False
         self._told = 0  # violations of the report already returned
         self._read: set[bytes] = set()  # the header lines of the backups read through
+        self._problems_told = (0, 0)  # (reader.problems shown, reader.problem_count told)
+        self._lost_told = 0  # lost markers of the report already told
 
     def _feed(self, file: BinaryIO, name: Path, *, follow: bool) -> None:
         line, offset = self._position
@@ -238,7 +243,36 @@ class FollowedLog:
         except AuditFormatError as exc:
             self.failed = str(exc)
             self.close()
+        except OSError as exc:  # a directory, a file it may not read, an I/O error
+            self.failed = f"{exc.filename or self.path} cannot be read: {exc.strerror or exc}"
+            self.close()
         return self._found()
+
+    def incomplete(self) -> list[str]:
+        """What the log lacks that was read since the last call, one line each, as
+        ``audit check`` says it: each line that is not a record (the first
+        [`MAX_PROBLEMS`][kvlife.fsm.audit.reader.MAX_PROBLEMS] by place, then how many
+        more) and each range of records a failing sink reported lost. ``audit check``
+        fails a log for either (the watch's ``unreadable_lines_total`` and
+        ``records_lost_total`` count them: ``KvlifeWatchIncomplete`` pages)."""
+        reader = self.reader
+        shown, told = self._problems_told
+        lines = [
+            f"{self.label}: unreadable line {Path(p.file).name}:{p.line}: {p.message}"
+            for p in reader.problems[shown:]
+        ]
+        more = reader.problem_count - told - len(lines)
+        if more > 0:
+            lines.append(f"{self.label}: {more} more unreadable line(s)")
+        self._problems_told = (len(reader.problems), reader.problem_count)
+        lost = self.checker.report.lost
+        lines += [
+            f"{self.label}: records lost (sink error): seq {m.first_seq}-{m.last_seq} "
+            f"({m.kvlife_lost} records): {m.error}"
+            for m in lost[self._lost_told :]
+        ]
+        self._lost_told = len(lost)
+        return lines
 
     def _found(self) -> list[Found]:
         kept = self.checker.report.violations
