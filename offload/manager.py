@@ -38,6 +38,7 @@ whose storage is keyed by its own hash chain (SGLang's HiCache) passes its own.
 from __future__ import annotations
 
 import hashlib
+import operator
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -304,14 +305,16 @@ class OffloadManager:
                 as a refused ``start_offload``).
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
             ValueError: the engine's answers (slots, token ids) do not fit the copy
-                (as many of each as tokens, slots in range). Nothing changed.
-            TypeError: the engine's slots or token ids are not integers. Nothing changed.
+                (as many of each as tokens, slots in range), or ``committed`` is
+                negative. Nothing changed.
+            TypeError: the engine's slots, token ids or ``committed`` are not
+                integers. Nothing changed.
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.START_OFFLOAD)
         if lc.outcome is not None:  # finished or aborted: refused, audited, nothing changes
             self.registry.require(lc, Trigger.START_OFFLOAD)
         progress = self.planner.progress(lc)
-        full = self.source.committed(req) // self.page_size
+        full = self._committed(req) // self.page_size
         waiting = full - progress.covered
         if waiting < self.stride_pages:
             return None
@@ -330,14 +333,16 @@ class OffloadManager:
             UnknownRequestError: ``req`` has no live lifecycle here (counted and audited
                 as a refused ``finish``).
             InvalidTransitionError: ``req``'s lifecycle already finished or aborted.
-            ValueError: the engine's answers do not fit the flush. Nothing changed.
-            TypeError: the engine's slots or token ids are not integers. Nothing changed.
+            ValueError: the engine's answers do not fit the flush, or ``committed``
+                is negative. Nothing changed.
+            TypeError: the engine's slots, token ids or ``committed`` are not
+                integers. Nothing changed.
         """
         lc = self.registry.lifecycle(req, audit_as=Trigger.FINISH)
         self.registry.require(lc, Trigger.FINISH)
         if flush:
             progress = self.planner.progress(lc)
-            committed = self.source.committed(req)
+            committed = self._committed(req)
             if committed > progress.covered * self.page_size:
                 self._offload(lc, progress, committed)
         return self.registry.finish(lc)
@@ -383,6 +388,22 @@ class OffloadManager:
         return _InflightRequests(self.planner)
 
     # ------------------------------------------------------------------ internals
+
+    def _committed(self, req: Any) -> int:
+        """The engine's ``committed(req)`` as an int (a numpy or torch integer taken as
+        its value), refused otherwise: a float or a string would reach the page
+        arithmetic and the copy's bounds."""
+        given = self.source.committed(req)
+        try:
+            committed = operator.index(given)
+        except TypeError:
+            raise TypeError(
+                f"committed() must give an integer count of tokens, got {given!r} "
+                f"({type(given).__name__})"
+            ) from None
+        if committed < 0:
+            raise ValueError(f"committed() gave {committed} tokens")
+        return committed
 
     def _offload(self, lc: Lifecycle, progress: Progress, end: int) -> Ticket | None:
         # step and finish let only a lifecycle that may start a copy get here (the

@@ -292,6 +292,40 @@ def test_slots_that_are_not_one_int_per_token_are_refused(call: str, edit: Any) 
     assert result.tokens == 9 and host_matches(engine, result, engine.admissions[lc.serial])
 
 
+@pytest.mark.parametrize(
+    ("call", "given", "error"),
+    [
+        ("step", 9.0, TypeError),
+        ("finish", "9", TypeError),
+        ("finish", None, TypeError),
+        ("step", -1, ValueError),
+    ],
+    ids=["float", "str", "none", "negative"],
+)
+def test_a_committed_count_that_is_not_a_count_is_refused(
+    call: str, given: object, error: type[Exception]
+) -> None:
+    """Before: a float went on into the page arithmetic (a copy of 9.0 tokens asked of
+    the engine), a string or None raised Python's own ``TypeError`` naming an operator."""
+    engine = FakeEngine(SMALL, stride_pages=1, host_pages=16)
+    req = Req("a")
+    lc = engine.admit(req)
+    engine.decode(req, 9)
+    honest = engine.committed
+    engine.committed = lambda req: given  # type: ignore[method-assign,assignment,return-value]
+    before = _fingerprint(engine, lc)
+    with pytest.raises(error, match=r"committed\(\) (must give an integer|gave -1)"):
+        getattr(engine.manager, call)(req)
+    assert _fingerprint(engine, lc) == before and lc.state is A
+    engine.committed = lambda req: torch.tensor(honest(req))  # type: ignore[method-assign]
+    assert engine.manager.step(req) is not None  # an integer tensor is its value
+    engine.committed = honest  # type: ignore[method-assign]
+    engine.manager.finish(req)
+    engine.manager.drain()
+    [(_, result)] = engine.results
+    assert result.tokens == 9 and host_matches(engine, result, engine.admissions[lc.serial])
+
+
 # --- tensor parallelism over gloo -------------------------------------------------------
 
 
