@@ -298,6 +298,7 @@ def test_a_time_scale_runs_the_same_rules_on_a_faster_clock(tmp_path: Path) -> N
 
 WATCH = {"instance": "127.0.0.1:9400", "log": "/var/log/kvlife/decode.jsonl"}
 WATCHED = "kvlife_watch_violations_total"
+POLLED = "kvlife_watch_last_poll_timestamp_seconds"
 
 
 @needs_promtool
@@ -307,9 +308,11 @@ def test_the_watch_rules_page_on_a_hand_over_and_leave_the_engines_verdicts_alon
     """``kvlife audit watch``'s counters: a hand-over freed before its read or mismatched
     pages; a table violation only the log shows is a ticket; a verdict the engine's own
     counters page on (``stray_report``) or a hand-over verdict is not counted twice; a
-    log the watch cannot read is a ticket after 5 minutes."""
+    log the watch cannot read is a ticket after 5 minutes, and so is a watch stuck in a
+    read for over 5 minutes (2 more)."""
     freed, mismatch = "KvlifeHandoverFreedBeforeRead", "KvlifeHandoverMismatch"
     table, incomplete = "KvlifeLogViolation", "KvlifeWatchIncomplete"
+    stalled, at = "KvlifeWatchStalled", {"instance": WATCH["instance"]}
     early = {**WATCH, "kind": "freed_before_read"}
     mixed = {**WATCH, "kind": "handover_mismatch"}
     gap = {**WATCH, "kind": "seq_gap"}
@@ -336,6 +339,13 @@ def test_the_watch_rules_page_on_a_hand_over_and_leave_the_engines_verdicts_alon
         _case(
             [_series("kvlife_watch_log_failed", WATCH, "1x9")],
             [("3m", incomplete, []), ("6m", incomplete, [_fired("watch", incomplete, WATCH, "")])],
+        ),
+        _case(  # a watch reading every minute, then stuck in a read from minute 3 on
+            [_series(POLLED, {"instance": WATCH["instance"]}, "0+60x3 180x12")],
+            [("9m", stalled, []), ("11m", stalled, [_fired("watch", stalled, at, "", "8m 0s")])],
+        ),
+        _case(
+            [_series(POLLED, {"instance": WATCH["instance"]}, "0+60x15")], [("14m", stalled, [])]
         ),
     ]
     _promtool(tmp_path, "watch", cases)

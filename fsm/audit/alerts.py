@@ -389,9 +389,23 @@ def _watch(ns: str, scale: float) -> RuleSet:
             "ticket",
             "The watch cannot read all of {{ $labels.log }}",
             "The log's writer reported records lost, or lines are not records, or the file "
-            "is not a kvlife audit log (or was written with another transition table): "
-            "the watch's verdicts on it may be incomplete. `kvlife audit check LOG` says "
-            "which.",
+            "is not a kvlife audit log (or was written with another transition table, or "
+            "cannot be read: a directory at its path, a file the watch may not read): the "
+            "watch's verdicts on it may be incomplete. `kvlife audit check LOG` says which.",
+        ),
+        Alert(
+            "KvlifeWatchStalled",
+            f"time() - max by (instance) ({ns}_watch_last_poll_timestamp_seconds) > "
+            f"{round(300 * scale)}",
+            names.d(2),
+            "ticket",
+            "kvlife audit watch on {{ $labels.instance }} has not read its logs for "
+            "{{ $value | humanizeDuration }}",
+            "The watch's loop has not finished a read of its logs for over 5 minutes (a "
+            "read that does not return: a network file system that hangs): no verdict on "
+            "any log it follows is counted meanwhile, though it still answers scrapes. "
+            "Restart it once the file system answers: it reads every log again from its "
+            "oldest file, and what it counts then does not page.",
         ),
     ]
     return rules

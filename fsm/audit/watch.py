@@ -423,8 +423,8 @@ class WatchCollector:
 
     * ``violations_total{log, kind}``: every kind of verdict, 0 until one is found;
     * ``records_total{log}``, ``unreadable_lines_total{log}``, ``records_lost_total{log}``;
-    * ``log_failed{log}``: 1 when a log cannot be followed (not a kvlife audit log, or
-      another transition table);
+    * ``log_failed{log}``: 1 when a log cannot be followed (not a kvlife audit log,
+      another transition table, or it cannot be read);
     * ``logs``, ``handovers`` (hand-over identities joined), ``last_poll_timestamp_seconds``.
 
     A scrape reads a snapshot the watch's thread publishes after each poll (``publish()``).
