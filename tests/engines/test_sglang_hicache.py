@@ -649,3 +649,23 @@ def test_the_lens_benchmark_alternates_after_a_round_not_kept(tmp_path: Path) ->
     out = hicache_bench.measure("python", rounds=2, calls=3, tmp=tmp_path)
     assert set(out) == {"match_prefix", "insert (cached)", "check_hicache_events", "workload step"}
     assert all(alone > 0 and lensed > 0 for alone, lensed in out.values())
+
+
+def test_a_second_lens_given_the_first_ones_audit_log_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two servers' lenses given one log path: the second waits for the first to close
+    it (``SERVER_LOCK_WAIT_S``, shortened here), then refuses with ``AuditLogBusyError``
+    and writes nothing; before, both wrote one file."""
+    from kvlife.fsm.audit import AuditLogBusyError  # noqa: PLC0415
+    from kvlife.offload.watch.sglang import lens as lens_module  # noqa: PLC0415
+
+    monkeypatch.setattr(lens_module, "SERVER_LOCK_WAIT_S", 0.2)
+    _, first, path = lensed(tmp_path)
+    written = path.read_bytes()
+    with pytest.raises(AuditLogBusyError, match="is being written by another writer"):
+        HiCacheLens(path, WITNESS)
+    assert path.read_bytes() == written
+    first.close()
+    HiCacheLens(path, WITNESS).close()  # free once the first one closed
+    assert check_audit(read_audit(path)).ok

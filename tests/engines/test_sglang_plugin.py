@@ -144,6 +144,36 @@ def test_a_killed_scheduler_leaves_every_record_of_the_calls_that_returned(
     assert f"(pid {process.pid}): CUT SHORT" in cli.stdout and "no copy in flight" in cli.stdout
 
 
+def test_a_second_scheduler_given_the_first_ones_audit_log_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    """Two servers given one ``KVLIFE_AUDIT_DIR`` on one machine: the second waits
+    ``SERVER_LOCK_WAIT_S`` for the first to close the rank's log, then refuses to start
+    (``AuditLogBusyError``) and writes nothing to it; before, both wrote one file."""
+    env = switched_on(tmp_path) | {"KVLIFE_AUDIT_FLUSH_S": "3600"}
+    first = spawn_scheduler(tmp_path, "killed", env)
+    second_out = tmp_path / "second"
+    second_out.mkdir()
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "ready").exists():
+            assert first.is_alive() and time.monotonic() < deadline
+            time.sleep(0.1)
+        path = tmp_path / "audit" / "sglang-tp0.jsonl"
+        written = path.read_bytes()
+        second = spawn_scheduler(second_out, "scenario", env)
+        second.join(timeout=240)
+        assert second.exitcode == 1
+        log = (second_out / "process.log").read_text()
+        assert f"audit log {path} is held by another writer (its marker" in log
+        assert not (second_out / "result.json").exists()  # no manager was built
+        assert path.read_bytes() == written
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(timeout=30)
+    assert check_audit(read_audit(path), expect_released=True).ok
+
+
 def test_without_the_switch_the_scheduler_builds_sglangs_own_manager(tmp_path: Path) -> None:
     env = switched_on(tmp_path) | {"KVLIFE_SGLANG_OFFLOAD": ""}
     result = run_scheduler(tmp_path, "scenario", env)
