@@ -83,7 +83,9 @@ class OverdueWatch:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if limit_s is not None and (
-            isinstance(limit_s, bool) or not isinstance(limit_s, (int, float)) or limit_s < 0
+            isinstance(limit_s, bool)
+            or not isinstance(limit_s, (int, float))
+            or not limit_s >= 0  # NaN too: it would never be reached, silently
         ):
             raise ValueError(f"limit_s must be a number >= 0 or None, got {limit_s!r}")
         self.registry = registry

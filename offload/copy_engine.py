@@ -200,6 +200,7 @@ class CopyEngine:
 
     Raises:
         ValueError: a bad argument (nothing built).
+        TypeError: ``host`` is not a ``HostPagePool`` (nothing built).
         LayoutError: the tensors do not match ``layout``, or ``direct=True`` on a cache
             whose blocks are not runs (the message says why).
 
@@ -223,10 +224,13 @@ class CopyEngine:
         threads: int | None = None,
         direct: bool | None = None,
     ) -> None:
+        if not isinstance(host, HostPagePool):
+            raise TypeError(f"host must be a HostPagePool, got {host!r}")
         if host.layout != layout:
             raise ValueError("the host pool was made for another layout")
-        if chunk_pages <= 0 or streams <= 0:
-            raise ValueError("chunk_pages and streams must be positive")
+        for name, value in (("chunk_pages", chunk_pages), ("streams", streams)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.layout = layout
         self.components = layout.component_views(kv)
         self.device = self.components[0].device

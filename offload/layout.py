@@ -218,15 +218,20 @@ def block_views(
     contiguous block is copied as the bytes the engine holds.
 
     Raises:
-        LayoutError: no tensors; a tensor whose block dimension cannot be found; strides
+        LayoutError: no tensors (or not a mapping of tensors); a tensor whose block
+            dimension cannot be found; strides
             that are not the declared order's; or layers that differ in block shape or
             dtype, or sit on several devices. The message names the layer, its shape and
             strides. Nothing was built.
     """
+    if not isinstance(caches, Mapping):
+        raise LayoutError(f"caches must map layer names to tensors, got {caches!r:.200}")
     if not caches:
         raise LayoutError("the engine registered no KV cache tensors")
     views: list[torch.Tensor] = []
     for name, tensor in caches.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(f"layer {name!r}: a KV cache must be a tensor, got {tensor!r:.200}")
         where = f"layer {name!r}: shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}"
         if tensor.dim() == 4:
             if order is not None and not _strides_follow(tensor, order):

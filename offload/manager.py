@@ -176,6 +176,10 @@ ReleaseHook = Callable[[Any, OffloadResult], None]
 CopyHook = Callable[[Any, Lifecycle, HostCopy], bool]
 
 
+_SOURCE_METHODS = ("committed", "token_ids", "slots", "release_slots")
+"""What a ``KVSource`` must have."""
+
+
 class OffloadManager:
     """Offloads requests' KV into host pages and drives their lifecycles.
 
@@ -190,6 +194,11 @@ class OffloadManager:
         whole_strides: offload only whole multiples of ``stride_pages`` pages at a step
             (SGLang's decode offload chunks this way); by default every waiting full page
             goes once ``stride_pages`` are waiting.
+
+    Raises:
+        ValueError: ``stride_pages`` is not a positive int.
+        TypeError: ``source`` lacks one of ``KVSource``'s methods, ``copier`` is not a
+            ``CopyEngine``, or ``page_hash`` lacks ``seed`` or ``page``. Nothing built.
     """
 
     def __init__(
@@ -210,6 +219,14 @@ class OffloadManager:
             getattr(hasher, "seed", None)
         ):
             raise TypeError(f"page_hash needs .seed(req) and .page(prior, ids), got {hasher!r}")
+        lacking = [m for m in _SOURCE_METHODS if not callable(getattr(source, m, None))]
+        if lacking:
+            raise TypeError(
+                f"source must be a KVSource (with {', '.join(_SOURCE_METHODS)}); "
+                f"{source!r} lacks {', '.join(lacking)}"
+            )
+        if not isinstance(copier, CopyEngine):
+            raise TypeError(f"copier must be a CopyEngine, got {copier!r}")
         self.page_hash: PageHasher = hasher
         self.whole_strides = bool(whole_strides)
         self.source = source

@@ -32,7 +32,7 @@ import torch
 from kvlife.offload.completion import CompletionQueue
 from kvlife.offload.copy_engine import CopyEngine, CopyJob
 from kvlife.offload.host_pool import HostPagePool
-from kvlife.offload.layout import KVLayout
+from kvlife.offload.layout import KVLayout, LayoutError
 from kvlife.offload.planner import LoadOrder, StoreOrder, block_ids
 
 logger = logging.getLogger(__name__)
@@ -59,10 +59,17 @@ class OffloadWorker:
             it is reported (see the module's docstring); ``None``: this worker alone.
 
     Raises:
-        LayoutError: the views do not make one block layout (nothing allocated).
+        LayoutError: the views are not a non-empty list of tensors, or do not make one
+            block layout (nothing allocated).
     """
 
     def __init__(self, views: list[torch.Tensor], pages: int, *, group: Any = None) -> None:
+        if (
+            not isinstance(views, (list, tuple))
+            or not views
+            or not all(isinstance(v, torch.Tensor) for v in views)
+        ):
+            raise LayoutError(f"views must be a non-empty list of tensors, got {views!r:.200}")
         first = views[0]
         layout = KVLayout.blocks(len(views), first.shape[0], tuple(first.shape[1:]), first.dtype)
         host = HostPagePool(layout, pages, pin_memory=first.is_cuda)

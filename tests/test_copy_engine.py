@@ -246,6 +246,11 @@ def test_streams_round_robin_and_arguments() -> None:
         CopyEngine(LAYOUTS["mla"], LAYOUTS["mla"].allocate(), host)
     with pytest.raises(ValueError, match="positive"):
         CopyEngine(layout, layout.allocate(), host, chunk_pages=0)
+    for bad in (1.5, float("nan"), True):  # before: a float chunk or stream count was taken
+        with pytest.raises(ValueError, match="must be a positive int"):
+            CopyEngine(layout, layout.allocate(), host, streams=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="host must be a HostPagePool, got None"):
+        CopyEngine(layout, layout.allocate(), None)  # type: ignore[arg-type]
 
 
 # --- on a GPU (tests/gpu/check.sh) ------------------------------------------------------

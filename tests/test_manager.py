@@ -245,6 +245,11 @@ def test_bad_engine_answers_change_nothing() -> None:
     assert engine.host.available == engine.host.capacity and lc.state is A
     with pytest.raises(ValueError, match="stride_pages"):
         type(engine.manager)(engine, engine.copier, stride_pages=0)
+    # before: built, and the first step raised AttributeError deep inside
+    with pytest.raises(TypeError, match=r"source must be a KVSource .* lacks committed, token_ids"):
+        type(engine.manager)(object(), engine.copier)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="copier must be a CopyEngine, got None"):
+        type(engine.manager)(engine, None)  # type: ignore[arg-type]
 
 
 def _fingerprint(engine: FakeEngine, lc: Any) -> tuple[object, ...]:

@@ -99,7 +99,8 @@ def test_a_limit_of_none_or_zero_watches_nothing_and_a_bad_limit_is_refused() ->
         watch.opened(registry.start_offload(req), "store")
         clock.now += 10_000
         assert watch.check() == 0 and len(watch) == 0
-    for bad in (-1, "10") if COMPILED else (-1, "10", True):  # compiled, True is 1.0
+    nan = float("nan")  # before: accepted, and no ticket was ever overdue
+    for bad in (-1, "10", nan) if COMPILED else (-1, "10", nan, True):  # compiled, True is 1.0
         with refused(ValueError, match="limit_s"):
             OverdueWatch(LifecycleRegistry(), bad)  # type: ignore[arg-type]
 

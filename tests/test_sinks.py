@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlife.fsm import LifecycleRegistry, MemorySink
+from kvlife.fsm import LifecycleRegistry, LoggingSink, MemorySink
 from kvlife.fsm.audit import (
     AuditLogBusyError,
     AuditRecord,
@@ -780,3 +780,16 @@ def test_a_rotated_segment_ends_with_one_closing_record_in_its_last_file(tmp_pat
     assert "kvlife_closed" in path.read_text().splitlines()[-1]
     report = check_audit(read_audit(path))
     assert [e.status for e in report.endings] == ["closed"]
+
+
+@pytest.mark.parametrize(
+    ("logger", "level", "error"),
+    [(None, 20, TypeError), (42, 20, TypeError), ("x", "INFO", ValueError), ("x", -1, ValueError)],
+)
+def test_a_logging_sink_refuses_what_is_no_logger_or_level(
+    logger: object, level: object, error: type[Exception]
+) -> None:
+    """Before: built, and the first record raised inside ``logging`` (a level that is not
+    an int) or on ``None``."""
+    with pytest.raises(error, match=r"logger must be|level must be"):
+        LoggingSink(logger, level)  # type: ignore[arg-type]

@@ -114,6 +114,13 @@ def test_block_views_take_kv_split_caches_and_kernel_blocks() -> None:
 def test_block_views_refuse_what_they_cannot_copy_naming_the_layer() -> None:
     with pytest.raises(LayoutError, match="no KV cache tensors"):
         block_views({}, BLOCKS)
+    with pytest.raises(LayoutError, match="caches must map layer names to tensors"):
+        block_views(torch.zeros(2), BLOCKS)  # type: ignore[arg-type]  # before: RuntimeError
+    with pytest.raises(LayoutError, match="layer 'l': a KV cache must be a tensor, got None"):
+        block_views({"l": None}, BLOCKS)  # type: ignore[dict-item]  # before: AttributeError
+    for views in ([], "x", [None]):  # before: IndexError, AttributeError
+        with pytest.raises(LayoutError, match="views must be a non-empty list of tensors"):
+            OffloadWorker(views, 4)  # type: ignore[arg-type]
     with pytest.raises(LayoutError, match=r"layer 'flat': shape \(8, 24\)"):
         block_views({"flat": torch.zeros(BLOCKS, 24)}, BLOCKS)
     with pytest.raises(LayoutError, match="9 blocks is not a multiple of the engine's 8"):

@@ -924,9 +924,17 @@ class LoggingSink:
     it: the registry asks ``active()`` (whether the logger is enabled for the sink's level)
     once per registration (so enabling the logger takes effect from the next registered
     request on), not once per record.
+
+    Raises:
+        TypeError: ``logger`` is neither a ``logging.Logger`` nor a name.
+        ValueError: ``level`` is not a logging level (an int >= 0).
     """
 
     def __init__(self, logger: logging.Logger | str = "kvlife.audit", level: int = logging.INFO):
+        if not isinstance(logger, (str, logging.Logger)):
+            raise TypeError(f"logger must be a logging.Logger or its name, got {logger!r}")
+        if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+            raise ValueError(f"level must be a logging level (an int >= 0), got {level!r}")
         self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
         self.level = level
         # asked once per registration: a partial saves a Python-level call each time
