@@ -149,6 +149,8 @@ class HostPagePool:
 
         Raises:
             ForeignPageError: an index is not a page of this pool (nothing made).
+            HostPageError: a page is listed twice: a store would write two blocks into
+                it, a load read it into two (nothing made).
         """
         taken = tuple(indices)
         capacity = self._pages.capacity
@@ -157,6 +159,9 @@ class HostPagePool:
             raise ForeignPageError(
                 f"pages {bad[:8]} are not pages of this pool (0..{capacity - 1})"
             )
+        if len(set(taken)) != len(taken):
+            twice = sorted(i for i in set(taken) if taken.count(i) > 1)
+            raise HostPageError(f"pages {twice[:8]} are listed twice in {len(taken)} pages")
         return HostPages._create(self, taken)
 
     def free(self, pages: HostPages) -> None:

@@ -80,6 +80,21 @@ def test_an_order_the_copy_engine_refuses_is_reported_failed() -> None:
         assert torch.equal(cache, before[name])  # a refused load wrote nothing
 
 
+def test_an_order_that_lists_a_host_page_twice_is_reported_failed() -> None:
+    """Before: a store wrote blocks 1 and 2 into host page 0 (the second over the first)
+    and was reported done; a load read page 0 into both blocks."""
+    caches = _caches()
+    worker = _worker(caches)
+    worker.host.tensor.fill_(-1)
+    before = {name: cache.clone() for name, cache in caches.items()}
+    worker.store([StoreOrder(1, (1, 2), (0, 0), 0)])
+    worker.load([LoadOrder(2, (5, 6), (1, 1), 0)])
+    assert worker.poll() == ([], [1, 2])
+    assert worker.host.tensor.eq(-1).all()
+    for name, cache in caches.items():
+        assert torch.equal(cache, before[name])
+
+
 def test_a_load_into_one_block_twice_is_reported_failed_and_writes_nothing() -> None:
     caches = _caches()
     worker = _worker(caches)
