@@ -196,6 +196,7 @@ AT = {
     "event_mismatch": 8,
     "illegal_transition": 2,
     "inflight_mismatch": 4,
+    "rid_mismatch": 6,
     "leaked": None,
     "overdue": 6,
     "seq_gap": 5,

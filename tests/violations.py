@@ -143,6 +143,7 @@ EDITS: dict[str, Callable[[list[Line]], list[Line]]] = {
     "illegal_transition": _edit(2, dst="released"),
     "state_mismatch": _edit(6, src="allocated"),
     "inflight_mismatch": _edit(4, inflight=3),
+    "rid_mismatch": _edit(6, rid="s"),
     "wrong_instance": _edit(5, serial=1, src="offloading", dst="offloading", inflight=1),
     "unknown_op": _edit(6, op=99),
     "duplicate_completion": lambda lines: _renumber([*lines[:8], lines[7], *lines[8:]]),

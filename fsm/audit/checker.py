@@ -83,6 +83,7 @@ ViolationKind = Literal[
     "illegal_transition",
     "state_mismatch",
     "inflight_mismatch",
+    "rid_mismatch",
     "wrong_instance",
     "unknown_op",
     "duplicate_completion",
@@ -288,6 +289,7 @@ VIOLATION_MEANINGS: Final[dict[str, str]] = {
     "illegal_transition": "a transition the lifecycle table does not allow was accepted",
     "state_mismatch": "a record's state before differs from the lifecycle's replayed state",
     "inflight_mismatch": "a record's copies in flight differ from the replayed count",
+    "rid_mismatch": "a record names another rid than its lifecycle was registered under",
     "wrong_instance": "a copy's completion was applied to a lifecycle that did not start it",
     "unknown_op": "a completion names a copy that was never started",
     "duplicate_completion": "a copy was completed twice",
@@ -768,6 +770,15 @@ class AuditChecker:
                 serial,
                 f"{trigger} from {r.src} but the instance was {inst.state}",
                 rid=r.rid,
+            )
+        if r.rid != inst.rid:  # `why --rid` would tell this record under the other rid
+            self._bad(
+                "rid_mismatch",
+                r.seq,
+                serial,
+                f"{trigger} names rid {r.rid!r}, but lifecycle {serial} was registered "
+                f"as {inst.rid!r}",
+                rid=inst.rid,
             )
         before = r.inflight + _BEFORE[trigger]
         if before != inst.inflight:

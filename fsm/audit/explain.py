@@ -87,12 +87,16 @@ class RidHistory:
 
 
 def collect(source: Iterable[Event], rid: str) -> RidHistory:
-    """Read ``source`` once, keeping the records of ``rid`` only."""
+    """Read ``source`` once, keeping the records of ``rid`` only: those that name it, and
+    those of a lifecycle registered under it that name another (a ``rid_mismatch``)."""
     history = RidHistory(rid)
+    lifecycles = history.lifecycles
     for segment, event in segment_records(_clocked(source, history.clocks)):
         if history.t0 is None:
             history.t0 = event.t_ns
-        if event.rid != rid:
+        if event.rid != rid and (
+            event.serial is None or not lifecycles or (segment, event.serial) not in lifecycles
+        ):
             continue
         if event.serial is None:
             history.unknown.append((segment, event))
