@@ -1318,6 +1318,14 @@ def test_a_second_engine_given_the_first_ones_audit_log_refuses_to_start(tmp_pat
     assert check_audit(AuditReader(str(audit))).ok
 
 
+def test_an_audit_log_in_a_directory_not_made_yet_is_written_there(tmp_path: Any) -> None:
+    """Before: ``FileNotFoundError`` and no engine, where SGLang's adapters made it."""
+    audit = tmp_path / "var" / "log" / "kvlife" / "kvlife.jsonl"
+    engine = Engine(audit_log=str(audit))
+    engine.connector.shutdown()
+    assert check_audit(AuditReader(str(audit))).ok
+
+
 def test_outside_an_engine_core_process_no_signal_handler_changes(tmp_path: Any) -> None:
     import signal  # noqa: PLC0415
 

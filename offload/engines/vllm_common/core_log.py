@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvlife.fsm import JsonLinesSink, LifecycleRegistry, OverdueWatch
@@ -76,6 +77,8 @@ class CoreLog:
     def __init__(self, path: str | None, config: ConnectorConfig, witness: str = "") -> None:
         self.sink: JsonLinesSink | None = None
         if path:
+            # as SGLang's adapters do: a fresh host's /var/log/kvlife/ need not exist yet
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.sink = JsonLinesSink(
                 path,
                 fsync=config.audit_fsync,  # type: ignore[arg-type]  # checked by parse
