@@ -304,7 +304,13 @@ def _watch(args: argparse.Namespace) -> int:
                 ) from exc
             registry = CollectorRegistry(auto_describe=False)
             registry.register(collector)
-            server, _ = start_http_server(args.port, args.host, registry)
+            try:
+                server, _ = start_http_server(args.port, args.host, registry)
+            except OSError as exc:  # before: "standard output: Address already in use"
+                raise UsageError(
+                    f"kvlife audit watch: cannot serve /metrics on {args.host}:{args.port}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
             port = server.server_address[1]
             print(
                 f"kvlife audit watch: {len(watch.logs)} log(s) followed; metrics on "

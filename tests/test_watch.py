@@ -4,6 +4,7 @@ each verdict counted once and only when the whole logs would give it too."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -461,6 +462,22 @@ def test_watch_refuses_bad_options(
 ) -> None:
     assert main(["audit", "watch", *argv, str(tmp_path)]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_watch_says_why_it_cannot_serve_its_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: ``kvlife: standard output: Address already in use``."""
+    path = clean_log(tmp_path / "a.jsonl")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["audit", "watch", "--port", str(port), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvlife audit watch: cannot serve /metrics on 127.0.0.1:{port}: Address already in use\n"
+    )
 
 
 def test_watch_refuses_a_path_in_no_directory(
