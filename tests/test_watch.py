@@ -4,6 +4,7 @@ each verdict counted once and only when the whole logs would give it too."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -363,6 +364,27 @@ def test_a_log_that_cannot_be_read_is_not_followed_and_the_others_are(tmp_path: 
     failed = watch.logs[gone].failed
     assert failed == f"{gone} cannot be read: Is a directory"
     assert watch.logs[kept].checker.report.records == 2  # still followed
+    watch.close()
+
+
+def test_a_directory_removed_and_made_again_is_still_a_directory_of_logs(
+    tmp_path: Path,
+) -> None:
+    """Before: once removed, its path was taken for a log of its own (a log ``logs`` in
+    the counts), which failed the watch when the directory came back."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    clean_log(logs / "a.jsonl")
+    watch = AuditWatch([logs], clock=Clock())
+    watch.poll()
+    shutil.rmtree(logs)
+    assert watch.poll() == [] and list(watch.logs) == [logs / "a.jsonl"]
+    logs.mkdir()
+    clean_log(logs / "b.jsonl")
+    assert watch.poll() == []
+    assert list(watch.logs) == [logs / "a.jsonl", logs / "b.jsonl"]
+    assert [log.failed for log in watch.logs.values()] == [None, None]
+    assert watch.logs[logs / "b.jsonl"].checker.report.records == 8
     watch.close()
 
 

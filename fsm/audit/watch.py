@@ -333,11 +333,16 @@ class AuditWatch:
         self._counted: set[VerdictKey] = set()
         self.polls = 0
         self.last_poll = 0.0  # wall-clock seconds of the last poll's end
+        self._dirs: set[Path] = set()  # the paths that were directories when first seen
 
     def _discover(self) -> None:
         for path in self.paths:
-            if path.is_dir():
-                found = [p for p in path.iterdir() if p.name.endswith(".jsonl") and p.is_file()]
+            if path in self._dirs or path.is_dir():
+                self._dirs.add(path)
+                try:
+                    found = [p for p in path.iterdir() if p.name.endswith(".jsonl") and p.is_file()]
+                except FileNotFoundError:  # removed: the logs followed so far stay
+                    continue
             else:
                 found = [path]
             for log in sorted(found):
