@@ -22,6 +22,7 @@ import pytest
 
 from kvlife.fsm import LifecycleRegistry, LoggingSink, MemorySink
 from kvlife.fsm.audit import (
+    AuditLog,
     AuditLogBusyError,
     AuditRecord,
     AuditSinkClosedError,
@@ -164,6 +165,16 @@ def test_rotation_with_no_backups_starts_over(tmp_path: Path) -> None:
     assert check_audit(read_audit(path)).ok
 
 
+def _next_part(path: Path, sink: JsonLinesSink, memory: MemorySink) -> AuditLog:
+    """``path`` alone (its rotated files left out), checked to be part 1 of ``sink``'s
+    segment that holds the newest of the records ``memory`` holds too."""
+    alone = read_audit(path, rotated=False)
+    [header] = [s.header for s in alone.segments]
+    assert header is not None and (header.segment, header.part) == (sink.segment, 1)
+    assert alone.records == memory.records()[-len(alone.records) :]
+    return alone
+
+
 def test_a_log_cut_short_in_place_goes_on_as_the_next_part_of_its_segment(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -178,10 +189,8 @@ def test_a_log_cut_short_in_place_goes_on_as_the_next_part_of_its_segment(
     _lifecycles(registry, 10)
     sink.close()
     assert sink.truncations == 1 and "cut short by another process" in caplog.text
-    alone = read_audit(path, rotated=False)  # before: "not a kvlife audit log"
-    [header] = [s.header for s in alone.segments]
-    assert header is not None and (header.segment, header.part) == (sink.segment, 1)
-    assert check_audit(alone).ok and alone.records == memory.records()[-len(alone.records) :]
+    alone = _next_part(path, sink, memory)  # before: "not a kvlife audit log"
+    assert check_audit(alone).ok
     whole = read_audit(path)  # the copy, then the log: one segment, every record
     assert len(whole.segments) == 1 and whole.records == memory.records()
     report = check_audit(whole, expect_released=True)
@@ -212,10 +221,7 @@ def test_a_log_moved_away_under_its_writer_goes_on_at_its_path(
     _lifecycles(registry, 5)
     sink.close()
     assert sink.reopened == 1 and "removed or renamed by another process" in caplog.text
-    alone = read_audit(path, rotated=False)
-    [header] = [s.header for s in alone.segments]
-    assert header is not None and (header.segment, header.part) == (sink.segment, 1)
-    assert alone.records == memory.records()[-len(alone.records) :]
+    alone = _next_part(path, sink, memory)
     assert len(alone.records) == 20 and check_audit(alone).ok
     if how != "rm":
         whole = read_audit(path)  # the moved file, then the new one: one segment

@@ -70,6 +70,14 @@ def spawn_scheduler(out: Path, mode: str, env: dict[str, str]) -> Any:
     return process
 
 
+def wait_ready(process: Any, out: Path) -> None:
+    """Wait until a ``"killed"`` mode scheduler wrote ``out/ready`` (it runs, its log open)."""
+    deadline = time.monotonic() + 240
+    while not (out / "ready").exists():
+        assert process.is_alive() and time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def run_scheduler(out: Path, mode: str, env: dict[str, str]) -> dict[str, Any]:
     process = spawn_scheduler(out, mode, env)
     process.join(timeout=240)
@@ -115,10 +123,7 @@ def test_a_killed_scheduler_leaves_every_record_of_the_calls_that_returned(
     env = switched_on(tmp_path) | {"KVLIFE_AUDIT_FLUSH_S": "3600"}  # no timed flush here
     process = spawn_scheduler(tmp_path, "killed", env)
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "ready").exists():
-            assert process.is_alive() and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_ready(process, tmp_path)
         path = tmp_path / "audit" / "sglang-tp0.jsonl"
         assert Path(f"{path}.open").exists()  # open while the scheduler runs
         while_running = read_audit(path).records  # no shutdown, no flush: written per call
@@ -155,10 +160,7 @@ def test_a_second_scheduler_given_the_first_ones_audit_log_refuses_to_start(
     second_out = tmp_path / "second"
     second_out.mkdir()
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "ready").exists():
-            assert first.is_alive() and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_ready(first, tmp_path)
         path = tmp_path / "audit" / "sglang-tp0.jsonl"
         written = path.read_bytes()
         second = spawn_scheduler(second_out, "scenario", env)
