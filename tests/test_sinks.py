@@ -119,11 +119,17 @@ def test_new_files_are_owner_only(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def _with_memory(sink: JsonLinesSink) -> tuple[JsonLinesSink, MemorySink, LifecycleRegistry]:
+    """``sink`` and a ``MemorySink`` beside it on a new registry: what the file should hold."""
+    memory = MemorySink()
+    return sink, memory, LifecycleRegistry(sinks=[memory, sink])
+
+
 def test_rotation_keeps_a_segment_across_files_and_drops_the_oldest(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
-    memory = MemorySink()
-    sink = JsonLinesSink(path, fsync="never", batch_records=8, max_bytes=4000, backups=3)
-    registry = LifecycleRegistry(sinks=[memory, sink])
+    sink, memory, registry = _with_memory(
+        JsonLinesSink(path, fsync="never", batch_records=8, max_bytes=4000, backups=3)
+    )
     _lifecycles(registry, 60)
     sink.close()
     files = audit_files(path)
@@ -179,9 +185,7 @@ def test_a_log_cut_short_in_place_goes_on_as_the_next_part_of_its_segment(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "a.jsonl"
-    memory = MemorySink()
-    sink = JsonLinesSink(path, fsync="never", batch_records=8)
-    registry = LifecycleRegistry(sinks=[memory, sink])
+    sink, memory, registry = _with_memory(JsonLinesSink(path, fsync="never", batch_records=8))
     _lifecycles(registry, 10)
     sink.flush()
     path.with_name("a.jsonl.1").write_bytes(path.read_bytes())  # logrotate's copytruncate
@@ -207,9 +211,7 @@ def test_a_log_moved_away_under_its_writer_goes_on_at_its_path(
     every write here, not once a second.)"""
     monkeypatch.setattr(sinks, "PATH_CHECK_S", 0.0)
     path = tmp_path / "a.jsonl"
-    memory = MemorySink()
-    sink = JsonLinesSink(path, fsync="never", batch_records=8)
-    registry = LifecycleRegistry(sinks=[memory, sink])
+    sink, memory, registry = _with_memory(JsonLinesSink(path, fsync="never", batch_records=8))
     _lifecycles(registry, 5)
     sink.flush()
     if how == "rm":
@@ -233,9 +235,7 @@ def test_a_rename_is_seen_within_a_second_and_what_came_before_is_in_the_moved_f
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "a.jsonl"
-    memory = MemorySink()
-    sink = JsonLinesSink(path, fsync="never", batch_records=4)
-    registry = LifecycleRegistry(sinks=[memory, sink])
+    sink, memory, registry = _with_memory(JsonLinesSink(path, fsync="never", batch_records=4))
     _lifecycles(registry, 2)
     path.rename(tmp_path / "a.jsonl.1")
     path.touch()
