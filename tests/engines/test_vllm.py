@@ -50,8 +50,9 @@ def test_vllms_offloading_connector_dies_on_a_repeated_store_report() -> None:
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvlife.fsm import AuditReader, State, check_audit, read_audit  # noqa: E402
+from kvlife.offload.watch.vllm.exercise import prefill_chunks  # noqa: E402
 from tests.builds import patches_compiled  # noqa: E402
-from tests.engines.vllm_harness import Engine  # noqa: E402
+from tests.engines.vllm_harness import TOKEN, Engine  # noqa: E402
 
 
 def _free_blocks(engine: Engine) -> int:
@@ -475,6 +476,80 @@ def test_the_page_account_sums_to_the_capacity_after_every_step(runner: str) -> 
         assert account.balanced and account.storing == account.pinned == 0
         assert not engine.connector.planner.fenced and engine.connector.planner.inflight == 0
         assert checked == 120
+
+
+def test_under_async_scheduling_every_copy_moves_its_bytes_and_every_lifecycle_ends(
+    tmp_path: Any,
+) -> None:
+    """vLLM's ``AsyncScheduler``, as a CUDA deployment runs by default: step N+1 is planned
+    (stores, loads, the copies to wait for) before step N's output and the workers' reports
+    of step N come back. Ids come back, requests are aborted with a step in flight, vLLM
+    preempts, and its own prefix cache is emptied when idle now and then so that kvlife
+    loads: every store's host pages hold the device blocks it was given, every load's
+    blocks the pages it read, the page account balances at every step, and the log checks
+    clean."""
+    loaded = preempted = aborted = 0
+    for seed in range(3):
+        rng = random.Random(seed)
+        audit = tmp_path / f"kvlife-{seed}.jsonl"
+        engine = Engine(blocks=16, host_pages=16, runner="v2-async", audit_log=str(audit))
+        for n in range(160):
+            if n % 40 == 39:  # idle now and then, vLLM's own prefix cache emptied
+                engine.run_until_idle(400)
+                assert engine.scheduler.reset_prefix_cache()  # only kvlife's hits remain
+            live = set(engine.scheduler.requests)
+            if len(live) < 5 and rng.random() < 0.5:
+                rid = rng.choice("abcdef")  # a small id space: ids come back
+                if rid not in live:
+                    first = rng.choice((1000, 2000, 3000))  # three prompts' worth of prefixes
+                    engine.scheduler.add_request(
+                        make_request(
+                            rid, prompt=rng.randint(20, 70), max_tokens=rng.randint(1, 60),
+                            first=first,
+                        )
+                    )  # fmt: skip
+            if live and rng.random() < 0.05:
+                aborted += len(
+                    engine.scheduler.finish_requests(
+                        rng.choice(sorted(live)), RequestStatus.FINISHED_ABORTED
+                    )
+                )
+            engine.hold_all = rng.random() < 0.3
+            engine.step(release=[] if engine.hold_all else list(engine.held))
+            account = engine.connector.account()
+            assert account.balanced and account.capacity == 16, (seed, account)
+        engine.run_until_idle(400)
+        account = engine.connector.account()
+        assert account.balanced and account.storing == account.pinned == 0
+        assert not engine.connector.planner.fenced and engine.connector.planner.inflight == 0
+        assert engine.loads and len(engine.expected) == len(engine.stores) > 10, seed
+        engine.connector.registry.flush()
+        report = check_audit(AuditReader(audit), expect_released=True)
+        assert report.ok and report.lifecycles > 20, (seed, report.violations)
+        assert not any(engine.connector.registry.statistics().refusals.values())
+        loaded, preempted = loaded + len(engine.loads), preempted + engine.preemptions
+    assert loaded > 5 and preempted > 5 and aborted > 5, (loaded, preempted, aborted)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2-async"])
+def test_a_prompt_computed_in_chunks_samples_nothing_until_its_last_chunk(runner: str) -> None:
+    """Two prompts of 600 tokens in one step of 1024: vLLM computes the second in two
+    chunks. The model runner discards what it samples for a chunk that does not end the
+    prompt (``prefill_chunks``), so that the request's first output comes after its whole
+    prompt (under ``AsyncScheduler`` a token for a chunk is an output placeholder vLLM
+    never counted: vLLM 0.32 asserts on it)."""
+    engine = Engine(blocks=128, host_pages=128, runner=runner)
+    for rid, first in (("a", 1000), ("b", 5000)):
+        engine.scheduler.add_request(make_request(rid, prompt=600, max_tokens=4, first=first))
+    a, b = engine.scheduler.requests.values()
+    out = engine.step()
+    assert prefill_chunks(engine.scheduler, out) == {"b"}
+    if runner == "v2-async":
+        engine.step()  # the first step's output comes back once the second is scheduled
+    assert (a.num_output_tokens, b.num_output_tokens) == (1, 0)  # b: its first chunk only
+    engine.run_until_idle()
+    assert [list(r.output_token_ids) for r in (a, b)] == [[TOKEN] * 4] * 2
+    assert engine.connector.counters["stored_blocks"] == 2 * (604 // 16)
 
 
 def test_a_prefix_cache_reset_with_the_connector_empties_the_host_cache() -> None:

@@ -29,6 +29,7 @@ from kvlife.diagrams.cli import main
 from kvlife.offload.watch.vllm import exercise as exercise_module
 from kvlife.offload.watch.vllm.exercise import (
     FAMILIES,
+    RUNNERS,
     ExerciseConfigError,
     exercise,
     parse_config,
@@ -69,7 +70,7 @@ SEEDS = range(8)
 @pytest.mark.parametrize(("family", "seed"), exercise_cases(seeds=range(3)))
 def test_kvlifes_own_connector_passes_every_family(family: str, seed: int, tmp_path: Path) -> None:
     runs = check_connector(KVLIFE, family, seed, steps=STEPS, directory=tmp_path)
-    assert [run.runner for run in runs] == ["v1", "v2"]  # both shapes, without being asked
+    assert [run.runner for run in runs] == list(RUNNERS)  # every runner, without being asked
     assert all(run.lifecycles > 0 and run.copies > 0 for run in runs)  # stored for real
 
 
@@ -84,10 +85,8 @@ def test_the_families_do_what_they_say(tmp_path: Path) -> None:
     stores may still be in flight when vLLM lets go of a request): ids reused while in
     flight, aborts, preemptions; and a run is the same run again with the same seed."""
     reports, _ = exercise(KVLIFE, list(FAMILIES), range(3), STEPS, tmp_path)
-    assert [(r.family, r.runner) for r in reports] == [
-        (f, r) for f in FAMILIES for r in ("v1", "v2")
-    ]
-    for runner in ("v1", "v2"):
+    assert [(r.family, r.runner) for r in reports] == [(f, r) for f in FAMILIES for r in RUNNERS]
+    for runner in RUNNERS:
         did = {r.family: r for r in reports if r.runner == runner}
         assert did["reuse"].reuses > 0
         assert did["abort"].aborts > 0 and did["basic"].aborts == 0
@@ -96,6 +95,51 @@ def test_the_families_do_what_they_say(tmp_path: Path) -> None:
         assert all(r.failed == 0 and not r.clean_under for r in did.values()), runner
     again = [run_one(config("Planted"), FAMILIES["abort"], 1, STEPS, tmp_path) for _ in "ab"]
     assert again[0] == again[1]
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_each_runner_steps_vllms_scheduler_as_its_engine_core_does(
+    runner: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``v1`` and ``v2``: each step's output comes back before the next step is scheduled.
+    ``v2-async``: vLLM's ``AsyncScheduler``, and step N+1 is scheduled before step N's output
+    comes back (the engine core's batch queue of two), so that a request may be aborted with
+    a step of it in flight; every step's output still comes back, in order."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: PLC0415
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
+
+    events: list[tuple[str, Any]] = []
+    placeholders: list[int] = []  # each request's output placeholders, at each update
+    schedule, update = Scheduler.schedule, Scheduler.update_from_output
+
+    def scheduled(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = schedule(self, *args, **kwargs)
+        events.append(("schedule", out))
+        return out
+
+    def updated(self: Any, out: Any, output: Any) -> Any:
+        events.append(("update", out))
+        assert isinstance(self, AsyncScheduler) == (runner == "v2-async")
+        placeholders.extend(r.num_output_placeholders for r in self.requests.values())
+        return update(self, out, output)
+
+    monkeypatch.setattr(Scheduler, "schedule", scheduled)
+    monkeypatch.setattr(Scheduler, "update_from_output", updated)
+    run = run_one(KVLIFE, FAMILIES["abort"], 0, STEPS, tmp_path, runner)
+    assert not run.failed and run.aborts > 0, run.describe()
+    outs = [out for kind, out in events if kind == "schedule"]
+    assert [out for kind, out in events if kind == "update"] == outs  # each, in order
+    ahead = [  # steps scheduled, less outputs come back, each time an output comes back
+        sum(kind == "schedule" for kind, _ in events[:i])
+        - sum(k == "update" for k, _ in events[:i])
+        for i, (kind, _) in enumerate(events)
+        if kind == "update"
+    ]
+    assert set(ahead) == ({1, 2} if runner == "v2-async" else {1}), sorted(set(ahead))
+    assert ahead.count(2) > STEPS // 2 or runner != "v2-async"
+    # a generating model (not a pooling one): a step in flight holds a placeholder for the
+    # token it samples, two at once when a step's output comes back
+    assert max(placeholders) == (2 if runner == "v2-async" else 0)
 
 
 @pytest.mark.parametrize("planted", sorted(CAUGHT_BY))
@@ -260,9 +304,9 @@ def test_a_multiconnector_of_nixl_and_offloading_fails_only_offloadings_reuse(
 
 def test_vllms_offloading_connector_fails_reuse_and_passes_fresh_ids(tmp_path: Path) -> None:
     reports, _ = exercise(OFFLOADING, ["basic", "reuse", "abort"], range(4), STEPS, tmp_path)
-    for basic, reuse, abort in (reports[0::2], reports[1::2]):  # V1's reports, then V2's
+    for basic, reuse, abort in (reports[i :: len(RUNNERS)] for i in range(len(RUNNERS))):
         assert basic.failed == abort.failed == 0 and basic.copies > 0
-        assert reuse.failed == reuse.runs and not reuse.clean_under  # under both runners
+        assert reuse.failed == reuse.runs and not reuse.clean_under  # under every runner
         assert any(where.startswith("KeyError at vllm/") for where in reuse.raises)
         assert {"inherited_state", "credited_elsewhere"} & set(reuse.verdicts)
 
@@ -282,15 +326,15 @@ def test_the_command_exits_0_clean_1_failed_2_for_a_config_that_does_not_build(
     assert status == 0 and "basic, runner V1: 2 runs, 0 failed" in out
     assert "tp2, runner V2: 2 runs, 0 failed" in out
     # not a terminal: no redraws, a line each
-    assert err == "basic (v1): 2 runs\nbasic (v2): 2 runs\ntp2 (v1): 2 runs\ntp2 (v2): 2 runs\n"
+    assert err == "".join(f"{f} ({r}): 2 runs\n" for f in ("basic", "tp2") for r in RUNNERS)
     status, out, _ = _cli(json.dumps(config("RepeatsReport")), "--families", "basic", *common)
     assert status == 1 and "verdict stray_report" in out and "kvlife audit why" in out
     (tmp_path / "c.json").write_text(json.dumps(config("RepeatsReport")))
     status, out, _ = _cli(f"@{tmp_path / 'c.json'}", "--families", "basic", "--json", *common)
     body = json.loads(out)
     assert status == 1 and body["connector"] == "RepeatsReport"
-    assert all(run["failed"] for run in body["runs"]) and len(body["runs"]) == 4
-    assert {run["runner"] for run in body["runs"]} == {"v1", "v2"}
+    assert all(run["failed"] for run in body["runs"]) and len(body["runs"]) == 6
+    assert {run["runner"] for run in body["runs"]} == {"v1", "v2", "v2-async"}
     status, out, _ = _cli(json.dumps(config("Planted")), "--families", "basic", "--runners",
                           "v2", *common)  # fmt: skip
     assert status == 0 and "basic, runner V2: 2 runs" in out and "runner V1" not in out
@@ -353,7 +397,7 @@ def test_a_connector_that_binds_a_fixed_port_is_shut_down_between_runs(tmp_path:
     holds = config("HoldsPort") | {"kv_connector_extra_config": {"port": port}}
     try:
         reports, runs = exercise(holds, ["basic", "abort"], range(2), 30, tmp_path)
-        assert [r.failed for r in reports] == [0, 0, 0, 0] and len(runs) == 8  # V1 and V2
+        assert [r.failed for r in reports] == [0] * 6 and len(runs) == 12  # each runner
         keeps = config("KeepsPort") | {"kv_connector_extra_config": {"port": free_port()}}
         with pytest.raises(ExerciseConfigError) as told:
             exercise(keeps, ["basic"], range(2), 30, tmp_path)
@@ -376,12 +420,12 @@ def test_a_multiconnector_of_kvlife_and_offloading_runs_each_child_as_alone(
     reports, _ = exercise(multi_config(KVLIFE, OFFLOADING), families, range(2), STEPS, tmp_path)
     by = {(r.family, r.runner): r for r in reports}
     for family in families[:-1]:
-        for runner in ("v1", "v2"):
+        for runner in RUNNERS:
             report = by[family, runner]
             assert report.failed == 0, (family, runner, report)
             assert report.copies > 0  # the OffloadingConnector child's stores, through its lens
     assert by["resume", "v2"].resumes > 0
-    for runner in ("v1", "v2"):
+    for runner in RUNNERS:
         reuse = by["reuse", runner]
         assert reuse.failed == reuse.runs
         assert any("offloading/scheduler.py" in where for where in reuse.raises), reuse.raises

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlife.offload.watch.vllm.exercise import FAMILIES, FamilyReport, exercise
+from kvlife.offload.watch.vllm.exercise import FAMILIES, RUNNERS, FamilyReport, exercise
 from kvlife.offload.watch.vllm.exercise_multi import multi_config
 
 REPORT = Path("docs/exercise-report.md")
@@ -177,7 +177,7 @@ def section(seeds: int, steps: int, connectors: list[tuple[str, dict[str, Any]]]
         cells = []
         for family in FAMILIES:
             start = time.perf_counter()
-            reports, _ = exercise(config, [family], range(seeds), steps, out)  # V1, V2
+            reports, _ = exercise(config, [family], range(seeds), steps, out)  # each runner
             spent[family] += time.perf_counter() - start
             cell = " / ".join(_cell(report) for report in reports)
             cells.append(cell)
@@ -186,7 +186,7 @@ def section(seeds: int, steps: int, connectors: list[tuple[str, dict[str, Any]]]
             print(f"{name} {family}: {cell}", file=sys.stderr)
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     per_100 = ", ".join(
-        f"{family} {spent[family] / (2 * seeds * len(connectors)) * 100:.1f} s"
+        f"{family} {spent[family] / (len(RUNNERS) * seeds * len(connectors)) * 100:.1f} s"
         for family in FAMILIES
     )
     command = f"kvlife vllm exercise CONFIG --seeds {seeds} --steps {steps}"
@@ -195,7 +195,7 @@ def section(seeds: int, steps: int, connectors: list[tuple[str, dict[str, Any]]]
         f"### vLLM {version}",
         "",
         f"{seeds} seeds (0-{seeds - 1}) of each family, {steps} steps a run, each cell "
-        f"`{command} --families FAMILY`, under model runner V1's scheduler output / V2's; "
+        f"`{command} --families FAMILY`, under the runners {' / '.join(RUNNERS)}; "
         f"`make exercise-report` made it on "
         f"{time.strftime('%Y-%m-%d')}. Time of 100 runs, by family: {per_100}.",
         "",

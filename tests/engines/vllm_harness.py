@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -57,6 +58,7 @@ from kvlife.offload.watch.vllm.exercise import (
     exercise,
     model_dir,
     per_layer_kv_cache_config,
+    prefill_chunks,
     run_one,
 )
 
@@ -79,11 +81,14 @@ def make_scheduler(
     kv_events: bool = False,
     window: int | None = None,
     layout: str | None = None,
+    asynchronous: bool = False,
 ) -> Scheduler:
     """``window``: a hybrid model instead, of two KV cache groups: a sliding window of
     ``window`` tokens (layer ``swa``) and full attention (layer ``full``), one block pool.
     ``layout``: the KV cache layout vLLM resolved (a ``KVCacheLayout`` name, e.g.
-    ``"LBNHC"``), set before the connector is built."""
+    ``"LBNHC"``), set before the connector is built. ``asynchronous``: vLLM's
+    ``AsyncScheduler``, as a CUDA deployment builds by default (the CPU platform turns
+    async scheduling off in the config: on again here)."""
     model_config = ModelConfig(
         model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024
     )
@@ -130,7 +135,11 @@ def make_scheduler(
     vllm_config.cache_config.num_gpu_blocks = blocks
     if layout is not None:
         vllm_config.cache_config.kv_cache_layout = layout
-    return Scheduler(
+    made = Scheduler
+    if asynchronous:
+        vllm_config.scheduler_config.async_scheduling = True
+        made = AsyncScheduler
+    return made(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -209,14 +218,18 @@ def make_request(rid: str, *, prompt: int = 40, max_tokens: int = 8, first: int 
     )
 
 
-def model_output(out: Any, worker_meta: Any = None) -> ModelRunnerOutput:
+def model_output(
+    out: Any, worker_meta: Any = None, chunks: frozenset[str] = frozenset()
+) -> ModelRunnerOutput:
     """What the model runner returns for scheduler output ``out``: every scheduled request
-    sampled ``TOKEN``, and the workers' connector metadata ``worker_meta``."""
+    sampled ``TOKEN`` but those in ``chunks`` (see ``prefill_chunks``: the runner discards
+    what it sampled for a prompt not computed to its end), and the workers' connector
+    metadata ``worker_meta``."""
     req_ids = list(out.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=[[TOKEN] for _ in req_ids],
+        sampled_token_ids=[[] if rid in chunks else [TOKEN] for rid in req_ids],
         kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker_meta),
     )
 
@@ -226,7 +239,7 @@ def step(scheduler: Scheduler, completed: Iterable[int] = ()) -> Any:
     out = scheduler.schedule()
     jobs = dict.fromkeys(completed, 1)
     meta = OffloadingWorkerMetadata(completed_jobs=jobs) if jobs else None
-    scheduler.update_from_output(out, model_output(out, meta))
+    scheduler.update_from_output(out, model_output(out, meta, prefill_chunks(scheduler, out)))
     return out
 
 
@@ -296,7 +309,10 @@ class Engine:
     ) -> None:
         """``audit``: the scheduler side runs inside ``KVLifeAuditConnectorHMA``, which
         writes its log there. ``runner``: the shape of the scheduler's output, model runner
-        V1's (a resumed request in ``resumed_req_ids``) or V2's (as new request data)."""
+        V1's (a resumed request in ``resumed_req_ids``) or V2's (as new request data), or
+        ``v2-async``: V2's from vLLM's ``AsyncScheduler``, stepped as the engine core's
+        batch queue of two steps it (``step`` schedules step N+1, runs its worker side,
+        then gives the scheduler step N's output)."""
         config = {"host_pages": host_pages, **extra}
         if audit is None:
             name, settings = "KVLifeConnector", config
@@ -314,8 +330,11 @@ class Engine:
             blocks=blocks,
             tensor_parallel=tensor_parallel,
             kv_events=kv_events,
+            asynchronous=runner == "v2-async",
         )
-        self.scheduler.use_v2_model_runner = runner == "v2"  # read at every step
+        self.scheduler.use_v2_model_runner = runner != "v1"  # read at every step
+        self.depth = 2 if runner == "v2-async" else 1  # steps in flight
+        self.queue: list[tuple[Any, ModelRunnerOutput]] = []  # outputs not given back yet
         self.events: list[Any] = []  # every KV event vLLM published, in order
         publisher = self.scheduler.kv_event_publisher
         publish = publisher.publish
@@ -338,6 +357,7 @@ class Engine:
         self.loads: list[Any] = []  # every LoadOrder the scheduler sent
         self.fail: set[int] = set()  # job ids the worker reports failed
         self.expected: dict[int, list[torch.Tensor]] = {}  # job id -> device blocks at launch
+        self.preemptions = 0  # requests vLLM preempted
 
     def prefill_holding_its_store(self, request: Request) -> Any:
         """Admit ``request`` and run its prefill; its one store's completion is held back
@@ -353,12 +373,22 @@ class Engine:
         return float((zlib.crc32(req_id.encode()) % 97) * 1000 + position % 997)
 
     def step(self, release: Iterable[int] = ()) -> Any:
+        """Schedule a step and run its worker side; give the scheduler the output of the
+        step ``depth`` steps back (this one's, unless async). With nothing to schedule and
+        a step's output not given back, give it back only (as the engine core does) and
+        return ``None``."""
+        if self.queue and not self.scheduler.has_requests():
+            self.scheduler.update_from_output(*self.queue.pop(0))
+            return None
         out = self.scheduler.schedule()
+        chunks = prefill_chunks(self.scheduler, out)
+        self.preemptions += len(out.preempted_req_ids or ())
         meta = out.kv_connector_metadata
         self.stores += meta.stores
         self.loads += meta.loads
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # before the forward pass, as the model runner does
+        self.assert_loads_exact(meta.loads)
         self._forward(out)
         for store in meta.stores:  # what each store must copy, as the device holds it now
             self.expected[store.op] = [self.device_block(b).clone() for b in store.slots]
@@ -379,7 +409,9 @@ class Engine:
                 wmeta.failed[job_id] = wmeta.done.pop(job_id)
         for job_id in release:
             wmeta.done[job_id] = self.held.pop(job_id, 1)
-        self.scheduler.update_from_output(out, model_output(out, wmeta))
+        self.queue.append((out, model_output(out, wmeta, chunks)))
+        if len(self.queue) == self.depth:
+            self.scheduler.update_from_output(*self.queue.pop(0))
         return out
 
     def run_until_idle(self, steps: int = 200) -> None:
@@ -387,7 +419,7 @@ class Engine:
         self.hold_all = False
         for _ in range(steps):
             self.step(release=list(self.held))
-            if not self.scheduler.requests:
+            if not self.scheduler.requests and not self.queue:
                 return
         raise AssertionError(f"still busy after {steps} steps: {list(self.scheduler.requests)}")
 
@@ -410,6 +442,13 @@ class Engine:
         for store in stores:
             for page, block in zip(store.pages, self.expected[store.op], strict=True):
                 assert torch.equal(self.host_block(page), block), (store.op, page)
+
+    def assert_loads_exact(self, loads: Iterable[Any]) -> None:
+        """Each load's device blocks hold exactly its host pages (CPU copies run at
+        launch)."""
+        for load in loads:
+            for page, block in zip(load.pages, load.slots, strict=True):
+                assert torch.equal(self.device_block(block), self.host_block(page)), load
 
     def host_block(self, page: int) -> torch.Tensor:
         """Host page ``page`` as the worker holds it: [components, BLOCK, elems]."""

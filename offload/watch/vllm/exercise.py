@@ -44,10 +44,12 @@ The worker side (``worker`` in the report):
 
 Request ids carry the family and the seed (``reuse3-p1``), so that no two runs share one.
 
-The model is facebook/opt-125m's config (no weights; only its shape matters to the
-scheduler), blocks of 16 tokens, one KV cache group.
+The model is facebook/opt-125m's config, a generating model (no weights; only its shape
+matters to the scheduler), blocks of 16 tokens, one KV cache group. The model runner is
+played: one token sampled for each request scheduled, none for a step that computes part
+of a prompt only (``prefill_chunks``).
 
-Why one module: it is the run, whose parts share one run's state (the families and the two
+Why one module: it is the run, whose parts share one run's state (the families and the
 runners, vLLM's scheduler built around the connector, the workload and one run's checks,
 every family over every seed under each runner, and the command). How the
 worker side runs is in
@@ -175,11 +177,19 @@ FAMILIES: dict[str, Family] = {
 RUNNERS: dict[str, str] = {
     "v1": "model runner V1's scheduler output (vLLM on the CPU): a preempted request "
     "resumes in scheduled_cached_reqs.resumed_req_ids",
-    "v2": "model runner V2's (vLLM 0.33 wherever Triton is: every CUDA deployment): a "
-    "preempted request resumes as new request data, told only by preempted_req_ids",
+    "v2": "model runner V2's (vLLM 0.33 wherever Triton is): a preempted request resumes "
+    "as new request data, told only by preempted_req_ids",
+    "v2-async": "V2's output from vLLM's AsyncScheduler, stepped as the engine core steps it "
+    "(vLLM 0.33's default on every CUDA deployment): step N+1 is scheduled before step N's "
+    "output comes back, so a request may finish, or be aborted, with a step of it already "
+    "scheduled",
 }
-"""The two shapes of vLLM's scheduler output a connector meets; every family runs under
-both by default (``--runners``)."""
+"""The two shapes of vLLM's scheduler output a connector meets, and the two ways vLLM's
+engine core steps its scheduler (``v2-async``: the shape of V2); every family runs under
+each by default (``--runners``). vLLM's CPU platform turns async scheduling off, so that
+a whole engine on this machine runs ``v1`` only: ``v2-async`` is what a CUDA deployment
+runs unless ``--no-async-scheduling`` (or a setting it refuses, as pipeline parallelism
+under model runner V1) turns it off."""
 
 
 class ExerciseConfigError(ValueError):
@@ -193,13 +203,19 @@ _MODEL_DIRS: list[tempfile.TemporaryDirectory[str]] = []
 
 
 def model_dir() -> str:
-    """facebook/opt-125m's config (transformers' ``OPTConfig`` defaults), no weights:
-    written once per process into a directory that is removed when the process exits."""
+    """facebook/opt-125m's config (transformers' ``OPTConfig`` defaults, and its
+    architecture, ``OPTForCausalLM``, as the model's own config names it), no weights:
+    written once per process into a directory that is removed when the process exits.
+
+    Without the architecture vLLM takes the model for a pooling model
+    (``model_config.runner_type == "pooling"``): its scheduler then reserves no slot for a
+    sampled token, and vLLM's ``AsyncScheduler`` keeps no output placeholders, so that a
+    step ahead would not be what a generating model's engine runs."""
     if not _MODEL_DIRS:
         from transformers import OPTConfig  # noqa: PLC0415
 
         directory = tempfile.TemporaryDirectory(prefix="kvlife-opt-")
-        OPTConfig().save_pretrained(directory.name)
+        OPTConfig(architectures=["OPTForCausalLM"]).save_pretrained(directory.name)
         _MODEL_DIRS.append(directory)
     return _MODEL_DIRS[0].name
 
@@ -255,6 +271,7 @@ def build_scheduler(
     workers: int = 1,
     layout: str | None = None,
     speculative: dict[str, Any] | None = None,
+    asynchronous: bool = False,
 ) -> Any:
     """vLLM's ``Scheduler`` over ``blocks`` device blocks with the connector of
     ``transfer`` inside ``KVLifeAuditConnector`` (or its HMA form, as the connector
@@ -336,7 +353,13 @@ def build_scheduler(
         vllm_config.cache_config.num_gpu_blocks = blocks
         if layout is not None:
             vllm_config.cache_config.kv_cache_layout = layout
-        return Scheduler(
+        made: type[Any] = Scheduler
+        if asynchronous:  # (vLLM's CPU platform turns it off in the config: on again)
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: PLC0415
+
+            vllm_config.scheduler_config.async_scheduling = True
+            made = AsyncScheduler
+        return made(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -469,16 +492,26 @@ def _held(scheduler: Any) -> frozenset[tuple[str, Any, int, int]]:
     )
 
 
-def _model_output(out: Any, kv_output: Any) -> Any:
+def _model_output(out: Any, kv_output: Any, chunks: frozenset[str]) -> Any:
+    """What the model runner returns for ``out``: token 7 sampled for every scheduled
+    request but those in ``chunks`` (a prompt not computed to its end in the step: the
+    runner discards what it sampled for them), and the workers' ``kv_output``."""
     from vllm.v1.outputs import ModelRunnerOutput  # noqa: PLC0415
 
     req_ids = list(out.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=[[7] for _ in req_ids],
+        sampled_token_ids=[[] if rid in chunks else [7] for rid in req_ids],
         kv_connector_output=kv_output,
     )
+
+
+def prefill_chunks(scheduler: Any, out: Any) -> frozenset[str]:
+    """The requests of ``out`` (just scheduled) whose step computes part of their prompt
+    only (vLLM's ``Request.is_prefill_chunk``, set when the step was scheduled)."""
+    requests = scheduler.requests
+    return frozenset(rid for rid in out.num_scheduled_tokens if requests[rid].is_prefill_chunk)
 
 
 def _where(exc: BaseException) -> str:
@@ -515,7 +548,8 @@ def run_one(
 ) -> RunResult:
     """One seeded run of ``family`` under ``runner``'s scheduler output (see ``RUNNERS``):
     ``steps`` steps of workload, then the drain; the audit log is
-    ``DIRECTORY/FAMILY-SEED.jsonl`` (``FAMILY-v2-SEED.jsonl`` under V2).
+    ``DIRECTORY/FAMILY-SEED.jsonl`` (``FAMILY-RUNNER-SEED.jsonl`` under another runner
+    than ``v1``).
 
     Raises:
         ExerciseConfigError: the connector does not build, or the exercise cannot run its
@@ -549,9 +583,13 @@ def run_one(
         workers=family.workers,
         layout=made.kv_cache_layout,
         speculative=getattr(made, "speculative_config", None),
+        asynchronous=runner == "v2-async",
     )
     # the shape of the output vLLM's scheduler builds (it reads the flag at every step)
-    scheduler.use_v2_model_runner = runner == "v2"
+    scheduler.use_v2_model_runner = runner != "v1"
+    # the engine core's batch queue: a step whose output is not processed yet (async)
+    queue: list[tuple[Any, Any]] = []
+    depth = 2 if runner == "v2-async" else 1
     rng = random.Random(seed)
     tag = f"{family.name}{seed}-" if runner == "v1" else f"{family.name}{seed}{runner}-"
     workload = _Workload(family, rng, tag, transfer_params_of(transfer))
@@ -567,6 +605,9 @@ def run_one(
         def step(n: int, arrivals: bool) -> None:
             if arrivals:
                 workload.arrive(scheduler)
+            if not scheduler.has_requests() and queue:  # as the engine core: no new step
+                scheduler.update_from_output(*queue.pop(0))
+                return
             out = scheduler.schedule()
             result.preemptions += len(out.preempted_req_ids or ())
             # resumes: V1 names them; V2 sends a preempted request as new request data
@@ -575,15 +616,18 @@ def run_one(
             result.resumes += len(resumed)
             preempted.difference_update(resumed)
             preempted.update(out.preempted_req_ids or ())
+            chunks = prefill_chunks(scheduler, out)
             outputs = workers.step(out, n, delay)
-            ranks = [_model_output(out, o) for o in outputs]
-            scheduler.update_from_output(out, aggregator.aggregate(ranks))
+            ranks = [_model_output(out, o, chunks) for o in outputs]
+            queue.append((out, aggregator.aggregate(ranks)))
+            if len(queue) == depth:
+                scheduler.update_from_output(*queue.pop(0))
 
         for n in range(steps):
             step(n, arrivals=True)
         moved_at, seen = steps, _held(scheduler)
         for n in range(steps, steps + DRAIN_LIMIT):
-            if not scheduler.has_requests() and not workers.busy():
+            if not scheduler.has_requests() and not workers.busy() and not queue:
                 break
             if n - moved_at >= STALL_STEPS and scheduler.requests:
                 result.undrained = sorted(scheduler.requests)
@@ -642,9 +686,9 @@ def exercise(
     progress: Callable[[str, int, int], None] | None = None,
     runners: Sequence[str] = tuple(RUNNERS),
 ) -> tuple[list[FamilyReport], list[RunResult]]:
-    """Every family over every seed under each of ``runners`` (default: both shapes of
-    vLLM's scheduler output); the reports (one per family and runner; a failure that only
-    one runner shows is said in that report), and every run. Each run's audit log stays
+    """Every family over every seed under each of ``runners`` (default: every one of
+    ``RUNNERS``); the reports (one per family and runner; a failure that only one runner
+    shows is said in that report), and every run. Each run's audit log stays
     in ``directory`` (a clean run's is removed).
 
     Raises:
@@ -729,8 +773,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--runners",
         default=",".join(RUNNERS),
-        help="comma-separated, the shapes of vLLM's scheduler output to run each family "
-        "under: v1 (model runner V1's), v2 (V2's, every CUDA deployment) (default: both)",
+        help="comma-separated, the runners to run each family under: v1 (model runner V1's "
+        "scheduler output), v2 (V2's), v2-async (V2's from vLLM's AsyncScheduler, a step "
+        "ahead: every CUDA deployment's default) (default: all three)",
     )
     args = parser.parse_args(argv)
     error = run_counts_error(args, "kvlife vllm exercise")
@@ -783,6 +828,7 @@ __all__ = [
     "only_one_runner",
     "parse_config",
     "per_layer_kv_cache_config",
+    "prefill_chunks",
     "run_one",
     "why_command",
     "workers_class",

@@ -13,9 +13,10 @@ In the connector's tests (an environment with vLLM and kvlife)::
     def test_lifecycle(family: str, seed: int, tmp_path) -> None:
         check_connector(CONFIG, family, seed, directory=tmp_path)
 
-A failing case is named ``test_lifecycle[reuse-seed3]``; each case runs under both shapes
-of vLLM's scheduler output (model runner V1's, as on the CPU, and V2's, as on every CUDA
-deployment), and its failure says under which (and whether the other was clean), what
+A failing case is named ``test_lifecycle[reuse-seed3]``; each case runs under every runner
+(model runner V1's scheduler output, as on the CPU; V2's; V2's from vLLM's
+``AsyncScheduler`` a step ahead, as on every CUDA deployment by default), and its failure
+says under which (and under which others it was clean), what
 broke (the exception and where, the requests never drained, the blocks never returned,
 each verdict with the ``kvlife audit why`` command that tells it) and the command that runs
 the same case again from the shell.
@@ -63,12 +64,13 @@ def check_connector(
     directory: Path,
     runners: Sequence[str] = tuple(RUNNERS),
 ) -> list[RunResult]:
-    """Run one case under each of ``runners`` (default: both shapes of vLLM's scheduler
-    output, model runner V1's and V2's: see ``RUNNERS``); the runs when clean.
+    """Run one case under each of ``runners`` (default: every one of ``RUNNERS``: model
+    runner V1's scheduler output, V2's, V2's from vLLM's ``AsyncScheduler``); the runs when
+    clean.
 
     Raises:
         ConnectorFailure: a run raised, left requests or blocks behind, or its audit log
-            has verdicts (the message names the runner, and whether the other was clean).
+            has verdicts (the message names the runner, and those it was clean under).
         kvlife.offload.watch.vllm.exercise.ExerciseConfigError: the connector does not
             build.
     """
