@@ -531,6 +531,53 @@ def test_under_async_scheduling_every_copy_moves_its_bytes_and_every_lifecycle_e
     assert loaded > 5 and preempted > 5 and aborted > 5, (loaded, preempted, aborted)
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2", "v2-async"])
+def test_every_full_block_is_stored_by_the_end_under_every_runner(runner: str) -> None:
+    """A request of 40 prompt tokens stores every block its computed tokens fill (40 +
+    max_tokens - 1: the last sampled token is never computed), whichever step filled it.
+    Under async scheduling the block the last step fills is named (hashed) only when that
+    step's output comes back, after the next step was planned: it is stored when the
+    request finishes (``last_stores``), launched before the next forward pass, and its
+    bytes are the request's (checked at launch)."""
+    for max_tokens in (8, 9, 24, 25, 30):
+        engine = Engine(runner=runner)
+        engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=max_tokens))
+        engine.run_until_idle()
+        want = (40 + max_tokens - 1) // 16
+        assert engine.connector.counters["stored_blocks"] == want, (max_tokens, runner)
+        assert len(engine.expected) == len(engine.stores)  # every store's bytes checked
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2-async"])
+def test_a_last_store_reads_its_blocks_before_their_next_request_writes_them(
+    runner: str, tmp_path: Any
+) -> None:
+    """A KV cache of four blocks (three usable): request ``a`` (three blocks, its third
+    filled by its last step) finishes and ``b`` waits for blocks. vLLM hands ``a``'s
+    blocks to ``b`` in the step after ``a`` finished (async: the one after that), whose
+    forward pass writes them; ``a``'s last store is launched before it (its bytes checked
+    at launch are ``a``'s), the step waits for it, and the log checks clean."""
+    audit = tmp_path / "kvlife.jsonl"
+    engine = Engine(blocks=4, runner=runner, stride_blocks=4, audit_log=str(audit))
+    engine.scheduler.add_request(make_request("a", prompt=40, max_tokens=9))
+    engine.step()
+    engine.scheduler.add_request(make_request("b", prompt=40, max_tokens=2, first=5000))
+    last = []
+    while engine.scheduler.has_requests() or engine.queue:
+        out = engine.step()
+        meta = None if out is None else out.kv_connector_metadata
+        if meta is not None and meta.last_stores:
+            last.append(meta)
+    meta, then = last  # a's three blocks, short of a stride of four: stored at its end
+    (store,) = meta.last_stores
+    assert store.slots == (1, 2, 3) and store.op in meta.wait_jobs  # b got them this step
+    assert [s.slots for s in then.last_stores] == [(3, 2)]  # b's two, in the step after it
+    assert engine.connector.counters["stored_blocks"] == 5
+    engine.connector.registry.flush()
+    report = check_audit(AuditReader(audit), expect_released=True)
+    assert report.ok and report.lifecycles == 2, report.violations
+
+
 @pytest.mark.parametrize("runner", ["v1", "v2-async"])
 def test_a_prompt_computed_in_chunks_samples_nothing_until_its_last_chunk(runner: str) -> None:
     """Two prompts of 600 tokens in one step of 1024: vLLM computes the second in two

@@ -384,15 +384,16 @@ class Engine:
         chunks = prefill_chunks(self.scheduler, out)
         self.preemptions += len(out.preempted_req_ids or ())
         meta = out.kv_connector_metadata
-        self.stores += meta.stores
+        self.stores += meta.last_stores + meta.stores
         self.loads += meta.loads
+        self._expect(meta.last_stores)
+        self.worker.handle_preemptions(meta)  # first, as vLLM's model runners call it
+        self.assert_host_copies_exact(meta.last_stores)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # before the forward pass, as the model runner does
         self.assert_loads_exact(meta.loads)
         self._forward(out)
-        for store in meta.stores:  # what each store must copy, as the device holds it now
-            self.expected[store.op] = [self.device_block(b).clone() for b in store.slots]
-        self.worker.handle_preemptions(meta)
+        self._expect(meta.stores)
         self.worker.wait_for_save()
         # CPU copies run at launch: each store's host pages hold its blocks now, before
         # any page is freed and reused by a later store
@@ -419,7 +420,8 @@ class Engine:
         self.hold_all = False
         for _ in range(steps):
             self.step(release=list(self.held))
-            if not self.scheduler.requests and not self.queue:
+            # as the engine core: a step more while a finish is not told to the workers
+            if not self.scheduler.has_requests() and not self.queue:
                 return
         raise AssertionError(f"still busy after {steps} steps: {list(self.scheduler.requests)}")
 
@@ -436,6 +438,11 @@ class Engine:
             block, offset = block_ids[position // BLOCK], position % BLOCK
             for tensor in self.kv.values():
                 tensor[:, block, offset] = self.value(req_id, position)
+
+    def _expect(self, stores: Iterable[Any]) -> None:
+        """Note what each store must copy: its blocks as the device holds them now."""
+        for store in stores:
+            self.expected[store.op] = [self.device_block(b).clone() for b in store.slots]
 
     def assert_host_copies_exact(self, stores: Iterable[Any]) -> None:
         """Each store's host pages hold exactly the device blocks it was given."""

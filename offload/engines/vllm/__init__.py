@@ -25,8 +25,12 @@ find the request object vLLM's scheduler holds under it now. Each step, newly fu
 blocks (``stride_blocks`` at a time) are stored, except those the host cache holds
 already or another request is storing right now (looked up by vLLM's block hashes): each
 run of consecutive blocks to copy is one store, a kvlife ticket whose copy number is the
-job id the workers report back. ``request_finished`` finishes (or aborts)
-the lifecycle and never delays vLLM's free: vLLM takes the blocks and the request id
+job id the workers report back. When a request finishes, its full blocks that no step
+stored are stored then: the block its last step filled, under vLLM's async scheduling
+(named by its block hash only once that step's output came back, after the next step
+was planned), and those short of a stride; the workers launch these before the next
+forward pass (``last_stores``, in ``handle_preemptions``). ``request_finished`` finishes
+(or aborts) the lifecycle and never delays vLLM's free: vLLM takes the blocks and the request id
 back at once, so a client may reuse the id at once (vLLM's scheduler asserts on a live
 duplicate id, which a delayed free would make). A finished request's blocks that a store
 still reads are *fenced* instead: when vLLM hands one to another request, that step's

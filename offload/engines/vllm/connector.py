@@ -299,8 +299,12 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass (vLLM calls this first in each step): launch finished
+        requests' last stores, then finish the copies of blocks vLLM reuses now."""
         if isinstance(kv_connector_metadata, KVLifeConnectorMetadata):
-            self._worker_side().wait_for(kv_connector_metadata.wait_jobs)
+            side = self._worker_side()
+            side.save_last(kv_connector_metadata)
+            side.wait_for(kv_connector_metadata.wait_jobs)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -23,6 +23,11 @@ class KVLifeConnectorMetadata(KVConnectorMetadata):
     #: or of finished ones whose stores were in flight): workers finish them before the
     #: forward pass.
     wait_jobs: set[int] = field(default_factory=set)
+    #: Stores of finished requests' last full blocks (planned when the request finished,
+    #: once its last output named them): vLLM took those blocks back, so workers launch
+    #: these before the forward pass (``handle_preemptions``), which may write the blocks
+    #: for another request (that request's step waits for them, in ``wait_jobs``).
+    last_stores: list[StoreOrder] = field(default_factory=list)
 
 
 @dataclass

@@ -123,7 +123,9 @@ class SchedulerSide:
         self._gauges: dict[str, float] = {}  # the gauges vLLM was last given
         self._stats_at = -float("inf")  # when vLLM was last given them
         self.stats_interval_s = config.stats_interval_s
-        self._pending_loads: KVLifeConnectorMetadata = KVLifeConnectorMetadata()
+        # what the next step's metadata carries besides its own: loads vLLM allocated
+        # blocks for since, finished requests' last stores
+        self._pending: KVLifeConnectorMetadata = KVLifeConnectorMetadata()
 
     def on_new_request(self, request: Request) -> None:
         lc = self.planner.admit(request, rid=request.request_id)
@@ -149,7 +151,7 @@ class SchedulerSide:
         blocks does no Python work per request."""
         if self.overdue.check():
             logger.warning("kvlife: %s", overdue_line(self.overdue))
-        meta, self._pending_loads = self._pending_loads, KVLifeConnectorMetadata()
+        meta, self._pending = self._pending, KVLifeConnectorMetadata()
         planner, live = self.planner, self.requests
         wait = meta.wait_jobs
         looked: list[tuple[str, Progress]] = []  # requests whose next store is due again
@@ -216,12 +218,37 @@ class SchedulerSide:
         if full - progress.covered < self.stride:
             return
         if self.groups > 1:
-            rows = progress.slots
-            for j in range(progress.covered, min(full, len(rows))):
-                if None in rows[j]:  # type: ignore[operator]  # rows with several groups
-                    full = j
-                    break
+            full = self._whole_rows(progress, full)
         items.append((lc, full, lc.req.block_hashes))
+
+    @staticmethod
+    def _whole_rows(progress: Progress, full: int) -> int:
+        """``full``, or the first block from those covered on that some group holds no
+        longer (with several groups: a row with ``None``)."""
+        rows = progress.slots
+        for j in range(progress.covered, min(full, len(rows))):
+            if None in rows[j]:  # type: ignore[operator]  # rows with several groups
+                return j
+        return full
+
+    def _store_last(self, lc: Lifecycle, request: Request) -> None:
+        """Plan the stores of ``request``'s full blocks that no step stored: those whose
+        names (block hashes) came with its last output. Under vLLM's async scheduling a
+        step's last block is named only once that step's output comes back, after the
+        next step was planned, so the block a request's last step filled is named when it
+        finishes, never in a step; with ``stride_blocks`` above 1, the blocks short of a
+        stride are left at the end too. vLLM takes the blocks back now: the workers
+        launch these before the next forward pass (``last_stores``), and the finish
+        fences the blocks as for any store in flight."""
+        progress = self.planner.progress(lc)
+        full = request.num_computed_tokens // self.block_size  # KV computed (or enqueued)
+        if full <= progress.covered:
+            return
+        if self.groups > 1:
+            full = self._whole_rows(progress, full)
+        orders = self.planner.store(lc, full, request.block_hashes, retry=self.retry)
+        if orders:
+            self._pending.last_stores += orders
 
     def _stored(
         self,
@@ -274,7 +301,7 @@ class SchedulerSide:
         )
         order = self.planner.load(lc, count, device_blocks)
         if order is not None:
-            self._pending_loads.loads.append(order)
+            self._pending.loads.append(order)
             entry = self.requests.get(request.request_id)
             if entry is not None and entry[0] is lc:  # a load covers its blocks
                 self._due[request.request_id] = (entry[1].covered + self.stride) * self.block_size
@@ -300,6 +327,7 @@ class SchedulerSide:
         if entry is not None and entry[0] is lc:
             del self.requests[rid]
             self._due.pop(rid, None)
+        self._store_last(lc, request)
         self.planner.end(lc, aborted=aborted)
         return False  # vLLM frees the blocks and the id now; stores in flight fence them
 

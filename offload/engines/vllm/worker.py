@@ -236,6 +236,10 @@ class WorkerSide:
         if meta.stores:
             self.ready().store(meta.stores)
 
+    def save_last(self, meta: KVLifeConnectorMetadata) -> None:
+        if meta.last_stores:
+            self.ready().store(meta.last_stores)
+
     def load(self, meta: KVLifeConnectorMetadata) -> None:
         if meta.loads:
             self.ready().load(meta.loads)
