@@ -38,7 +38,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -55,11 +54,13 @@ from kvlife.fsm import AuditReader, AuditRecord
 from kvlife.offload.engines.vllm import KVLifeConnector
 from kvlife.offload.watch.vllm.exercise import (
     FAMILIES,
+    StepQueue,
     exercise,
     model_dir,
     per_layer_kv_cache_config,
     prefill_chunks,
     run_one,
+    scheduler_class,
 )
 
 BLOCK = 16
@@ -135,11 +136,7 @@ def make_scheduler(
     vllm_config.cache_config.num_gpu_blocks = blocks
     if layout is not None:
         vllm_config.cache_config.kv_cache_layout = layout
-    made = Scheduler
-    if asynchronous:
-        vllm_config.scheduler_config.async_scheduling = True
-        made = AsyncScheduler
-    return made(
+    return scheduler_class(vllm_config, asynchronous)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -333,8 +330,7 @@ class Engine:
             asynchronous=runner == "v2-async",
         )
         self.scheduler.use_v2_model_runner = runner != "v1"  # read at every step
-        self.depth = 2 if runner == "v2-async" else 1  # steps in flight
-        self.queue: list[tuple[Any, ModelRunnerOutput]] = []  # outputs not given back yet
+        self.queue = StepQueue(self.scheduler, runner)  # outputs not given back yet
         self.events: list[Any] = []  # every KV event vLLM published, in order
         publisher = self.scheduler.kv_event_publisher
         publish = publisher.publish
@@ -377,8 +373,7 @@ class Engine:
         step ``depth`` steps back (this one's, unless async). With nothing to schedule and
         a step's output not given back, give it back only (as the engine core does) and
         return ``None``."""
-        if self.queue and not self.scheduler.has_requests():
-            self.scheduler.update_from_output(*self.queue.pop(0))
+        if self.queue.give_back():
             return None
         out = self.scheduler.schedule()
         chunks = prefill_chunks(self.scheduler, out)
@@ -410,9 +405,7 @@ class Engine:
                 wmeta.failed[job_id] = wmeta.done.pop(job_id)
         for job_id in release:
             wmeta.done[job_id] = self.held.pop(job_id, 1)
-        self.queue.append((out, model_output(out, wmeta, chunks)))
-        if len(self.queue) == self.depth:
-            self.scheduler.update_from_output(*self.queue.pop(0))
+        self.queue.put(out, model_output(out, wmeta, chunks))
         return out
 
     def run_until_idle(self, steps: int = 200) -> None:

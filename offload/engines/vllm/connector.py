@@ -303,7 +303,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
         requests' last stores, then finish the copies of blocks vLLM reuses now."""
         if isinstance(kv_connector_metadata, KVLifeConnectorMetadata):
             side = self._worker_side()
-            side.save_last(kv_connector_metadata)
+            side.save(kv_connector_metadata.last_stores)
             side.wait_for(kv_connector_metadata.wait_jobs)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -322,7 +322,7 @@ class KVLifeConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, KVLifeConnectorMetadata):
-            self._worker_side().save(meta)
+            self._worker_side().save(meta.stores)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # no free is delayed and loads are synchronous: nothing by id

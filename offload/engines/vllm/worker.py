@@ -232,13 +232,9 @@ class WorkerSide:
     def host(self) -> HostPagePool:
         return self.ready().host
 
-    def save(self, meta: KVLifeConnectorMetadata) -> None:
-        if meta.stores:
-            self.ready().store(meta.stores)
-
-    def save_last(self, meta: KVLifeConnectorMetadata) -> None:
-        if meta.last_stores:
-            self.ready().store(meta.last_stores)
+    def save(self, stores: list[StoreOrder]) -> None:
+        if stores:
+            self.ready().store(stores)
 
     def load(self, meta: KVLifeConnectorMetadata) -> None:
         if meta.loads:

@@ -298,7 +298,6 @@ def build_scheduler(
         KVConnectorFactory,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma  # noqa: PLC0415
-    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
     from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: PLC0415
     from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
 
@@ -353,13 +352,7 @@ def build_scheduler(
         vllm_config.cache_config.num_gpu_blocks = blocks
         if layout is not None:
             vllm_config.cache_config.kv_cache_layout = layout
-        made: type[Any] = Scheduler
-        if asynchronous:  # (vLLM's CPU platform turns it off in the config: on again)
-            from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: PLC0415
-
-            vllm_config.scheduler_config.async_scheduling = True
-            made = AsyncScheduler
-        return made(
+        return scheduler_class(vllm_config, asynchronous)(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -371,6 +364,49 @@ def build_scheduler(
         raise ExerciseConfigError(
             f"the connector does not build: {type(exc).__name__}: {_first_line(exc)}"
         ) from exc
+
+
+def scheduler_class(vllm_config: Any, asynchronous: bool) -> type[Any]:
+    """vLLM's scheduler class for ``vllm_config``: its ``AsyncScheduler`` when
+    ``asynchronous`` (async scheduling set on in the config again: vLLM's CPU platform
+    turns it off), else its ``Scheduler``."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: PLC0415
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
+
+    made: type[Any] = Scheduler
+    if asynchronous:
+        vllm_config.scheduler_config.async_scheduling = True
+        made = AsyncScheduler
+    return made
+
+
+class StepQueue:
+    """The engine core's queue of steps scheduled whose output ``scheduler`` was not given
+    yet: one under ``runner`` ``v2-async`` (the batch queue of two: step N+1 is scheduled
+    before step N's output comes back), none otherwise."""
+
+    def __init__(self, scheduler: Any, runner: str) -> None:
+        self.scheduler = scheduler
+        self.depth = 2 if runner == "v2-async" else 1
+        self.steps: list[tuple[Any, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def put(self, out: Any, output: Any) -> None:
+        """Step ``out`` ran with ``output``: give the scheduler the oldest step's output
+        once ``depth`` steps are scheduled (at once, unless async)."""
+        self.steps.append((out, output))
+        if len(self.steps) == self.depth:
+            self.scheduler.update_from_output(*self.steps.pop(0))
+
+    def give_back(self) -> bool:
+        """With no request to schedule and a step's output not given back, give it back
+        instead of scheduling a step, as the engine core does; whether it did."""
+        if self.steps and not self.scheduler.has_requests():
+            self.scheduler.update_from_output(*self.steps.pop(0))
+            return True
+        return False
 
 
 def shut_down(
@@ -587,9 +623,7 @@ def run_one(
     )
     # the shape of the output vLLM's scheduler builds (it reads the flag at every step)
     scheduler.use_v2_model_runner = runner != "v1"
-    # the engine core's batch queue: a step whose output is not processed yet (async)
-    queue: list[tuple[Any, Any]] = []
-    depth = 2 if runner == "v2-async" else 1
+    queue = StepQueue(scheduler, runner)
     rng = random.Random(seed)
     tag = f"{family.name}{seed}-" if runner == "v1" else f"{family.name}{seed}{runner}-"
     workload = _Workload(family, rng, tag, transfer_params_of(transfer))
@@ -605,8 +639,7 @@ def run_one(
         def step(n: int, arrivals: bool) -> None:
             if arrivals:
                 workload.arrive(scheduler)
-            if not scheduler.has_requests() and queue:  # as the engine core: no new step
-                scheduler.update_from_output(*queue.pop(0))
+            if queue.give_back():
                 return
             out = scheduler.schedule()
             result.preemptions += len(out.preempted_req_ids or ())
@@ -619,9 +652,7 @@ def run_one(
             chunks = prefill_chunks(scheduler, out)
             outputs = workers.step(out, n, delay)
             ranks = [_model_output(out, o, chunks) for o in outputs]
-            queue.append((out, aggregator.aggregate(ranks)))
-            if len(queue) == depth:
-                scheduler.update_from_output(*queue.pop(0))
+            queue.put(out, aggregator.aggregate(ranks))
 
         for n in range(steps):
             step(n, arrivals=True)
@@ -820,6 +851,7 @@ __all__ = [
     "FamilyReport",
     "RealWorkers",
     "RunResult",
+    "StepQueue",
     "Workers",
     "build_scheduler",
     "exercise",
@@ -830,6 +862,7 @@ __all__ = [
     "per_layer_kv_cache_config",
     "prefill_chunks",
     "run_one",
+    "scheduler_class",
     "why_command",
     "workers_class",
 ]
